@@ -1,0 +1,41 @@
+"""elastictrain: fault-tolerant, elastic training for PyTorch DDP under torchrun.
+
+Public API::
+
+    rt = elastictrain.init()                       # logging + process group
+    sampler = elastictrain.ElasticSampler(len(ds), batch_size, rt.rank, rt.world_size)
+    snap = elastictrain.SnapshotManager(url, model=ddp, optimizer=opt, sampler=sampler,
+                                        ctx=rt.ctx)
+    snap.restore(); ...; snap.step(); ...; snap.close(); elastictrain.shutdown()
+"""
+
+__version__ = "0.1.0"
+
+from elastictrain.config import Settings, load_settings
+from elastictrain.data import ElasticSampler
+from elastictrain.errors import (
+    ConfigError,
+    ElasticTrainError,
+    SnapshotCorrupt,
+    SnapshotNotFound,
+    StorageError,
+)
+from elastictrain.runtime import Runtime, init, shutdown
+from elastictrain.snapshot.manager import ResumeInfo, SnapshotManager
+
+__all__ = [
+    "ConfigError",
+    "ElasticSampler",
+    "ElasticTrainError",
+    "ResumeInfo",
+    "Runtime",
+    "Settings",
+    "SnapshotCorrupt",
+    "SnapshotManager",
+    "SnapshotNotFound",
+    "StorageError",
+    "__version__",
+    "init",
+    "load_settings",
+    "shutdown",
+]

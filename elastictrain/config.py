@@ -1,0 +1,162 @@
+"""Configuration: one pydantic model per component, loaded into ``Settings``.
+
+Precedence, lowest first: defaults < TOML file (``ELASTICTRAIN_CONFIG`` or an
+explicit path) < ``ELASTICTRAIN_*`` environment variables (nested with
+``__``, e.g. ``ELASTICTRAIN_SNAPSHOT__KEEP=5``) < explicit arguments.
+Validation happens where a model is built; a failure becomes a
+:class:`~elastictrain.errors.ConfigError` naming the field, the value and a fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from elastictrain.env import getenv
+from elastictrain.errors import ConfigError
+
+ChecksumAlgorithm = Literal["crc32", "sha256"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StorageConfig(_Model):
+    """Where snapshots and events live, and how to reach it."""
+
+    url: str = Field(default="./elastictrain-run", min_length=1)
+    # Passed straight to fsspec.filesystem(); never logged (may hold secrets).
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+    retries: int = Field(default=5, ge=0, le=50)
+    retry_backoff_s: float = Field(default=0.2, gt=0, le=60)
+
+
+class SnapshotConfig(_Model):
+    """When and how snapshots are taken, kept and restored."""
+
+    every_steps: int | None = Field(default=100, ge=1)
+    every_seconds: float | None = Field(default=None, gt=0)
+    keep: int = Field(default=3, ge=1)
+    mode: Literal["sync", "async"] = "async"
+    persister: Literal["thread", "process"] = "process"
+    checksum: ChecksumAlgorithm = "crc32"
+    restore_mode: Literal["each", "broadcast"] = "each"
+    max_consecutive_failures: int = Field(default=3, ge=1)
+    retry_backoff_s: float = Field(default=0.5, gt=0)
+
+
+class DistConfig(_Model):
+    """Process-group setup."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    init_timeout_s: float = Field(default=120.0, gt=0)
+    collective_timeout_s: float = Field(default=600.0, gt=0)
+
+
+class LogConfig(_Model):
+    """Structured logging."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    json_output: bool | None = Field(default=None, description="None: JSON off a TTY")
+    events_dir: str | None = None
+
+
+class Settings(BaseSettings):
+    """All elastictrain settings; see the module docstring for precedence."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="ELASTICTRAIN_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+    run_id: str | None = None
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    dist: DistConfig = Field(default_factory=DistConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        snap = self.snapshot
+        if snap.every_steps is None and snap.every_seconds is None:
+            raise ValueError(
+                "snapshot.every_steps and snapshot.every_seconds are both unset: no snapshot "
+                "would ever be taken; set at least one"
+            )
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml_path = _TOML_PATH.get("path") or getenv("ELASTICTRAIN_CONFIG")
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if toml_path:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
+        return tuple(sources)
+
+
+# pydantic-settings resolves sources on a class hook; the path travels through here.
+_TOML_PATH: dict[str, str | None] = {"path": None}
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build Settings from defaults, a TOML file, the environment and ``overrides``.
+
+    Args:
+        config_file: optional TOML file (also settable with ``ELASTICTRAIN_CONFIG``).
+        **overrides: explicit values, nested as dicts: ``snapshot={"keep": 5}``.
+
+    Raises:
+        ConfigError: a value is invalid or the file is missing; the message
+            names the field, the value and the fix.
+    """
+    if config_file is not None and not Path(config_file).is_file():
+        raise ConfigError(
+            f"config file {str(config_file)!r} does not exist; fix: pass an existing TOML file"
+        )
+    _TOML_PATH["path"] = str(config_file) if config_file is not None else None
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+    finally:
+        _TOML_PATH["path"] = None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``field=value: what is wrong``; secrets are never echoed."""
+    lines = []
+    for err in exc.errors():
+        message = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a cross-field rule: its message names the fields
+            lines.append(f"invalid config: {message}")
+            continue
+        field = ".".join(str(p) for p in err["loc"])
+        shown = "<redacted>" if "storage_options" in field else repr(err.get("input"))
+        lines.append(f"invalid config {field}={shown}: {message}")
+    return "; ".join(lines)
+
+
+def validated(model: type[_Model], **values: Any) -> Any:
+    """Build one component model, turning validation failures into ConfigError."""
+    try:
+        return model(**values)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None

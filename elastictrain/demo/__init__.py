@@ -1,0 +1,1 @@
+"""Demo assets for elastictrain: a tiny character-level GPT and a packaged text corpus."""

@@ -1,0 +1,179 @@
+"""Process-group lifecycle and the few collectives elastictrain needs.
+
+The only module that sets up ``torch.distributed``. Under torchrun every
+restart is a fresh process that must rejoin cleanly: we initialise from the
+torchrun environment with a deadline (a hung ``init_process_group`` is
+invisible to the agent, so we exit and let torchrun restart us), warn when
+the agent shares its rendezvous store across attempts (torch 2.13 + gloo:
+restarted workers read stale addresses), and destroy the group on exit.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from elastictrain.config import DistConfig
+from elastictrain.env import SHARE_STORE_FIX_VAR, WorkerEnv
+from elastictrain.errors import EXIT_HANG
+from elastictrain.log import get_logger
+
+log = get_logger("elastictrain.dist")
+
+
+@dataclass
+class DistContext:
+    """This worker's process group: rank, world size, backend and device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    initialized: bool
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    # -- small collectives (no-ops in a single process) ---------------------------
+    def barrier(self) -> None:
+        if self.initialized:
+            torch_dist.barrier()
+
+    def agree_any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any rank (one small all-reduce)."""
+        return bool(self.all_reduce_max([int(flag)])[0])
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        """Element-wise max of small integer vectors across ranks."""
+        if not self.initialized:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.int64, device=self._comm_device)
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+        return [int(v) for v in tensor.tolist()]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s object on every rank (pickled over the group, never from storage)."""
+        if not self.initialized:
+            return obj
+        box = [obj]
+        torch_dist.broadcast_object_list(box, src=src, device=self._comm_device)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's object, in rank order, on every rank."""
+        if not self.initialized:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        torch_dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        """Send a byte string from ``src`` to every rank (restore by broadcast)."""
+        if not self.initialized:
+            assert data is not None
+            return data
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64,
+                            device=self._comm_device)
+        torch_dist.broadcast(size, src=src)
+        n = int(size.item())
+        if self.rank == src:
+            assert data is not None
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8)
+        buf = buf.to(self._comm_device)
+        torch_dist.broadcast(buf, src=src)
+        return data if self.rank == src and data is not None else buf.cpu().numpy().tobytes()
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+
+def init_process_group(cfg: DistConfig | None = None, env: WorkerEnv | None = None) -> DistContext:
+    """Join the process group described by the torchrun environment.
+
+    Picks NCCL when CUDA is available (and sets this rank's device), gloo
+    otherwise. Outside torchrun with no ``MASTER_ADDR`` it returns a
+    single-process context without a group.
+
+    Raises nothing on a hang: if the group is not formed within
+    ``cfg.init_timeout_s`` the process logs ``dist.init_timeout`` and exits
+    with a non-zero code so torchrun restarts the workers.
+    """
+    cfg = cfg or DistConfig()
+    env = env or WorkerEnv.from_environ()
+    backend = _choose_backend(cfg.backend)
+    device = _choose_device(backend, env.local_rank)
+    if not env.is_distributed:
+        return DistContext(env.rank, env.world_size, env.local_rank, backend, device, False)
+    if env.under_torchrun and env.agent_store_shared:
+        log.warning(
+            "dist.store_shared",
+            fix=f"export {SHARE_STORE_FIX_VAR}=1 before torchrun (elastictrain run sets it)",
+            why="torch>=2.4 agents share one store across restart attempts; restarted gloo "
+            "workers can read stale addresses and hang in init_process_group",
+        )
+    with deadline(cfg.init_timeout_s, "dist.init_timeout"):
+        torch_dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            timeout=timedelta(seconds=cfg.collective_timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+        ctx = DistContext(torch_dist.get_rank(), torch_dist.get_world_size(), env.local_rank,
+                          backend, device, True)
+        ctx.barrier()  # the group is usable only once every rank has connected
+    log.info("rendezvous.joined", backend=backend, device=str(device))
+    return ctx
+
+
+def destroy_process_group() -> None:
+    """Tear the group down (safe to call when none exists)."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
+def _choose_backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _choose_device(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+class deadline:  # noqa: N801 - used as a context manager, reads like a statement
+    """Exit the process if a block does not finish in time (hangs become restarts)."""
+
+    def __init__(self, seconds: float, event: str) -> None:
+        self._seconds = seconds
+        self._event = event
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> deadline:
+        self._timer = threading.Timer(self._seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _expire(self) -> None:
+        log.error(self._event, timeout_s=self._seconds, exit_code=EXIT_HANG)
+        os._exit(EXIT_HANG)
+

@@ -1,0 +1,104 @@
+"""WorkerEnv: the only reader of torchrun and scheduler environment variables.
+
+torchrun's contract (``torch.distributed.run``) sets RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT,
+TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS and
+TORCHELASTIC_RUN_ID for every worker. Schedulers add their own attempt
+counters (Slurm requeues, JobSet restarts, SkyPilot recoveries), which we keep
+so events can say which attempt of the whole job they belong to.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+SHARE_STORE_FIX_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        from elastictrain.errors import ConfigError
+
+        raise ConfigError(
+            f"environment variable {name}={raw!r} is not an integer; "
+            "fix: unset it or launch through torchrun / elastictrain run"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What a worker knows about its place in the job, read once at start."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    group_rank: int = 0
+    restart_count: int = 0
+    max_restarts: int = 0
+    run_id: str = "local"
+    master_addr: str | None = None
+    master_port: int | None = None
+    under_torchrun: bool = False
+    agent_store_shared: bool = True
+    scheduler_attempts: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerEnv:
+        """Build from ``os.environ`` (or a given mapping, for tests)."""
+        env = os.environ if env is None else env
+        port = env.get("MASTER_PORT")
+        return cls(
+            rank=_int(env, "RANK", 0),
+            local_rank=_int(env, "LOCAL_RANK", 0),
+            world_size=_int(env, "WORLD_SIZE", 1),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", 1),
+            group_rank=_int(env, "GROUP_RANK", 0),
+            restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+            max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
+            run_id=env.get("TORCHELASTIC_RUN_ID") or env.get("ELASTICTRAIN_RUN_ID") or "local",
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(port) if port else None,
+            under_torchrun="TORCHELASTIC_RUN_ID" in env,
+            agent_store_shared=env.get(SHARE_STORE_FIX_VAR, "0") not in ("1", "true", "True"),
+            scheduler_attempts=_scheduler_attempts(env),
+        )
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when a process group should be formed (torchrun or MASTER_ADDR set)."""
+        return self.world_size > 1 or self.master_addr is not None
+
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0 writes snapshots; DDP replicas are identical."""
+        return self.rank == 0
+
+
+def _scheduler_attempts(env: Mapping[str, str]) -> dict[str, int]:
+    """Attempt counters of the engines we have recipes for, where present."""
+    names = {
+        "slurm_restart_count": "SLURM_RESTART_COUNT",
+        "jobset_restart_attempt": "JOBSET_RESTART_ATTEMPT",
+        "skypilot_task_attempt": "SKYPILOT_TASK_ATTEMPT",
+    }
+    found: dict[str, int] = {}
+    for key, var in names.items():
+        if env.get(var, "").isdigit():
+            found[key] = int(env[var])
+    for key, var in {"slurm_job_id": "SLURM_JOB_ID"}.items():
+        if env.get(var, "").isdigit():
+            found[key] = int(env[var])
+    return found
+
+
+def getenv(name: str, default: str | None = None) -> str | None:
+    """The one sanctioned raw environment read, for the few knobs outside Settings."""
+    return os.environ.get(name, default)

@@ -1,0 +1,66 @@
+"""One exception hierarchy for elastictrain.
+
+Every message says what went wrong (field or path, the value) and what to do
+next. Backend exceptions are translated at the module boundary that owns the
+backend (storage for fsspec, dist for torch.distributed) and chained with
+``raise ... from``.
+"""
+
+from __future__ import annotations
+
+# Process exit codes (see README "Exit codes").
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a final snapshot is committed; resume me elsewhere.
+EXIT_FATAL = 78  # EX_CONFIG: bad config or unrecoverable state; do not retry.
+EXIT_HANG = 71  # the watchdog saw no progress; torchrun should restart the group.
+
+
+class ElasticTrainError(Exception):
+    """Base class of every error elastictrain raises on purpose."""
+
+    exit_code: int = 1
+
+
+class ConfigError(ElasticTrainError):
+    """A configuration value is invalid; the message names the field, value and fix."""
+
+    exit_code = EXIT_FATAL
+
+
+class ResumeMismatchError(ConfigError):
+    """The snapshot cannot be resumed with the current job (dataset length, batch sizes)."""
+
+
+class DistError(ElasticTrainError):
+    """The process group could not be formed or used."""
+
+
+class StorageError(ElasticTrainError):
+    """A storage operation failed; the message names the URL (never credentials)."""
+
+
+class StorageNotFoundError(StorageError):
+    """The path, bucket or container does not exist."""
+
+
+class StoragePermissionError(StorageError):
+    """Access was denied or the location is read-only."""
+
+    exit_code = EXIT_FATAL
+
+
+class StorageTransientError(StorageError):
+    """A retryable fault (throttling, connection reset) outlived its retries."""
+
+
+class SnapshotNotFound(StorageError):
+    """No committed snapshot exists at the given location or step."""
+
+
+class SnapshotCorrupt(StorageError):
+    """A snapshot's manifest or payload failed verification."""
+
+
+class SnapshotWriteFailed(StorageError):
+    """Too many consecutive background persists failed."""

@@ -1,0 +1,121 @@
+"""Structured logging: events with fields, one JSON object per line off a TTY.
+
+Every event carries run_id, rank, world_size, restart_count and step, bound
+once through structlog's contextvars (step is re-bound as training advances).
+Events can also be appended to a JSON-lines file per worker (the run's event
+log), which ``elastictrain`` reads back for summaries and goodput.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR}
+
+
+class _EventFileTee:
+    """Processor that appends each event as a JSON line to a file, then passes it on."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = path.open("a", encoding="utf-8", buffering=1)
+        self._lock = threading.Lock()
+
+    def __call__(self, logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
+        line = json.dumps(event, default=str, separators=(",", ":"))
+        with self._lock:
+            self._file.write(line + "\n")
+        return event
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_tee: _EventFileTee | None = None
+
+
+def _add_time(logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
+    event.setdefault("ts", round(time.time(), 6))
+    return event
+
+
+def configure(
+    level: str = "info",
+    json_output: bool | None = None,
+    events_file: str | Path | None = None,
+    stream: IO[str] | None = None,
+) -> None:
+    """Set up structlog for this process.
+
+    Args:
+        level: minimum level written to ``stream``.
+        json_output: JSON lines when True, console rendering when False;
+            None picks JSON unless ``stream`` is a TTY.
+        events_file: if given, every event is also appended there as JSON.
+        stream: where rendered events go (default stderr, so stdout stays
+            free for command output such as ``--json``).
+    """
+    global _tee
+    stream = stream or sys.stderr
+    if json_output is None:
+        json_output = not stream.isatty()
+    if _tee is not None:
+        _tee.close()
+        _tee = None
+    processors: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        _add_time,
+    ]
+    if events_file is not None:
+        _tee = _EventFileTee(Path(events_file))
+        processors.append(_tee)
+    processors.append(structlog.processors.format_exc_info)
+    renderer: Processor = (
+        structlog.processors.JSONRenderer(default=str)
+        if json_output
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    processors.append(renderer)
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        cache_logger_on_first_use=False,
+    )
+
+
+def bind(**fields: Any) -> None:
+    """Bind fields (run_id, rank, world_size, restart_count, step…) to every later event."""
+    structlog.contextvars.bind_contextvars(**fields)
+
+
+def bind_step(step: int) -> None:
+    """Re-bind the current training step."""
+    structlog.contextvars.bind_contextvars(step=step)
+
+
+def get_logger(name: str | None = None) -> Any:
+    """A structlog logger; call as ``log.info("snapshot.committed", step=…)``."""
+    return structlog.get_logger(name) if name else structlog.get_logger()
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """Parse a JSON-lines event file, skipping a torn last line (a killed writer)."""
+    events: list[dict[str, Any]] = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events

@@ -1,0 +1,78 @@
+"""``init()`` / ``shutdown()``: the two calls around a training script.
+
+``init`` reads the worker environment once, configures structured logging
+with the run's context bound (run_id, rank, world_size, restart_count), and
+joins the process group. ``shutdown`` destroys the group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastictrain import log as et_log
+from elastictrain.config import Settings, load_settings
+from elastictrain.dist import DistContext, destroy_process_group, init_process_group
+from elastictrain.env import WorkerEnv
+
+
+@dataclass
+class Runtime:
+    """What a worker needs after ``init``: its settings, environment and process group."""
+
+    settings: Settings
+    env: WorkerEnv
+    ctx: DistContext
+    events_dir: str | None
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def device(self) -> Any:
+        return self.ctx.device
+
+
+def default_events_dir(settings: Settings) -> str | None:
+    """Events go beside the snapshots for local storage; elsewhere only if configured."""
+    if settings.log.events_dir:
+        return settings.log.events_dir
+    url = settings.storage.url
+    if "://" in url and not url.startswith("file://"):
+        return None
+    return str(Path(url.removeprefix("file://")) / "events")
+
+
+def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
+    """Set up logging and join the process group from the torchrun environment.
+
+    Args:
+        settings: complete settings; built with ``load_settings(**overrides)`` if None.
+    """
+    settings = settings or load_settings(**overrides)
+    env = WorkerEnv.from_environ()
+    run_id = settings.run_id or env.run_id
+    events_dir = default_events_dir(settings)
+    events_file = None
+    if events_dir is not None:
+        events_file = Path(events_dir) / f"attempt{env.restart_count:03d}-rank{env.rank}.jsonl"
+    et_log.configure(settings.log.level, settings.log.json_output, events_file)
+    et_log.bind(run_id=run_id, rank=env.rank, world_size=env.world_size,
+                restart_count=env.restart_count, step=0, **env.scheduler_attempts)
+    et_log.get_logger("elastictrain").info("worker.start", pid=os.getpid(), local_rank=env.local_rank)
+    ctx = init_process_group(settings.dist, env)
+    et_log.bind(rank=ctx.rank, world_size=ctx.world_size)
+    return Runtime(settings, env, ctx, events_dir)
+
+
+def shutdown() -> None:
+    """Leave the process group (call at the end of training, also on errors)."""
+    destroy_process_group()
+

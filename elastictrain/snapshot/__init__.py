@@ -1,0 +1,1 @@
+"""Snapshots: layout, manifest, staging, persisting, discovery and the manager."""

@@ -1,0 +1,64 @@
+"""MANIFEST.json: the commit marker and table of contents of one snapshot."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from elastictrain.config import ChecksumAlgorithm
+from elastictrain.errors import SnapshotCorrupt
+
+FORMAT_VERSION = 1
+
+
+class ObjectEntry(BaseModel):
+    """One payload object: its name in the snapshot directory, size and checksum."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    size_bytes: int = Field(ge=0)
+    checksum: str = Field(min_length=1)
+
+
+class Manifest(BaseModel):
+    """What a committed snapshot holds. Never contains credentials or storage options."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: int = FORMAT_VERSION
+    run_id: str
+    step: int = Field(ge=0)
+    epoch: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    created_at: str = Field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
+    torch_version: str
+    elastictrain_version: str
+    checksum_algorithm: ChecksumAlgorithm
+    objects: list[ObjectEntry]
+    dataset_len: int | None = None
+    global_batch_size: int | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(o.size_bytes for o in self.objects)
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.model_dump(), indent=2, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        """Parse and validate; anything else is a corrupt snapshot."""
+        try:
+            manifest = cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise SnapshotCorrupt(f"{where}: invalid manifest ({exc.error_count()} errors: "
+                                  f"{exc.errors()[0]['msg']})") from None
+        if manifest.format_version > FORMAT_VERSION:
+            raise SnapshotCorrupt(
+                f"{where}: manifest format {manifest.format_version} is newer than this "
+                f"elastictrain understands ({FORMAT_VERSION}); fix: upgrade elastictrain"
+            )
+        return manifest
