@@ -12,8 +12,8 @@ at any world size therefore continues with exactly the unseen samples.
 
 End of epoch: when the remaining count ``R`` is not a multiple of ``W``,
 ranks would get unequal shares and DDP would hang on the rank with fewer
-batches. ``drop_last=False`` (default) pads the deal with the first
-``W - R % W`` remaining samples again (so those few are seen twice);
+batches. ``drop_last=False`` (default) pads the deal with the epoch's first
+``W - R % W`` samples again (so those few are seen twice);
 ``drop_last=True`` drops the last ``R % W`` samples of the epoch instead.
 Either way at most ``W - 1`` samples per epoch are affected, and
 :meth:`ElasticSampler.epoch_padding` says how many.
@@ -77,14 +77,17 @@ class ElasticSampler(Sampler[int]):
         return torch.randperm(self.dataset_len, generator=generator).tolist()
 
     def _dealt(self) -> list[int]:
-        remaining = self.epoch_order()[self.cursor:]
+        order = self.epoch_order()
+        remaining = order[self.cursor:]
         extra = len(remaining) % self.world_size
         if extra == 0:
             return remaining
         if self.drop_last:
             return remaining[: len(remaining) - extra]
+        # Pad from the start of the epoch's order, not of what remains: the padding is
+        # then the same wherever a same-size job resumed, which keeps resume bit-exact.
         pad = self.world_size - extra
-        return remaining + (remaining * pad)[:pad]
+        return remaining + (order * pad)[:pad]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._dealt()[self.rank :: self.world_size])

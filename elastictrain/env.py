@@ -99,6 +99,20 @@ def _scheduler_attempts(env: Mapping[str, str]) -> dict[str, int]:
     return found
 
 
+def launcher_environ(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a torchrun agent we start: ours plus the store fix.
+
+    torch 2.13's agent shares one TCPStore across restart attempts and restarted
+    gloo workers read the previous attempt's addresses; the agent-side
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` fixes it single- and multi-node.
+    """
+    child = dict(os.environ)
+    child[SHARE_STORE_FIX_VAR] = "1"
+    child.setdefault("PYTHONUNBUFFERED", "1")
+    child.update(extra or {})
+    return child
+
+
 def getenv(name: str, default: str | None = None) -> str | None:
     """The one sanctioned raw environment read, for the few knobs outside Settings."""
     return os.environ.get(name, default)

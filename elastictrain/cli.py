@@ -1,0 +1,97 @@
+"""The ``elastictrain`` command: parse → build a config → call the library.
+
+Exit codes: 0 finished; 2 usage error; 75 preempted after a final snapshot
+(resume me); 78 fatal, do not retry (bad config, unusable storage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from elastictrain.errors import EXIT_USAGE, ConfigError, ElasticTrainError
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from elastictrain.demo.runner import DemoOptions, print_result, run_demo
+
+    opts = DemoOptions(storage=args.storage, nproc=args.nproc, steps=args.steps,
+                       snapshot_every=args.snapshot_every, keep=args.keep,
+                       kill_at=args.kill_at, seed=args.seed, events_dir=args.events_dir)
+    result = run_demo(opts)
+    print_result(result, args.json)
+    return result.exit_code
+
+
+def _snapshots(args: argparse.Namespace) -> int:
+    from elastictrain import ops
+
+    store = ops.open_from_cli(args.storage, args.storage_options)
+    if args.snap_cmd == "list":
+        rows = ops.list_snapshots(store)
+    elif args.snap_cmd == "verify":
+        rows = ops.verify_snapshots(store, args.step)
+    elif args.snap_cmd == "inspect":
+        rows = [ops.inspect_snapshot(store, args.step)]
+    else:
+        rows = ops.prune_snapshots(store, args.keep)
+    ops.print_rows(rows, args.json)
+    return 1 if any(r.get("status") == "corrupt" for r in rows) and args.snap_cmd == "verify" else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elastictrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a small GPT under torchrun, kill it, resume it")
+    demo.add_argument("--storage", default="./elastictrain-demo",
+                      help="snapshot location: a directory, file://, memory-less URL (s3://…)")
+    demo.add_argument("--nproc", type=int, default=2, help="workers (default 2, CPU, gloo)")
+    demo.add_argument("--steps", type=int, default=300)
+    demo.add_argument("--snapshot-every", type=int, default=25)
+    demo.add_argument("--keep", type=int, default=3, help="snapshots to retain")
+    demo.add_argument("--kill-at", type=int, action="append", default=[], metavar="STEP",
+                      help="SIGKILL a worker at STEP (repeatable; attempt i kills at the i-th)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--events-dir", default=None, help="where event logs go (default: "
+                      "<storage>/events for local storage)")
+    demo.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    demo.set_defaults(func=_demo)
+
+    snaps = sub.add_parser("snapshots", help="list, verify, inspect or prune snapshots")
+    snap_sub = snaps.add_subparsers(dest="snap_cmd", required=True)
+    for name, help_text in [("list", "committed and partial snapshots"),
+                            ("verify", "check every payload against its manifest"),
+                            ("inspect", "one snapshot's manifest"),
+                            ("prune", "keep the newest --keep verified snapshots")]:
+        cmd = snap_sub.add_parser(name, help=help_text)
+        cmd.add_argument("storage", help="run root: a directory or URL (s3://bucket/run)")
+        cmd.add_argument("--storage-options", default=None,
+                         help="JSON object passed to fsspec (e.g. endpoint, profile)")
+        cmd.add_argument("--json", action="store_true")
+        if name in ("verify", "inspect"):
+            cmd.add_argument("--step", type=int, default=None, required=name == "inspect")
+        if name == "prune":
+            cmd.add_argument("--keep", type=int, required=True)
+    snaps.set_defaults(func=_snapshots)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except ConfigError as exc:
+        print(f"elastictrain: error: {exc}", file=sys.stderr)
+        code = EXIT_USAGE if args.command == "demo" else exc.exit_code
+    except ElasticTrainError as exc:
+        print(f"elastictrain: error: {exc}", file=sys.stderr)
+        code = exc.exit_code
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+

@@ -1,0 +1,77 @@
+"""Operator tooling behind ``elastictrain snapshots …``: list, verify, inspect, prune."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from elastictrain.errors import ConfigError, SnapshotCorrupt
+
+from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, read_verified
+from elastictrain.snapshot.writer import prune
+from elastictrain.storage import Store, open_store
+
+
+def open_from_cli(url: str, storage_options_json: str | None) -> Store:
+    options: dict[str, Any] = {}
+    if storage_options_json:
+        try:
+            options = json.loads(storage_options_json)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--storage-options is not JSON ({exc.msg}); fix: pass a JSON "
+                              "object such as '{\"anon\": true}'") from None
+        if not isinstance(options, dict):
+            raise ConfigError("--storage-options must be a JSON object")
+    return open_store(url, options)
+
+
+def list_snapshots(store: Store) -> list[dict[str, Any]]:
+    rows = []
+    for step in list_snapshot_dirs(store):
+        try:
+            m = read_manifest(store, step)
+            rows.append({"step": step, "status": "committed", "epoch": m.epoch,
+                         "world_size": m.world_size, "size_bytes": m.total_bytes,
+                         "created_at": m.created_at})
+        except SnapshotCorrupt as exc:
+            rows.append({"step": step, "status": "partial", "reason": str(exc)})
+    return rows
+
+
+def verify_snapshots(store: Store, step: int | None = None) -> list[dict[str, Any]]:
+    steps = [step] if step is not None else list_snapshot_dirs(store)
+    rows = []
+    for s in steps:
+        try:
+            m = read_verified(store, s).manifest
+            rows.append({"step": s, "status": "ok", "size_bytes": m.total_bytes,
+                         "checksum": m.checksum_algorithm})
+        except SnapshotCorrupt as exc:
+            rows.append({"step": s, "status": "corrupt", "reason": str(exc)})
+    return rows
+
+
+def inspect_snapshot(store: Store, step: int) -> dict[str, Any]:
+    return {"status": "committed", **read_manifest(store, step).model_dump()}
+
+
+def prune_snapshots(store: Store, keep: int) -> list[dict[str, Any]]:
+    if keep < 1:
+        raise ConfigError(f"--keep={keep}: must be >= 1; the newest verified snapshot is "
+                          "never deleted")
+    newest = next((r["step"] for r in verify_snapshots(store) if r["status"] == "ok"), None)
+    if newest is None:
+        return [{"status": "nothing pruned", "reason": "no verified snapshot"}]
+    pruned = prune(store, keep, newest)
+    return [{"step": s, "status": "pruned"} for s in pruned] + [
+        {"step": newest, "status": "kept (newest verified)"}]
+
+
+def print_rows(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return
+    for row in rows:
+        sys.stdout.write("  ".join(f"{k}={v}" for k, v in row.items()) + "\n")
+
