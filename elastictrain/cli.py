@@ -95,3 +95,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.exit(code)
 
 
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""python -m elastictrain: the elastictrain command."""
+
+from elastictrain.cli import main
+
+main()
