@@ -7,7 +7,6 @@ Exit codes: 0 finished; 2 usage error; 75 preempted after a final snapshot
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 

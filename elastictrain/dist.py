@@ -155,7 +155,7 @@ def _choose_device(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-class deadline:  # noqa: N801 - used as a context manager, reads like a statement
+class deadline:
     """Exit the process if a block does not finish in time (hangs become restarts)."""
 
     def __init__(self, seconds: float, event: str) -> None:

@@ -90,7 +90,7 @@ def configure(
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
 

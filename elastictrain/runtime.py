@@ -62,11 +62,13 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
     events_dir = default_events_dir(settings)
     events_file = None
     if events_dir is not None:
-        events_file = Path(events_dir) / f"attempt{env.restart_count:03d}-rank{env.rank}.jsonl"
+        name = f"attempt{env.restart_count:03d}-rank{env.rank}.jsonl"
+        events_file = Path(events_dir) / name
     et_log.configure(settings.log.level, settings.log.json_output, events_file)
     et_log.bind(run_id=run_id, rank=env.rank, world_size=env.world_size,
                 restart_count=env.restart_count, step=0, **env.scheduler_attempts)
-    et_log.get_logger("elastictrain").info("worker.start", pid=os.getpid(), local_rank=env.local_rank)
+    log = et_log.get_logger("elastictrain")
+    log.info("worker.start", pid=os.getpid(), local_rank=env.local_rank)
     ctx = init_process_group(settings.dist, env)
     et_log.bind(rank=ctx.rank, world_size=ctx.world_size)
     return Runtime(settings, env, ctx, events_dir)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +40,8 @@ def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 def kill_session(proc: subprocess.Popen[Any]) -> None:
     """SIGKILL a process started with start_new_session=True and all it spawned."""
     if proc.poll() is None:
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=30)
 
 

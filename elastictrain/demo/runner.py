@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError
 from elastictrain.launch import LaunchSpec, start_torchrun
 from elastictrain.log import read_events
 from elastictrain.runtime import default_events_dir
-from elastictrain.config import load_settings
 from elastictrain.storage import open_store
 
 
@@ -73,7 +73,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     store = open_store(opts.storage)
     store.check_writable()  # before any worker trains; raises StorageError naming the path
     run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    events_root = opts.events_dir or default_events_dir(settings) or f"./elastictrain-events"
+    events_root = opts.events_dir or default_events_dir(settings) or "./elastictrain-events"
     events_dir = str(Path(events_root) / run_id)
     Path(events_dir).mkdir(parents=True, exist_ok=True)
     worker_args = [f"--storage={opts.storage}", f"--steps={opts.steps}",
@@ -128,7 +128,7 @@ def human_summary(result: DemoResult) -> str:
         f"elastictrain demo: {'finished' if result.exit_code == 0 else 'FAILED'} "
         f"in {result.wall_s:.1f}s (exit {result.exit_code})",
         f"  attempts:           {result.restarts + 1} ({result.restarts} restarts)",
-        f"  resumed from steps: {', '.join('fresh' if s is None else str(s) for s in result.resumed_from)}",
+        f"  resumed from steps: {_steps(result.resumed_from)}",
         f"  snapshots committed: {', '.join(map(str, result.committed_steps)) or 'none'}",
         f"  lost steps:         {result.lost_steps}",
         f"  final step / loss:  {result.final_step} / {result.final_loss}",
@@ -137,6 +137,10 @@ def human_summary(result: DemoResult) -> str:
         f"  events:             {result.events_dir}",
     ]
     return "\n".join(lines)
+
+
+def _steps(steps: list[int | None]) -> str:
+    return ", ".join("fresh" if s is None else str(s) for s in steps)
 
 
 def print_result(result: DemoResult, as_json: bool) -> None:

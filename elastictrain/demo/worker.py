@@ -12,6 +12,7 @@ import hashlib
 import os
 import signal
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -61,11 +62,11 @@ def kill_if_scheduled(kills: list[int], step: int, rt: et.Runtime) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # one core per worker; the other is left for background work
-    overrides = {"storage": {"url": args.storage},
+    overrides: dict[str, Any] = {"storage": {"url": args.storage},
                  "snapshot": {"every_steps": args.snapshot_every, "keep": args.keep}}
     if args.events_dir:
         overrides["log"] = {"events_dir": args.events_dir}
-    rt = et.init(et.load_settings(**overrides))
+    rt = et.init(et.load_settings(None, **overrides))
     try:
         train(args, rt)
     finally:
@@ -116,7 +117,8 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
 
 
 @torch.no_grad()
-def eval_loss(model: CharGPT, dataset: CharDataset, batches: int = 4, batch_size: int = 16) -> float:
+def eval_loss(model: CharGPT, dataset: CharDataset, batches: int = 4,
+              batch_size: int = 16) -> float:
     """Loss on a fixed set of windows in eval mode: deterministic, comparable across runs."""
     model.eval()
     total = 0.0

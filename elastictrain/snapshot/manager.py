@@ -107,7 +107,8 @@ class SnapshotManager:
                                       torch.device("cpu"), False)
         self.store = open_store(storage, storage_options) if isinstance(storage, str) else storage
         self.run_id = run_id or env.run_id
-        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.model, self.optimizer = model, optimizer
+        self.scheduler, self.scaler = scheduler, scaler
         self.sampler = sampler
         self.extras: dict[str, Any] = {}
         self.step_count = 0

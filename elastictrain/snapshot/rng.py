@@ -26,8 +26,8 @@ def capture_rng() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if np is not None:
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos),
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state["numpy"] = (name, torch.from_numpy(np.asarray(keys).astype("int64")), int(pos),
                           int(has_gauss), float(cached))
     return state
 

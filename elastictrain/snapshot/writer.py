@@ -14,6 +14,7 @@ commit → ``prune``. The commit is one object written last:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm) -> 
     and our checksum already covers every byte.
     """
     writer = HashingWriter(sink, algorithm)
-    with serialization_config.patch({"save.compute_crc32": False}):
+    with serialization_config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
         torch.save(payload, writer)  # type: ignore[arg-type]
     writer.flush()
     return writer.bytes_written, writer.hexdigest()
@@ -121,10 +122,8 @@ def _persist_manifest_last(store: Store, payload: Any, meta: SnapshotMeta,
 
 
 def _best_effort_delete(store: Store, path: str) -> None:
-    try:
+    with contextlib.suppress(StorageError):  # retention clears it later
         store.delete(path, recursive=True)
-    except StorageError:
-        pass  # retention clears it later
 
 
 def prune(store: Store, keep: int, newest_step: int) -> list[int]:

@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, BinaryIO, TypeVar
 
 import fsspec
@@ -164,7 +164,7 @@ class FsspecStore:
             except OSError as exc:
                 raise self._translate("write", path, exc, 0) from exc
             try:
-                yield f  # type: ignore[misc]
+                yield f
                 f.flush()
                 os.fsync(f.fileno())
             except OSError as exc:
@@ -183,7 +183,7 @@ class FsspecStore:
     # -- reads ---------------------------------------------------------------------
     def read_bytes(self, path: str) -> bytes:
         full = self._full(path)
-        return self._call("read", path, lambda: self.fs.cat_file(full))  # type: ignore[no-any-return]
+        return bytes(self._call("read", path, lambda: self.fs.cat_file(full)))
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
@@ -229,10 +229,8 @@ class FsspecStore:
         full = self._full(path)
 
         def rm() -> None:
-            try:
+            with suppress(FileNotFoundError):
                 self.fs.rm(full, recursive=recursive)
-            except FileNotFoundError:
-                pass
             self.fs.invalidate_cache(full)
 
         self._call("delete", path, rm)

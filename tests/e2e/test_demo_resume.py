@@ -75,7 +75,7 @@ def test_autoresume_and_corrupt_newest_falls_back(tmp_path: Path) -> None:
 def test_bad_demo_input_is_one_clear_line(tmp_path: Path, args: list[str], needle: str) -> None:
     result = run_cli(["demo", f"--storage={tmp_path / 's'}", *args], tmp_path)
     assert result.returncode == 2
-    assert needle in result.stderr and "fix" in result.stderr or "must be" in result.stderr
+    assert (needle in result.stderr and "fix" in result.stderr) or "must be" in result.stderr
     assert not (tmp_path / "s").exists()  # nothing started, nothing written
 
 

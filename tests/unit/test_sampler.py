@@ -80,5 +80,5 @@ def test_set_epoch_keeps_cursor_of_current_epoch() -> None:
 
 def test_resume_with_other_dataset_length_names_both() -> None:
     s = ElasticSampler(100, 4)
-    with pytest.raises(ResumeMismatchError, match="dataset has 100 samples .* with 90"):
+    with pytest.raises(ResumeMismatchError, match=r"dataset has 100 samples .* with 90"):
         s.load_state_dict({**s.state_dict(), "dataset_len": 90})
