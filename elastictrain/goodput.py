@@ -1,0 +1,112 @@
+"""Goodput: how much of a run's wall time was useful training, from its event log.
+
+Reads rank 0's JSON-lines event files of one run (``attemptNNN-rank0.jsonl``)
+and splits the wall time into:
+
+* ``productive_s``: the steps that survive into the final model, at the
+  run's median step time;
+* ``lost_work_s``: steps trained and then lost to a failure (redone after a
+  restart);
+* ``snapshot_blocking_s``: time the training loop was blocked staging snapshots;
+* ``restart_s``: everything else between attempts and at start-up (failure
+  detection, process start, imports, rendezvous, snapshot load).
+
+Step times are measured per attempt between its ``resume`` event and its last
+event that names a step (``snapshot.staged``, ``run.finished``, …), so the
+report needs no per-step logging.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from elastictrain.log import read_events
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """The accounting of one run; every ``_s`` field is seconds of wall time."""
+
+    wall_s: float
+    productive_s: float
+    lost_work_s: float
+    snapshot_blocking_s: float
+    restart_s: float
+    attempts: int
+    final_step: int
+    steps_lost: int
+    step_time_s: float
+
+    @property
+    def goodput(self) -> float:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "goodput": round(self.goodput, 4)}
+
+
+def _attempt_files(events_dir: Path) -> list[Path]:
+    return sorted(events_dir.glob("attempt*-rank0.jsonl"))
+
+
+def compute_goodput(events_dir: str | Path) -> Goodput:
+    """Account one run's wall time from the event files in ``events_dir``.
+
+    Raises:
+        FileNotFoundError: no rank-0 event files there (names the directory).
+    """
+    files = _attempt_files(Path(events_dir))
+    if not files:
+        raise FileNotFoundError(
+            f"{events_dir}: no attempt*-rank0.jsonl event files; fix: point at a run's "
+            "events directory, e.g. <storage>/events/<run id>"
+        )
+    attempts = [read_events(f) for f in files]
+    start = min(e["ts"] for events in attempts for e in events)
+    end = max(e["ts"] for events in attempts for e in events)
+    step_times: list[float] = []
+    first_step: int | None = None
+    final_step = 0
+    lost = 0
+    blocking = 0.0
+    for events in attempts:
+        resume = next((e for e in events if e.get("event") == "resume"), None)
+        if resume is None:
+            continue
+        from_step = int(resume.get("from_step") or 0)
+        first_step = from_step if first_step is None else first_step
+        lost += int(resume.get("lost_steps") or 0)
+        stepped = [e for e in events if e["ts"] >= resume["ts"] and "step" in e]
+        last = max(stepped, key=lambda e: (int(e["step"]), e["ts"]))
+        if int(last["step"]) > from_step:
+            step_times.append((last["ts"] - resume["ts"]) / (int(last["step"]) - from_step))
+        final_step = max(final_step, int(last["step"]))
+        blocking += sum(float(e.get("duration_s", 0.0)) for e in events
+                        if e.get("event") == "snapshot.staged")
+    step_time = statistics.median(step_times) if step_times else 0.0
+    wall = end - start
+    productive = (final_step - (first_step or 0)) * step_time
+    lost_work = lost * step_time
+    restart = max(0.0, wall - productive - lost_work - blocking)
+    return Goodput(
+        wall_s=round(wall, 3), productive_s=round(productive, 3),
+        lost_work_s=round(lost_work, 3), snapshot_blocking_s=round(blocking, 3),
+        restart_s=round(restart, 3), attempts=len(files), final_step=final_step,
+        steps_lost=lost, step_time_s=round(step_time, 5),
+    )
+
+
+def format_report(report: Goodput) -> str:
+    """A short table for humans."""
+    wall = report.wall_s or 1.0
+    rows = [("productive", report.productive_s), ("lost work", report.lost_work_s),
+            ("snapshot blocking", report.snapshot_blocking_s),
+            ("restarts / start-up", report.restart_s)]
+    lines = [f"goodput {report.goodput:.1%} of {report.wall_s:.1f}s wall, "
+             f"{report.attempts} attempts, final step {report.final_step}, "
+             f"{report.steps_lost} steps lost, step {report.step_time_s * 1000:.1f} ms"]
+    lines += [f"  {name:<20} {secs:9.2f}s  {secs / wall:6.1%}" for name, secs in rows]
+    return "\n".join(lines)

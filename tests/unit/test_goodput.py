@@ -1,0 +1,44 @@
+"""Goodput accounting from synthetic event files (the e2e demo test covers real ones)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elastictrain.goodput import compute_goodput, format_report
+
+
+def write(path: Path, events: list[dict[str, object]]) -> None:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_accounts_restart_lost_work_and_blocking(tmp_path: Path) -> None:
+    # Attempt 0: starts at t=0, resumes fresh at t=2, 0.1 s/step, snapshot at step 10
+    # (staging blocks 0.5 s), killed around step 14. Attempt 1 resumes from 10 at t=6,
+    # loses 4 steps, finishes step 30 at t=8.
+    write(tmp_path / "attempt000-rank0.jsonl", [
+        {"event": "worker.start", "ts": 0.0, "step": 0},
+        {"event": "resume", "ts": 2.0, "step": 0, "from_step": None, "lost_steps": 0},
+        {"event": "snapshot.staged", "ts": 3.0, "step": 10, "duration_s": 0.5},
+    ])
+    write(tmp_path / "attempt001-rank0.jsonl", [
+        {"event": "worker.start", "ts": 4.0, "step": 0},
+        {"event": "resume", "ts": 6.0, "step": 10, "from_step": 10, "lost_steps": 4},
+        {"event": "run.finished", "ts": 8.0, "step": 30},
+    ])
+    report = compute_goodput(tmp_path)
+    assert report.attempts == 2 and report.final_step == 30 and report.steps_lost == 4
+    assert report.step_time_s == pytest.approx(0.1)
+    assert report.productive_s == pytest.approx(3.0)
+    assert report.lost_work_s == pytest.approx(0.4)
+    assert report.snapshot_blocking_s == pytest.approx(0.5)
+    assert report.restart_s == pytest.approx(8.0 - 3.0 - 0.4 - 0.5)
+    assert report.goodput == pytest.approx(3.0 / 8.0)
+    assert "goodput 37.5%" in format_report(report)
+
+
+def test_missing_events_names_the_directory(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        compute_goodput(tmp_path)
