@@ -83,7 +83,7 @@ def test_set_epoch_keeps_cursor_of_current_epoch() -> None:
 
 def test_resume_with_other_dataset_length_names_both() -> None:
     s = ElasticSampler(100, 4)
-    with pytest.raises(ResumeMismatchError, match="dataset has 100 samples .* with 90"):
+    with pytest.raises(ResumeMismatchError, match=r"dataset has 100 samples .* with 90"):
         s.load_state_dict({**s.state_dict(), "dataset_len": 90})
 
 
@@ -144,11 +144,11 @@ def test_accumulation_steps_follow_the_world_size() -> None:
 
 
 def test_unreachable_global_batch_fails_at_construction_and_on_resume() -> None:
-    with pytest.raises(ConfigError, match="global_batch_size=3 .* world size 4"):
+    with pytest.raises(ConfigError, match=r"global_batch_size=3 .* world size 4"):
         ElasticSampler(100, 2, 0, 4, global_batch_size=3)
     s = ElasticSampler(100, 1, 0, 2, global_batch_size=6)
-    with pytest.raises(ConfigError, match="global_batch_size=6 .* world size 4 and per-rank "
-                                          "batch 1"):
+    with pytest.raises(ConfigError, match=r"global_batch_size=6 .* world size 4 and per-rank "
+                                          r"batch 1"):
         s.set_world(0, 4)
     assert s.world_size == 2  # unchanged
 
