@@ -20,6 +20,10 @@ agents see a node waiting, restart their workers (not counted as a restart) and
 the job resumes from the newest snapshot at full size. Without ``--kill-node-at``
 the job starts one node short and ``--add-node-at`` grows it.
 
+Start: the agents start together, but one may miss the first round's last call
+(1 s); the job then forms one node short. Its workers wait before training until
+their agent restarts them for the late node, so the run does not race ahead.
+
 Workers that wait for the runner give up after ``PARK_TIMEOUT_S`` and train on.
 """
 
@@ -71,26 +75,49 @@ def free_port() -> int:
 # -- worker side ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Park:
-    """Stop after ``step`` when the world has ``world_size`` ranks and this agent has
-    restarted at least ``min_restarts`` times; write a marker and wait for the runner."""
+    """Stop when the world has ``world_size`` ranks and this agent has restarted
+    ``min_restarts``..``max_restarts`` times, after ``step`` (None: before the first
+    step of the attempt); write a marker and wait for the runner to act."""
 
-    step: int
+    name: str
+    step: int | None
     world_size: int
     min_restarts: int
-    directory: Path
-    timeout_s: float = PARK_TIMEOUT_S
+    max_restarts: int | None
 
-    def maybe_wait(self, step: int, world_size: int, restart_count: int, rank: int) -> None:
-        if (step, world_size) != (self.step, self.world_size) or restart_count < self.min_restarts:
-            return
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def to_arg(self) -> str:
+        step = "start" if self.step is None else self.step
+        top = -1 if self.max_restarts is None else self.max_restarts
+        return f"--park={self.name}:{step}:{self.world_size}:{self.min_restarts}:{top}"
+
+    @classmethod
+    def parse(cls, spec: str) -> Park:
+        name, step, world, low, top = spec.split(":")
+        return cls(name, None if step == "start" else int(step), int(world), int(low),
+                   None if int(top) < 0 else int(top))
+
+    def applies(self, step: int | None, world_size: int, restart_count: int) -> bool:
+        top = restart_count if self.max_restarts is None else self.max_restarts
+        return ((step, world_size) == (self.step, self.world_size)
+                and self.min_restarts <= restart_count <= top)
+
+
+def wait_at_gates(parks: list[Park], directory: Path, step: int | None, world_size: int,
+                  restart_count: int, rank: int, timeout_s: float = PARK_TIMEOUT_S) -> None:
+    """If a gate applies here, write its marker and wait (the runner kills this worker,
+    or its agent restarts it, meanwhile); after ``timeout_s`` train on."""
+    for park in parks:
+        if not park.applies(step, world_size, restart_count):
+            continue
+        gate = directory / park.name
+        gate.mkdir(parents=True, exist_ok=True)
         marker = {"pid": os.getpid(), "rank": rank, "step": step, "world_size": world_size}
-        tmp = self.directory / f".rank{rank}-pid{os.getpid()}.tmp"
+        tmp = gate / f".rank{rank}-pid{os.getpid()}.tmp"
         tmp.write_text(json.dumps(marker))
-        tmp.rename(self.directory / f"rank{rank}-pid{os.getpid()}.json")  # whole or absent
-        log.warning("demo.parked", gate=self.directory.name, pid=os.getpid())
-        threading.Event().wait(self.timeout_s)  # the runner kills or replaces us meanwhile
-        log.warning("demo.park_timeout", gate=self.directory.name, timeout_s=self.timeout_s)
+        tmp.rename(gate / f"rank{rank}-pid{os.getpid()}.json")  # whole or absent
+        log.warning("demo.parked", gate=park.name, pid=os.getpid())
+        threading.Event().wait(timeout_s)
+        log.warning("demo.park_timeout", gate=park.name, timeout_s=timeout_s)
 
 
 # -- runner side ------------------------------------------------------------------------
@@ -178,18 +205,20 @@ def membership_timings(changes: list[dict[str, Any]],
 
 def _park_args(plan: NodesPlan, index: int, started: int, gates: Path) -> list[str]:
     full, short = plan.world_sizes()
+    parks = []
+    if started == plan.bounds[1]:
+        # A slow agent can miss the first round's last call; a first attempt one node
+        # short then waits for it (its agent restarts it when the node arrives)
+        # instead of training ahead.
+        parks.append(Park("start", None, short, 0, 0))
     if plan.kill_node_at is not None and index == started - 1:
-        gate = (plan.kill_node_at, full, 0, gates / "kill")
+        parks.append(Park("kill", plan.kill_node_at, full, 0, None))
     elif plan.add_node_at is not None:
-        # After a kill the survivors' agents have restarted once; a spurious first
-        # round one node short (a slow agent missed the last call) has not.
-        gate = (plan.add_node_at, short, 1 if plan.kill_node_at is not None else 0,
-                gates / "add")
-    else:
-        return []
-    step, world, restarts, directory = gate
-    return [f"--park-at={step}", f"--park-world={world}", f"--park-min-restarts={restarts}",
-            f"--park-dir={directory}"]
+        # The survivors' agents restarted once after a kill; without a kill the job
+        # started one node short and nobody has.
+        low = 1 if plan.kill_node_at is not None else 0
+        parks.append(Park("add", plan.add_node_at, short, low, None))
+    return [f"--park-dir={gates}", *(p.to_arg() for p in parks)] if parks else []
 
 
 def _start(plan: NodesPlan, index: int, port: int, extra_args: list[str]) -> Node:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import os
 import signal
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader
 import elastictrain as et
 from elastictrain.demo.corpus import CharDataset, IndexedPrefix, demo_corpus
 from elastictrain.demo.model import CharGPT, GPTConfig
-from elastictrain.demo.multinode import Park
+from elastictrain.demo.multinode import Park, wait_at_gates
 from elastictrain.demo.records import SampleRecorder
 from elastictrain.log import get_logger
 from elastictrain.snapshot.manager import unwrap
@@ -44,10 +45,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=None, help="train on the first N windows")
     p.add_argument("--record-samples", default=None, help="dir: per-step sample indices")
     p.add_argument("--events-dir", default=None)
-    p.add_argument("--park-at", type=int, default=None)  # multinode.Park, set by the runner
-    p.add_argument("--park-world", type=int, default=0)
-    p.add_argument("--park-min-restarts", type=int, default=0)
-    p.add_argument("--park-dir", default=None)
+    p.add_argument("--park", type=Park.parse, action="append", default=[])  # set by the
+    p.add_argument("--park-dir", default=None)  # multi-node runner: multinode.Park
     return p.parse_args(argv)
 
 
@@ -106,8 +105,10 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
     resumed_at = snap.restore().from_step or 0
     kills = sorted(args.kill_at)
     recorder = SampleRecorder.open(args.record_samples, rt) if args.record_samples else None
-    park = (Park(args.park_at, args.park_world, args.park_min_restarts, Path(args.park_dir))
-            if args.park_at is not None and args.park_dir else None)
+    gate = functools.partial(wait_at_gates, args.park, Path(args.park_dir or "."),
+                             world_size=rt.world_size, restart_count=rt.env.restart_count,
+                             rank=rt.rank)
+    gate(None)
     while snap.step_count < args.steps:
         for micro_batches in et.optimizer_steps(loader):
             trained = train_step(ddp, optimizer, micro_batches)
@@ -118,8 +119,7 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
             if snap.step_count == resumed_at + 1:  # time to first step, for the summary
                 log.info("demo.first_step")
             kill_if_scheduled(kills, snap.step_count, rt)
-            if park is not None:
-                park.maybe_wait(snap.step_count, rt.world_size, rt.env.restart_count, rt.rank)
+            gate(snap.step_count)
             if snap.step_count >= args.steps:
                 break
         else:
