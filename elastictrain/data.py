@@ -20,12 +20,16 @@ with ``batch_size=batch_size``. With a global batch, pass
 ``batch_sampler=MicroBatchSampler(sampler)`` and iterate with
 :func:`optimizer_steps`.
 
-Epoch tail. The last step of an epoch trains what remains, ``R`` samples. When
-``W`` does not divide ``R`` the ranks would get unequal shares, and DDP hangs on
-a rank that runs out first. ``drop_last=False`` (default) pads that step with
-the epoch's first ``W - R % W`` samples, which are then trained twice in the
-epoch; ``drop_last=True`` leaves out the last ``R % W`` samples instead. Either
-way at most ``W - 1`` samples per epoch are affected and
+Epoch tail. The last step of an epoch trains what remains, ``R`` samples, if it
+can. With the per-rank policy it can when ``W`` divides ``R``: otherwise ranks
+would get unequal shares, a plain DataLoader would give them different numbers
+of batches, and DDP would hang on the rank that runs out first. With a global
+batch it can when every rank gets at least one sample per micro-batch (``R >=
+W``, and ``W`` divides ``R`` if ``batch_size`` is 1). When it cannot,
+``drop_last=False`` (default) pads that step up to the nearest size that can
+run with the epoch's first samples, which are then trained twice in the epoch;
+``drop_last=True`` leaves out the epoch's last samples instead. Either way fewer
+than ``W`` samples per epoch are affected, and
 :meth:`ElasticSampler.epoch_padding` says how many. The padding comes from the
 epoch's start, not from what remains, so it is the same wherever a same-size job
 resumed: a resume at the same world size stays bit-exact.
@@ -307,7 +311,8 @@ def optimizer_steps(loader: DataLoader[Any]) -> Iterator[list[tuple[Micro, Any]]
     With ``batch_sampler=MicroBatchSampler(...)`` a step has one or more
     micro-batches; run the backward of all but the last under DDP's
     ``no_sync()`` and scale each mean loss by ``micro.loss_scale``. With a plain
-    ``sampler=`` every batch is one step (one micro-batch, scale 1).
+    ``sampler=`` every batch is one step (one micro-batch, scale 1, its indices
+    not known here: empty).
     """
     batch_sampler = loader.batch_sampler
     if not isinstance(batch_sampler, MicroBatchSampler):
