@@ -205,12 +205,13 @@ def membership_timings(changes: list[dict[str, Any]],
 
 def _park_args(plan: NodesPlan, index: int, started: int, gates: Path) -> list[str]:
     full, short = plan.world_sizes()
+    lo, hi = plan.bounds
     parks = []
-    if started == plan.bounds[1]:
-        # A slow agent can miss the first round's last call; a first attempt one node
-        # short then waits for it (its agent restarts it when the node arrives)
-        # instead of training ahead.
-        parks.append(Park("start", None, short, 0, 0))
+    if started == hi:
+        # A slow agent can miss the first round's last call; a first attempt that is
+        # short of nodes then waits for it (its agent restarts it when the node
+        # arrives) instead of training ahead.
+        parks += [Park("start", None, n * plan.nproc, 0, 0) for n in range(lo, hi)]
     if plan.kill_node_at is not None and index == started - 1:
         parks.append(Park("kill", plan.kill_node_at, full, 0, None))
     elif plan.add_node_at is not None:

@@ -33,6 +33,7 @@ def resume_of(out: dict[str, object]) -> dict[str, object]:
     return [e for e in events(Path(str(out["events_dir"])), "resume") if e["rank"] == 0][-1]
 
 
+@pytest.mark.timeout(600)  # three launches
 def test_relaunch_at_other_sizes_trains_each_sample_once(tmp_path: Path) -> None:
     # Per-rank batch 4: 8 samples per step on 2 ranks, 4 on 1, 12 on 3.
     first = demo(tmp_path, "--nproc=2", "--steps=6")  # cursor 48
@@ -61,6 +62,7 @@ def test_relaunch_at_other_sizes_trains_each_sample_once(tmp_path: Path) -> None
     assert steps[16].epoch == 1
 
 
+@pytest.mark.timeout(480)  # two launches
 def test_global_batch_is_kept_across_sizes_with_uneven_shares(tmp_path: Path) -> None:
     """--global-batch-size 10 with micro-batch 4: on 2 ranks shares 5 in micro-batches
     3 + 2; on 3 ranks shares 4, 3, 3 in one micro-batch. Every step trains 10."""

@@ -41,6 +41,7 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
+@pytest.mark.timeout(480)  # above the demo's own 420 s limit
 def test_node_killed_and_replaced_inside_an_epoch(tmp_path: Path, events_root: Path) -> None:
     out = run_demo_json(tmp_path, f"--storage={tmp_path / 's'}", "--nnodes=1:2", "--nproc=1",
                         f"--samples={N}", "--batch-size=4", "--steps=18",
