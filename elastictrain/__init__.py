@@ -12,7 +12,7 @@ Public API::
 __version__ = "0.1.0"
 
 from elastictrain.config import Settings, load_settings
-from elastictrain.data import ElasticSampler
+from elastictrain.data import ElasticSampler, Micro, MicroBatchSampler, optimizer_steps
 from elastictrain.errors import (
     ConfigError,
     ElasticTrainError,
@@ -27,6 +27,8 @@ __all__ = [
     "ConfigError",
     "ElasticSampler",
     "ElasticTrainError",
+    "Micro",
+    "MicroBatchSampler",
     "ResumeInfo",
     "Runtime",
     "Settings",
@@ -37,5 +39,6 @@ __all__ = [
     "__version__",
     "init",
     "load_settings",
+    "optimizer_steps",
     "shutdown",
 ]

@@ -18,7 +18,11 @@ def _demo(args: argparse.Namespace) -> int:
 
     opts = DemoOptions(storage=args.storage, nproc=args.nproc, steps=args.steps,
                        snapshot_every=args.snapshot_every, keep=args.keep,
-                       kill_at=args.kill_at, seed=args.seed, events_dir=args.events_dir)
+                       kill_at=args.kill_at, seed=args.seed, events_dir=args.events_dir,
+                       nnodes=args.nnodes, kill_node_at=args.kill_node_at,
+                       add_node_at=args.add_node_at, batch_size=args.batch_size,
+                       global_batch_size=args.global_batch_size, samples=args.samples,
+                       record_samples=args.record_samples)
     result = run_demo(opts)
     print_result(result, args.json)
     return result.exit_code
@@ -57,6 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--events-dir", default=None, help="where event logs go (default: "
                       "<storage>/events for local storage)")
     demo.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    elastic = demo.add_argument_group("elastic", "world-size changes and batch policy")
+    elastic.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                         help="agents (nodes) on this machine, e.g. 1:2 (default 1)")
+    elastic.add_argument("--kill-node-at", type=int, default=None, metavar="STEP",
+                         help="SIGKILL the last node (agent and workers) after STEP")
+    elastic.add_argument("--add-node-at", type=int, default=None, metavar="STEP",
+                         help="start a replacement node after STEP at the smaller size")
+    elastic.add_argument("--batch-size", type=int, default=16, help="per-rank (micro-)batch")
+    elastic.add_argument("--global-batch-size", type=int, default=None, metavar="G",
+                         help="keep G samples per step at any world size (accumulation)")
+    elastic.add_argument("--samples", type=int, default=None, metavar="N",
+                         help="train on the first N windows of the corpus (short epochs)")
+    elastic.add_argument("--record-samples", default=None, metavar="DIR",
+                         help="write each rank's sample indices per step to DIR")
     demo.set_defaults(func=_demo)
 
     snaps = sub.add_parser("snapshots", help="list, verify, inspect or prune snapshots")

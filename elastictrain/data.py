@@ -1,33 +1,88 @@
 """ElasticSampler: a resumable, world-size-agnostic distributed sampler.
 
-The order of an epoch depends only on ``(seed, epoch)``: a permutation of
-``range(dataset_len)`` (or the identity with ``shuffle=False``). The sampler's
-state is a *global cursor*: how many samples of that order the whole job has
-consumed this epoch. Whatever the world size, the samples not yet consumed,
-``order[cursor:]``, are dealt round-robin to the current ranks: rank ``r``
-takes positions ``r, r + W, r + 2W, …``. After each step every rank has
-consumed ``batch_size`` samples, so the job has consumed the next
-``batch_size * W`` positions and the cursor advances by that much. A resume
-at any world size therefore continues with exactly the unseen samples.
+Order. The order of an epoch depends only on ``(seed, epoch)``: a permutation
+of ``range(dataset_len)`` (the identity with ``shuffle=False``), never on the
+world size.
 
-End of epoch: when the remaining count ``R`` is not a multiple of ``W``,
-ranks would get unequal shares and DDP would hang on the rank with fewer
-batches. ``drop_last=False`` (default) pads the deal with the epoch's first
-``W - R % W`` samples again (so those few are seen twice);
-``drop_last=True`` drops the last ``R % W`` samples of the epoch instead.
-Either way at most ``W - 1`` samples per epoch are affected, and
-:meth:`ElasticSampler.epoch_padding` says how many.
+State. A *global cursor*: how many positions of that order the whole job has
+consumed this epoch. Whatever the world size, the samples not yet consumed,
+``order[cursor:]``, are what the job trains next, so a resume at any world size
+continues with exactly the unseen samples.
+
+Steps. Each optimizer step takes the next ``n`` positions and deals them
+round-robin over the current ``W`` ranks (the ``i``-th to rank ``i mod W``):
+``n = batch_size x W`` with the per-rank batch policy, ``n =
+global_batch_size`` with the global one (gradient accumulation; the arithmetic
+is in :mod:`elastictrain.batching`). ``advance()`` moves the cursor by exactly
+``n``. With the per-rank policy rank ``r`` simply takes positions ``r, r + W,
+r + 2W, ...``, so the sampler is a drop-in ``sampler=`` for a ``DataLoader``
+with ``batch_size=batch_size``. With a global batch, pass
+``batch_sampler=MicroBatchSampler(sampler)`` and iterate with
+:func:`optimizer_steps`.
+
+Epoch tail. The last step of an epoch trains what remains, ``R`` samples, if it
+can. With the per-rank policy it can when ``W`` divides ``R``: otherwise ranks
+would get unequal shares, a plain DataLoader would give them different numbers
+of batches, and DDP would hang on the rank that runs out first. With a global
+batch it can when every rank gets at least one sample per micro-batch (``R >=
+W``, and ``W`` divides ``R`` if ``batch_size`` is 1). When it cannot,
+``drop_last=False`` (default) pads that step up to the nearest size that can
+run with the epoch's first samples, which are then trained twice in the epoch;
+``drop_last=True`` leaves out the epoch's last samples instead. Either way fewer
+than ``W`` samples per epoch are affected, and
+:meth:`ElasticSampler.epoch_padding` says how many. The padding comes from the
+epoch's start, not from what remains, so it is the same wherever a same-size job
+resumed: a resume at the same world size stays bit-exact.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
+from elastictrain.batching import (
+    StepShape,
+    check_global_batch,
+    global_batch,
+    step_shape,
+    tail_samples,
+)
 from elastictrain.errors import ResumeMismatchError
+
+
+@dataclass(frozen=True)
+class Micro:
+    """One micro-batch of an optimizer step, as seen by this rank.
+
+    Attributes:
+        index: position in the step, ``0 .. count - 1``.
+        count: micro-batches in this step (the same on every rank).
+        indices: the dataset indices this rank trains in it.
+        loss_scale: factor on the micro-batch's mean loss (see :mod:`elastictrain.batching`).
+    """
+
+    index: int
+    count: int
+    indices: tuple[int, ...]
+    loss_scale: float
+
+    @property
+    def last(self) -> bool:
+        """The micro-batch whose backward all-reduces (run the others under ``no_sync``)."""
+        return self.index == self.count - 1
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """This rank's part of one optimizer step."""
+
+    start: int
+    shape: StepShape
+    micros: tuple[Micro, ...]
 
 
 class ElasticSampler(Sampler[int]):
@@ -35,11 +90,18 @@ class ElasticSampler(Sampler[int]):
 
     Args:
         dataset_len: number of samples in the dataset.
-        batch_size: samples per rank per step (the DataLoader's ``batch_size``).
+        batch_size: samples per rank per step (per-rank policy), or the largest
+            micro-batch (global policy); the DataLoader's ``batch_size``.
         rank: this rank; world_size: current number of ranks.
         seed: base seed of the per-epoch permutation.
         shuffle: permute each epoch (else the identity order).
         drop_last: drop, rather than pad, the uneven tail of an epoch.
+        global_batch_size: keep this many samples per optimizer step at any world
+            size (gradient accumulation); None keeps the per-rank batch.
+
+    Raises:
+        ConfigError: ``global_batch_size`` is not reachable with this world size
+            and batch size (the message names the three numbers and the fix).
     """
 
     def __init__(
@@ -51,11 +113,13 @@ class ElasticSampler(Sampler[int]):
         seed: int = 0,
         shuffle: bool = True,
         drop_last: bool = False,
+        global_batch_size: int | None = None,
     ) -> None:
         if dataset_len <= 0 or batch_size <= 0:
             raise ValueError(f"dataset_len={dataset_len} and batch_size={batch_size} must be > 0")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        check_global_batch(global_batch_size, world_size, batch_size)
         self.dataset_len = dataset_len
         self.batch_size = batch_size
         self.rank = rank
@@ -63,44 +127,74 @@ class ElasticSampler(Sampler[int]):
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.global_batch_size = global_batch_size
         self.epoch = 0
         self.cursor = 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, order), one cached
 
     # -- order and sharding -----------------------------------------------------------
     def epoch_order(self, epoch: int | None = None) -> list[int]:
         """The job-wide sample order of ``epoch`` (independent of the world size)."""
         epoch = self.epoch if epoch is None else epoch
-        if not self.shuffle:
-            return list(range(self.dataset_len))
-        generator = torch.Generator()
-        generator.manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.dataset_len, generator=generator).tolist()
+        if self._order is not None and self._order[0] == epoch:
+            return self._order[1]
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(self.dataset_len, generator=generator).tolist()
+        else:
+            order = list(range(self.dataset_len))
+        self._order = (epoch, order)
+        return order
 
-    def _dealt(self) -> list[int]:
+    @property
+    def global_batch(self) -> int:
+        """Samples a full optimizer step trains job-wide at the current world size."""
+        return global_batch(self.global_batch_size, self.world_size, self.batch_size)
+
+    def _step_sizes(self) -> Iterator[tuple[int, int]]:
+        """``(start, n)`` of each remaining step of the epoch: ``n`` samples job-wide,
+        the tail's padding included (its dropped samples excluded)."""
+        start, full = self.cursor, self.global_batch
+        while self.dataset_len - start >= full:
+            yield start, full
+            start += full
+        tail = self._tail(self.dataset_len - start)
+        if tail > 0:
+            yield start, tail
+
+    def _tail(self, remaining: int) -> int:
+        return tail_samples(remaining, self.world_size, self.batch_size,
+                            equal_shares=self.global_batch_size is None, drop_last=self.drop_last)
+
+    def steps(self) -> Iterator[StepPlan]:
+        """This rank's remaining optimizer steps of the epoch, from the cursor."""
         order = self.epoch_order()
-        remaining = order[self.cursor:]
-        extra = len(remaining) % self.world_size
-        if extra == 0:
-            return remaining
-        if self.drop_last:
-            return remaining[: len(remaining) - extra]
-        # Pad from the start of the epoch's order, not of what remains: the padding is
-        # then the same wherever a same-size job resumed, which keeps resume bit-exact.
-        pad = self.world_size - extra
-        return remaining + (order * pad)[:pad]
+        for start, n in self._step_sizes():
+            # Padding comes from the epoch's start (see the module docstring).
+            over = max(0, start + n - self.dataset_len)
+            positions = order[start : start + n] + [order[i % len(order)] for i in range(over)]
+            mine = positions[self.rank :: self.world_size]
+            shape = step_shape(n, self.world_size, self.batch_size)
+            sizes = shape.micro_sizes(self.rank)
+            micros, offset = [], 0
+            for i, size in enumerate(sizes):
+                micros.append(Micro(i, len(sizes), tuple(mine[offset : offset + size]),
+                                    shape.loss_scale(size)))
+                offset += size
+            yield StepPlan(start, shape, tuple(micros))
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._dealt()[self.rank :: self.world_size])
+        return iter([i for plan in self.steps() for m in plan.micros for i in m.indices])
 
     def __len__(self) -> int:
-        return len(self._dealt()) // self.world_size
+        return sum(step_shape(n, self.world_size, self.batch_size).share(self.rank)
+                   for _, n in self._step_sizes())
 
     def epoch_padding(self) -> int:
         """Samples repeated (positive) or dropped (negative) at this epoch's end."""
-        extra = (self.dataset_len - self.cursor) % self.world_size
-        if extra == 0:
-            return 0
-        return -extra if self.drop_last else self.world_size - extra
+        remaining = (self.dataset_len - self.cursor) % self.global_batch  # for the short step
+        return self._tail(remaining) - remaining
 
     # -- progress -----------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -110,19 +204,32 @@ class ElasticSampler(Sampler[int]):
             self.cursor = 0
 
     def advance(self, per_rank_samples: int | None = None) -> None:
-        """Record one completed step: every rank consumed ``per_rank_samples`` (default
-        ``batch_size``), so the job consumed that many times the world size."""
-        n = self.batch_size if per_rank_samples is None else per_rank_samples
-        self.cursor = min(self.dataset_len, self.cursor + n * self.world_size)
+        """Record one completed optimizer step.
+
+        By default the cursor moves past exactly the samples the step trained (its
+        ``n``; at the epoch's tail, to the end). ``per_rank_samples`` is the
+        older form: every rank consumed that many, the job that many times ``W``.
+        """
+        if per_rank_samples is not None:
+            self.cursor = min(self.dataset_len, self.cursor + per_rank_samples * self.world_size)
+            return
+        start, n = next(self._step_sizes(), (self.dataset_len, 0))
+        is_tail = self.dataset_len - start < self.global_batch
+        self.cursor = self.dataset_len if is_tail else start + n
 
     @property
     def epoch_done(self) -> bool:
-        return len(self) == 0
+        return next(self._step_sizes(), None) is None
 
     def set_world(self, rank: int, world_size: int) -> None:
-        """Re-shard the rest of the epoch over a new world (after an elastic restart)."""
+        """Re-shard the rest of the epoch over a new world (after an elastic restart).
+
+        Raises:
+            ConfigError: the global batch is not reachable at the new world size.
+        """
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        check_global_batch(self.global_batch_size, world_size, self.batch_size)
         self.rank, self.world_size = rank, world_size
 
     # -- state ----------------------------------------------------------------------------
@@ -136,20 +243,16 @@ class ElasticSampler(Sampler[int]):
             "drop_last": self.drop_last,
             "world_size": self.world_size,
             "batch_size": self.batch_size,
+            "global_batch_size": self.global_batch_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at the saved global cursor; the world size may differ.
+        """Resume at the saved global cursor; the world size and batch policy may differ.
 
         Raises:
             ResumeMismatchError: the dataset length or seed differ from the snapshot's.
         """
-        if state["dataset_len"] != self.dataset_len:
-            raise ResumeMismatchError(
-                f"dataset has {self.dataset_len} samples but the snapshot was taken with "
-                f"{state['dataset_len']}; fix: resume with the same dataset, or start a new run "
-                "in a fresh storage location"
-            )
+        check_dataset_len(self.dataset_len, state["dataset_len"])
         if state["seed"] != self.seed or state["shuffle"] != self.shuffle:
             raise ResumeMismatchError(
                 f"sampler seed/shuffle {self.seed}/{self.shuffle} differ from the snapshot's "
@@ -157,3 +260,65 @@ class ElasticSampler(Sampler[int]):
             )
         self.epoch = int(state["epoch"])
         self.cursor = int(state["cursor"])
+
+    def resume_fields(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """What a resume from sampler state ``saved`` changes, for the ``resume`` event."""
+        saved_global = global_batch(saved.get("global_batch_size"), int(saved["world_size"]),
+                                    int(saved["batch_size"]))
+        first = next(self.steps(), None)
+        return {
+            "batch_policy": "per_rank" if self.global_batch_size is None else "global",
+            "saved_global_batch": saved_global,
+            "global_batch": self.global_batch,
+            "global_batch_changed": saved_global != self.global_batch,
+            "accumulation_steps": first.shape.micro_steps if first is not None else 0,
+            "cursor": self.cursor,
+        }
+
+
+def check_dataset_len(current: int, saved: int | None) -> None:
+    """Raise ResumeMismatchError naming both lengths when they differ."""
+    if saved is not None and int(saved) != current:
+        raise ResumeMismatchError(
+            f"dataset has {current} samples but the snapshot was taken with {saved}; fix: "
+            "resume with the same dataset, or start a new run in a fresh storage location"
+        )
+
+
+class MicroBatchSampler(Sampler[list[int]]):
+    """``batch_sampler=`` for a DataLoader: this rank's micro-batches, step after step.
+
+    The plan is fixed when the DataLoader starts iterating (``iter(loader)``);
+    :func:`optimizer_steps` groups the loaded micro-batches back into steps.
+    """
+
+    def __init__(self, sampler: ElasticSampler) -> None:
+        self.sampler = sampler
+        self.planned: list[StepPlan] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # Eager, not a generator: the plan must exist as soon as the DataLoader calls iter().
+        self.planned = list(self.sampler.steps())
+        return iter([list(m.indices) for plan in self.planned for m in plan.micros])
+
+    def __len__(self) -> int:
+        return sum(len(plan.micros) for plan in self.sampler.steps())
+
+
+def optimizer_steps(loader: DataLoader[Any]) -> Iterator[list[tuple[Micro, Any]]]:
+    """Iterate a DataLoader by optimizer step: each item lists ``(micro, batch)`` pairs.
+
+    With ``batch_sampler=MicroBatchSampler(...)`` a step has one or more
+    micro-batches; run the backward of all but the last under DDP's
+    ``no_sync()`` and scale each mean loss by ``micro.loss_scale``. With a plain
+    ``sampler=`` every batch is one step (one micro-batch, scale 1, its indices
+    not known here: empty).
+    """
+    batch_sampler = loader.batch_sampler
+    if not isinstance(batch_sampler, MicroBatchSampler):
+        for batch in loader:
+            yield [(Micro(0, 1, (), 1.0), batch)]
+        return
+    batches = iter(loader)  # calls iter(batch_sampler), which fixes the plan
+    for plan in batch_sampler.planned:
+        yield [(micro, next(batches)) for micro in plan.micros]

@@ -80,3 +80,31 @@ class CharDataset(Dataset[tuple[Tensor, Tensor]]):
 def encode_tensor(vocab: CharVocab, text: str) -> Tensor:
     """Encode ``text`` with ``vocab`` into a 1-D ``torch.long`` tensor."""
     return torch.tensor(vocab.encode(text), dtype=torch.long)
+
+
+def demo_corpus(block_size: int) -> tuple[CharVocab, CharDataset]:
+    """The packaged corpus as a vocabulary and its windowed dataset."""
+    text = load_corpus_text()
+    vocab = CharVocab(text)
+    return vocab, CharDataset(encode_tensor(vocab, text), block_size)
+
+
+class IndexedPrefix(Dataset[tuple[int, Tensor, Tensor]]):
+    """The first ``length`` items of a dataset, each returned with its index, so a
+    training step can record exactly which samples it trained."""
+
+    def __init__(self, dataset: CharDataset, length: int | None = None) -> None:
+        full = len(dataset)
+        self.dataset = dataset
+        self.length = full if length is None else length
+        if not 1 <= self.length <= full:
+            raise ValueError(f"length={self.length} must be in 1..{full}")
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[int, Tensor, Tensor]:
+        if not 0 <= i < self.length:
+            raise IndexError(i)
+        x, y = self.dataset[i]
+        return i, x, y

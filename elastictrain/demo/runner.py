@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.config import load_settings
+from elastictrain.demo.multinode import NodesPlan, membership_timings, parse_nnodes, run_nodes
+from elastictrain.demo.preflight import check_resumable, validate_elastic
 from elastictrain.errors import ConfigError
 from elastictrain.launch import LaunchSpec, start_torchrun
 from elastictrain.log import read_events
@@ -31,6 +33,13 @@ class DemoOptions:
     kill_at: list[int] = field(default_factory=list)
     seed: int = 0
     events_dir: str | None = None
+    nnodes: str = "1"
+    kill_node_at: int | None = None
+    add_node_at: int | None = None
+    batch_size: int = 16
+    global_batch_size: int | None = None
+    samples: int | None = None
+    record_samples: str | None = None
 
     def validate(self) -> None:
         """Reject bad input before any worker starts (one line: field, value, fix)."""
@@ -46,6 +55,7 @@ class DemoOptions:
                                   f"; fix: choose a step below --steps={self.steps}")
         if len(set(self.kill_at)) != len(self.kill_at):
             raise ConfigError(f"--kill-at={self.kill_at}: repeated step; fix: give each once")
+        validate_elastic(self)
 
 
 @dataclass
@@ -61,6 +71,8 @@ class DemoResult:
     storage: str
     events_dir: str
     wall_s: float
+    world_sizes: list[int] = field(default_factory=list)  # one per attempt
+    membership: list[dict[str, Any]] = field(default_factory=list)  # nodes killed / added
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +84,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     settings = load_settings(storage={"url": opts.storage})
     store = open_store(opts.storage)
     store.check_writable()  # before any worker trains; raises StorageError naming the path
+    check_resumable(opts, store)  # dataset length vs the newest snapshot, before training
     run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     events_root = opts.events_dir or default_events_dir(settings) or "./elastictrain-events"
     events_dir = str(Path(events_root) / run_id)
@@ -80,6 +93,9 @@ def run_demo(opts: DemoOptions) -> DemoResult:
                    f"--snapshot-every={opts.snapshot_every}", f"--keep={opts.keep}",
                    f"--seed={opts.seed}", f"--events-dir={events_dir}"]
     worker_args += [f"--kill-at={k}" for k in opts.kill_at]
+    worker_args += elastic_worker_args(opts)
+    if parse_nnodes(opts.nnodes)[1] > 1:
+        return run_multinode_demo(opts, run_id, events_dir, worker_args)
     spec = LaunchSpec(nproc_per_node=opts.nproc, module="elastictrain.demo.worker",
                       script_args=worker_args, max_restarts=len(opts.kill_at) + 2,
                       rdzv_id=run_id, log_dir=str(Path(events_dir) / "torchelastic"))
@@ -91,26 +107,53 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     return summarize(events_dir, opts.storage, exit_code, wall)
 
 
+def elastic_worker_args(opts: DemoOptions) -> list[str]:
+    """Worker options of the elastic features, passed only when set."""
+    args = [f"--batch-size={opts.batch_size}"]
+    if opts.global_batch_size is not None:
+        args.append(f"--global-batch-size={opts.global_batch_size}")
+    if opts.samples is not None:
+        args.append(f"--samples={opts.samples}")
+    if opts.record_samples is not None:
+        args.append(f"--record-samples={Path(opts.record_samples).resolve()}")
+    return args
+
+
+def run_multinode_demo(opts: DemoOptions, run_id: str, events_dir: str,
+                       worker_args: list[str]) -> DemoResult:
+    """Several agents on this machine (see elastictrain.demo.multinode)."""
+    plan = NodesPlan(nnodes=opts.nnodes, nproc=opts.nproc, kill_node_at=opts.kill_node_at,
+                     add_node_at=opts.add_node_at, worker_args=worker_args, run_id=run_id,
+                     events_dir=Path(events_dir))
+    started = time.monotonic()
+    exit_code = run_nodes(plan)
+    result = summarize(events_dir, opts.storage, exit_code, time.monotonic() - started)
+    result.membership = membership_timings(plan.membership, events_dir)
+    return result
+
+
 def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float) -> DemoResult:
-    """Build the demo's result from rank 0's event files, one per attempt."""
-    files = sorted(Path(events_dir).glob("attempt*-rank0.jsonl"))
+    """Build the demo's result from rank 0's event files (one per attempt; several
+    nodes each have a directory of them), in time order."""
+    files = sorted(Path(events_dir).rglob("attempt*-rank0.jsonl"))
     resumed_from: list[int | None] = []
+    world_sizes: list[int] = []
     committed: list[int] = []
     lost = 0
     finished: dict[str, Any] = {}
-    for path in files:
-        for event in read_events(path):
-            name = event.get("event")
-            if name == "resume":
-                resumed_from.append(event.get("from_step"))
-                lost += int(event.get("lost_steps") or 0)
-            elif name == "snapshot.committed":
-                committed.append(int(event["snapshot_step"]))
-            elif name == "run.finished":
-                finished = event
+    for event in sorted((e for p in files for e in read_events(p)), key=lambda e: e["ts"]):
+        name = event.get("event")
+        if name == "resume":
+            resumed_from.append(event.get("from_step"))
+            world_sizes.append(int(event["world_size"]))
+            lost += int(event.get("lost_steps") or 0)
+        elif name == "snapshot.committed":
+            committed.append(int(event["snapshot_step"]))
+        elif name == "run.finished":
+            finished = event
     return DemoResult(
         final_step=finished.get("final_step"),
-        restarts=max(len(files) - 1, 0),
+        restarts=max(len(resumed_from) - 1, 0),
         resumed_from=resumed_from,
         committed_steps=committed,
         lost_steps=lost,
@@ -120,6 +163,7 @@ def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float) -> D
         storage=storage,
         events_dir=events_dir,
         wall_s=round(wall_s, 2),
+        world_sizes=world_sizes,
     )
 
 
@@ -129,6 +173,10 @@ def human_summary(result: DemoResult) -> str:
         f"in {result.wall_s:.1f}s (exit {result.exit_code})",
         f"  attempts:           {result.restarts + 1} ({result.restarts} restarts)",
         f"  resumed from steps: {_steps(result.resumed_from)}",
+        f"  world sizes:        {', '.join(map(str, result.world_sizes))}",
+        *(f"  {m['change']}:{' ' * (18 - len(m['change']))}node {m['node']} after step "
+          f"{m['after_step']}, first step at world size {m.get('world_size')} "
+          f"{m.get('seconds_to_first_step')}s later" for m in result.membership),
         f"  snapshots committed: {', '.join(map(str, result.committed_steps)) or 'none'}",
         f"  lost steps:         {result.lost_steps}",
         f"  final step / loss:  {result.final_step} / {result.final_loss}",

@@ -8,10 +8,13 @@ launches it. Reads like any DDP script, with the four elastictrain calls:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import hashlib
 import os
 import signal
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,8 +22,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 import elastictrain as et
-from elastictrain.demo.corpus import CharDataset, CharVocab, encode_tensor, load_corpus_text
+from elastictrain.demo.corpus import CharDataset, IndexedPrefix, demo_corpus
 from elastictrain.demo.model import CharGPT, GPTConfig
+from elastictrain.demo.multinode import Park, wait_at_gates
+from elastictrain.demo.records import SampleRecorder
 from elastictrain.log import get_logger
 from elastictrain.snapshot.manager import unwrap
 
@@ -36,7 +41,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-at", type=int, action="append", default=[])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--global-batch-size", type=int, default=None)
+    p.add_argument("--samples", type=int, default=None, help="train on the first N windows")
+    p.add_argument("--record-samples", default=None, help="dir: per-step sample indices")
     p.add_argument("--events-dir", default=None)
+    p.add_argument("--park", type=Park.parse, action="append", default=[])  # set by the
+    p.add_argument("--park-dir", default=None)  # multi-node runner: multinode.Park
     return p.parse_args(argv)
 
 
@@ -74,36 +84,42 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def train(args: argparse.Namespace, rt: et.Runtime) -> None:
-    text = load_corpus_text()
-    vocab = CharVocab(text)
+    vocab, windows = demo_corpus(GPTConfig(vocab_size=1).block_size)
     config = GPTConfig(vocab_size=len(vocab))
-    dataset = CharDataset(encode_tensor(vocab, text), config.block_size)
+    dataset = IndexedPrefix(windows, args.samples)
     torch.manual_seed(args.seed)
     model = CharGPT(config)
     ddp = DistributedDataParallel(model) if rt.ctx.initialized else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(args.steps, 1))
     sampler = et.ElasticSampler(len(dataset), args.batch_size, rt.rank, rt.world_size,
-                                seed=args.seed)
+                                seed=args.seed, global_batch_size=args.global_batch_size)
     # A private generator: iter(DataLoader) otherwise draws from the global RNG, so a
     # resume that starts iterating mid-epoch would shift every later dropout mask.
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
+    loader = DataLoader(dataset, batch_sampler=et.MicroBatchSampler(sampler),
                         generator=torch.Generator())
     snap = et.SnapshotManager(rt.settings.storage.url, model=ddp, optimizer=optimizer,
                               scheduler=scheduler, sampler=sampler, ctx=rt.ctx,
                               config=rt.settings.snapshot, progress_dir=rt.events_dir,
                               storage_options=rt.settings.storage.storage_options)
-    snap.restore()
+    resumed_at = snap.restore().from_step or 0
     kills = sorted(args.kill_at)
+    recorder = SampleRecorder.open(args.record_samples, rt) if args.record_samples else None
+    gate = functools.partial(wait_at_gates, args.park, Path(args.park_dir or "."),
+                             world_size=rt.world_size, restart_count=rt.env.restart_count,
+                             rank=rt.rank)
+    gate(None)
     while snap.step_count < args.steps:
-        for x, y in loader:
-            _, loss = ddp(x, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+        for micro_batches in et.optimizer_steps(loader):
+            trained = train_step(ddp, optimizer, micro_batches)
             scheduler.step()
+            if recorder is not None:  # before snap.step(): a snapshot implies the record
+                recorder.record(snap.step_count + 1, snap.epoch, trained)
             snap.step()
+            if snap.step_count == resumed_at + 1:  # time to first step, for the summary
+                log.info("demo.first_step")
             kill_if_scheduled(kills, snap.step_count, rt)
+            gate(snap.step_count)
             if snap.step_count >= args.steps:
                 break
         else:
@@ -111,9 +127,32 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
     if snap.step_count % args.snapshot_every != 0:
         snap.save()  # the final state, so a re-run resumes at the end
     snap.close()
+    if recorder is not None:
+        recorder.close()
     if rt.rank == 0:
-        log.info("run.finished", final_step=snap.step_count, final_loss=eval_loss(model, dataset),
+        log.info("run.finished", final_step=snap.step_count, final_loss=eval_loss(model, windows),
                  param_digest=param_digest(model), epoch=snap.epoch)
+
+
+def train_step(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               micro_batches: list[tuple[et.Micro, Any]]) -> list[int]:
+    """One optimizer step over its micro-batches; returns the sample indices trained.
+
+    All but the last backward run under ``no_sync`` (gradients accumulate locally;
+    the last one all-reduces); each mean loss is scaled so the step's gradient is
+    the mean over the whole step (see elastictrain.batching).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    trained: list[int] = []
+    for micro, (index, x, y) in micro_batches:
+        accumulate = isinstance(ddp, DistributedDataParallel) and not micro.last
+        with ddp.no_sync() if accumulate else contextlib.nullcontext():  # type: ignore[operator]
+            _, loss = ddp(x, y)
+            # Scale 1 (the per-rank policy) skips the multiply: the graph stays as before.
+            (loss if micro.loss_scale == 1.0 else loss * micro.loss_scale).backward()
+        trained += index.tolist()
+    optimizer.step()
+    return trained
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from elastictrain.config import SnapshotConfig, validated
-from elastictrain.data import ElasticSampler
+from elastictrain.data import ElasticSampler, check_dataset_len
 from elastictrain.dist import DistContext
 from elastictrain.env import WorkerEnv
 from elastictrain.errors import ConfigError
@@ -118,6 +118,7 @@ class SnapshotManager:
         self._last_handle: SaveHandle | None = None
         self._last_save_time = time.monotonic()
         self._progress = _ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
+        self._rng_rule = "none"
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -135,7 +136,12 @@ class SnapshotManager:
         """Load the newest verified snapshot on every rank (or start fresh)."""
         started = time.perf_counter()
         found = find_latest_verified(self.store) if self.ctx.is_writer else None
-        step = self.ctx.broadcast_object(found.step if found else None)
+        # The manifest's dataset length travels with the step: a mismatch fails on
+        # every rank before any payload is read or applied.
+        step, saved_len = self.ctx.broadcast_object(
+            (found.step, found.manifest.dataset_len) if found else (None, None))
+        if step is not None and self.sampler is not None:
+            check_dataset_len(self.sampler.dataset_len, saved_len)
         previous_high = self._progress.read() if self._progress else None
         if step is None:
             info = ResumeInfo(None, self.epoch, None, self.ctx.world_size, previous_high or 0)
@@ -154,7 +160,8 @@ class SnapshotManager:
                  duration_s=round(time.perf_counter() - started, 4))
         log.info("resume", from_step=step, lost_steps=lost, epoch=info.epoch,
                  saved_world_size=info.saved_world_size, world_size=info.world_size,
-                 world_size_changed=info.saved_world_size != info.world_size)
+                 world_size_changed=info.saved_world_size != info.world_size,
+                 **self._resume_fields(payload))
         return info
 
     def _apply(self, payload: dict[str, Any]) -> None:
@@ -176,8 +183,17 @@ class SnapshotManager:
         # RNG last: building the model and loading state may consume random numbers.
         if len(rng_states) == self.ctx.world_size:
             restore_rng(rng_states[self.ctx.rank])
+            self._rng_rule = "restored"
         else:
             reseed_for_new_world(rng_states[0], self.step_count, self.ctx.rank)
+            self._rng_rule = "reseeded"
+
+    def _resume_fields(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Batch policy and RNG rule of a resume, for the ``resume`` event."""
+        fields: dict[str, Any] = {"rng": self._rng_rule}
+        if self.sampler is not None:
+            fields.update(self.sampler.resume_fields(payload["sampler"]))
+        return fields
 
     # -- the training loop's side ----------------------------------------------------
     def step(self, per_rank_samples: int | None = None) -> SaveHandle | None:
@@ -222,6 +238,7 @@ class SnapshotManager:
             world_size=self.ctx.world_size,
             checksum_algorithm=self.config.checksum,
             dataset_len=self.sampler.dataset_len if self.sampler is not None else None,
+            global_batch_size=self.sampler.global_batch if self.sampler is not None else None,
         )
         self._last_handle = self._get_persister().submit(staged, meta)
         return self._last_handle

@@ -6,6 +6,7 @@ with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -44,13 +45,24 @@ def restore_rng(state: dict[str, Any]) -> None:
         np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
-def reseed_for_new_world(base: dict[str, Any], step: int, rank: int) -> None:
-    """The rule when the world size changed: derive fresh streams from the saved rank-0
-    torch state, the step and the new rank, so each rank's stream is deterministic and
-    distinct. Bitwise continuation is impossible when the number of streams changes."""
-    anchor = int(torch.sum(base["torch"].to(torch.int64)).item())
-    seed = (anchor * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
+def reseed_for_new_world(base: dict[str, Any], step: int, rank: int) -> int:
+    """The rule when the world size changed since the snapshot; returns the seed used.
+
+    With the same world size every rank restores its own saved state (1:1 by rank)
+    and the run continues bit-exactly. With another world size there is no
+    one-to-one mapping of streams, so each rank seeds python, torch (CPU and
+    CUDA) and numpy with::
+
+        seed = int.from_bytes(sha256(rank-0 torch state bytes || step || rank)[:8]) mod 2**63
+
+    which is deterministic (the same snapshot and new rank always give the same
+    stream, also on a second resume) and distinct per rank and per step.
+    """
+    digest = hashlib.sha256(base["torch"].numpy().tobytes())
+    digest.update(f"|{step}|{rank}".encode())
+    seed = int.from_bytes(digest.digest()[:8], "little") % (2**63)
     random.seed(seed)
     torch.manual_seed(seed)
     if np is not None:
         np.random.seed(seed % (2**32))
+    return seed
