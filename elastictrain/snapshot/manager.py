@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,10 @@ from elastictrain.dist import DistContext
 from elastictrain.env import WorkerEnv
 from elastictrain.errors import ConfigError
 from elastictrain.log import bind_step, get_logger
-from elastictrain.snapshot.persister import Persister, SaveHandle, SyncPersister
+from elastictrain.snapshot.persister import SaveHandle
 from elastictrain.snapshot.reader import find_latest_verified, load_payload, read_verified
 from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world, restore_rng
-from elastictrain.snapshot.staging import StagingBuffers
+from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.writer import SnapshotMeta
 from elastictrain.storage import Store, open_store
 
@@ -82,6 +83,7 @@ class SnapshotManager:
         storage_options: passed to fsspec (credentials: never logged).
         progress_dir: local directory for a tiny per-rank step counter, used to
             report how many steps a restart lost. None disables it.
+        clock: monotonic seconds for ``every_seconds`` (tests inject a fake one).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class SnapshotManager:
         run_id: str | None = None,
         storage_options: dict[str, Any] | None = None,
         progress_dir: str | Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
         **overrides: Any,
     ) -> None:
         base = (config or SnapshotConfig()).model_dump()
@@ -112,10 +115,10 @@ class SnapshotManager:
         self.extras: dict[str, Any] = {}
         self.step_count = 0
         self._epoch = 0
-        self._staging = StagingBuffers()
-        self._persister: Persister | None = None
+        self._saver = Saver(self.store, self.config)
         self._last_handle: SaveHandle | None = None
-        self._last_save_time = time.monotonic()
+        self._clock = clock
+        self._last_save_time = clock()
         self._progress = _ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
 
     # -- properties -------------------------------------------------------------------
@@ -185,6 +188,7 @@ class SnapshotManager:
         Args:
             per_rank_samples: samples each rank consumed (default: the sampler's batch size).
         """
+        self._saver.raise_if_failed()  # a background persist that gave up stops training here
         self.step_count += 1
         if self.sampler is not None:
             self.sampler.advance(per_rank_samples)
@@ -199,7 +203,7 @@ class SnapshotManager:
         every = self.config.every_steps
         due = every is not None and self.step_count % every == 0
         if self.config.every_seconds is not None and not due:
-            elapsed = time.monotonic() - self._last_save_time >= self.config.every_seconds
+            elapsed = self._clock() - self._last_save_time >= self.config.every_seconds
             due = self.ctx.agree_any(elapsed)  # rank clocks differ: agree on one decision
         return due
 
@@ -207,13 +211,9 @@ class SnapshotManager:
         """Snapshot the current step now (all ranks must call it at the same step)."""
         started = time.perf_counter()
         rng = self.ctx.all_gather_object(capture_rng())
-        self._last_save_time = time.monotonic()
+        self._last_save_time = self._clock()
         if not self.ctx.is_writer:
             return SaveHandle.completed(self.step_count)
-        staged = self._staging.stage(self._state(rng))
-        log.info("snapshot.staged", snapshot_step=self.step_count,
-                 size_bytes=self._staging.nbytes,
-                 duration_s=round(time.perf_counter() - started, 4))
         meta = SnapshotMeta(
             run_id=self.run_id,
             step=self.step_count,
@@ -222,7 +222,7 @@ class SnapshotManager:
             checksum_algorithm=self.config.checksum,
             dataset_len=self.sampler.dataset_len if self.sampler is not None else None,
         )
-        self._last_handle = self._get_persister().submit(staged, meta)
+        self._last_handle = self._saver.save(self._state(rng), meta, started)
         return self._last_handle
 
     def _state(self, rng: list[dict[str, Any]]) -> dict[str, Any]:
@@ -240,24 +240,13 @@ class SnapshotManager:
             "extras": dict(self.extras),
         }
 
-    def _get_persister(self) -> Persister:
-        if self._persister is None:
-            self._persister = SyncPersister(self.store, self.config.keep)
-        return self._persister
-
     def wait(self) -> None:
         """Block until the last save is durable (re-raises its failure)."""
-        if self._last_handle is not None:
-            self._last_handle.wait()
+        self._saver.wait()
 
     def close(self) -> None:
         """Wait for the save in flight and release the persister."""
-        try:
-            self.wait()
-        finally:
-            if self._persister is not None:
-                self._persister.close()
-                self._persister = None
+        self._saver.close()
 
 
 class _ProgressFile:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,9 +61,13 @@ def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm) -> 
     return writer.bytes_written, writer.hexdigest()
 
 
-def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta) -> Manifest | None:
+def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta,
+                     before_commit: Callable[[], None] | None = None) -> Manifest | None:
     """Write and commit one snapshot. Returns its manifest, or None if the same step
-    was already committed (by an earlier attempt or another writer) and verifies."""
+    was already committed (by an earlier attempt or another writer) and verifies.
+
+    ``before_commit`` runs after the payload is durable and before the commit
+    marker: raising there leaves an uncommitted (ignored, later pruned) write."""
     from elastictrain.snapshot.reader import verify_snapshot  # reader imports writer's peers
 
     final = layout.step_dir(meta.step)
@@ -75,9 +80,14 @@ def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta) -> Manifest
             log.warning("snapshot.corrupt", snapshot_step=meta.step, reason=str(exc),
                         action="replaced")
             store.delete(final, recursive=True)
+    check = before_commit or _no_check
     if store.supports_rename:
-        return _persist_by_rename(store, payload, meta, final)
-    return _persist_manifest_last(store, payload, meta, final)
+        return _persist_by_rename(store, payload, meta, final, check)
+    return _persist_manifest_last(store, payload, meta, final, check)
+
+
+def _no_check() -> None:
+    return None
 
 
 def _manifest(meta: SnapshotMeta, size: int, checksum: str) -> Manifest:
@@ -95,13 +105,15 @@ def _manifest(meta: SnapshotMeta, size: int, checksum: str) -> Manifest:
     )
 
 
-def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: str) -> Manifest:
+def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: str,
+                       before_commit: Callable[[], None]) -> Manifest:
     partial = layout.partial_dir(meta.step, uuid.uuid4().hex[:12])
     try:
         with store.open_write(f"{partial}/{layout.PAYLOAD}") as sink:
             size, checksum = serialize_payload(payload, sink, meta.checksum_algorithm)
         manifest = _manifest(meta, size, checksum)
         store.write_bytes(f"{partial}/{layout.MANIFEST}", manifest.to_json())
+        before_commit()
         if store.exists(final):  # a manifest-less leftover of an earlier crash
             store.delete(final, recursive=True)
         store.rename(partial, final)
@@ -112,10 +124,11 @@ def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: st
 
 
 def _persist_manifest_last(store: Store, payload: Any, meta: SnapshotMeta,
-                           final: str) -> Manifest:
+                           final: str, before_commit: Callable[[], None]) -> Manifest:
     with store.open_write(f"{final}/{layout.PAYLOAD}") as sink:
         size, checksum = serialize_payload(payload, sink, meta.checksum_algorithm)
     manifest = _manifest(meta, size, checksum)
+    before_commit()
     store.write_bytes(f"{final}/{layout.MANIFEST}", manifest.to_json(), if_absent=True)
     return manifest
 
