@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,10 +122,8 @@ class ProcessPersister:
         """Stop the helper after the save in flight (the caller waited for it)."""
         self._closing = True
         if self._proc.is_alive():
-            try:
+            with suppress(OSError, EOFError):
                 self._conn.send(("close",))
-            except (OSError, EOFError):
-                pass
             self._proc.join(timeout=60)
             if self._proc.is_alive():
                 log.warning("snapshot.persister_killed", pid=self._proc.pid,
@@ -169,8 +167,8 @@ class ProcessPersister:
         else:
             key = entry[1]
         used.add(key)
-        return _ViewRef(key, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
-                        tensor.dtype)
+        return _ViewRef(key, int(tensor.storage_offset()), tuple(tensor.shape),
+                        tuple(tensor.stride()), tensor.dtype)
 
     def _read(self) -> None:
         while True:
@@ -221,7 +219,7 @@ def _main_module_hidden() -> Iterator[None]:
     if main is None:
         yield
         return
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
     main.__dict__.pop("__file__", None)
     main.__dict__["__spec__"] = None
     try:

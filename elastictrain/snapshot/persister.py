@@ -9,7 +9,7 @@ Lifecycle of one save (``SaveState``)::
                             ``SaveHandle.wait()`` raises SnapshotWriteFailed
 
 Each failed attempt logs ``snapshot.failed`` (with ``will_retry``) and is retried
-with exponential backoff (``retry_backoff_s`` × 2^k) on the same staged state,
+with exponential backoff (``retry_backoff_s * 2**k``) on the same staged state,
 while training goes on. Three implementations share ``persist_with_retries``:
 ``SyncPersister`` (in the caller, blocking: ``mode="sync"``), and the
 background ``ThreadPersister`` and ``ProcessPersister`` (``mode="async"``).
