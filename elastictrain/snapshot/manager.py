@@ -34,7 +34,7 @@ from elastictrain.env import WorkerEnv
 from elastictrain.errors import ConfigError
 from elastictrain.log import bind_step, get_logger
 from elastictrain.snapshot.persister import SaveHandle
-from elastictrain.snapshot.reader import find_latest_verified, load_payload, read_verified
+from elastictrain.snapshot.restore import load_newest
 from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world, restore_rng
 from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.writer import SnapshotMeta
@@ -136,23 +136,21 @@ class SnapshotManager:
     def restore(self) -> ResumeInfo:
         """Load the newest verified snapshot on every rank (or start fresh)."""
         started = time.perf_counter()
-        found = find_latest_verified(self.store) if self.ctx.is_writer else None
-        step = self.ctx.broadcast_object(found.step if found else None)
+        loaded = load_newest(self.store, self.ctx, self.config.restore_mode)
+        step = loaded.step if loaded else None
         previous_high = self._progress.read() if self._progress else None
         if step is None:
             info = ResumeInfo(None, self.epoch, None, self.ctx.world_size, previous_high or 0)
             log.info("resume", from_step=None, lost_steps=previous_high or 0)
             return info
-        if self.config.restore_mode == "broadcast":
-            data = self.ctx.broadcast_bytes(found.payload if found else None)
-        else:
-            data = found.payload if found else read_verified(self.store, step).payload
-        payload = load_payload(data)
+        assert loaded is not None
+        payload = loaded.payload
         self._apply(payload)
         lost = None if previous_high is None else max(0, previous_high - step)
         info = ResumeInfo(step, self.epoch, int(payload["world_size"]), self.ctx.world_size, lost)
         bind_step(step)
-        log.info("snapshot.loaded", snapshot_step=step, size_bytes=len(data),
+        log.info("snapshot.loaded", snapshot_step=step, size_bytes=loaded.size_bytes,
+                 restore_mode=self.config.restore_mode,
                  duration_s=round(time.perf_counter() - started, 4))
         log.info("resume", from_step=step, lost_steps=lost, epoch=info.epoch,
                  saved_world_size=info.saved_world_size, world_size=info.world_size,

@@ -31,7 +31,6 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ from elastictrain.snapshot.persister import (
     SaveState,
     persist_with_retries,
 )
+from elastictrain.snapshot.views import as_bytes, from_views, to_views
 from elastictrain.snapshot.writer import SnapshotMeta
 from elastictrain.storage.api import Store
 
@@ -55,17 +55,6 @@ _PR_SET_PDEATHSIG = 1
 _EXIT_ORPHANED = 3
 _exiting = threading.Event()  # interpreter exit: multiprocessing terminates helpers, quietly
 atexit.register(_exiting.set)
-
-
-@dataclass(frozen=True)
-class _ViewRef:
-    """A staged tensor as a view into a shared storage the helper already holds."""
-
-    storage: int
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
 
 
 class ProcessPersister:
@@ -140,35 +129,20 @@ class ProcessPersister:
         new: dict[int, torch.Tensor] = {}
         used: set[int] = set()
 
-        def walk(node: Any) -> Any:
-            if isinstance(node, torch.Tensor) and node.untyped_storage().nbytes() > 0:
-                return self._ref(node, new, used)
-            if isinstance(node, dict):
-                return {k: walk(v) for k, v in node.items()}
-            if isinstance(node, list):
-                return [walk(v) for v in node]
-            if isinstance(node, tuple):
-                return tuple(walk(v) for v in node)
-            return node
+        def key_of(storage: torch.UntypedStorage) -> int:
+            entry = self._storages.get(storage.data_ptr())
+            if entry is None:
+                key, self._next_key = self._next_key, self._next_key + 1
+                # Holding the storage keeps its address from being reused by another one.
+                entry = self._storages[storage.data_ptr()] = (storage, key)
+                new[key] = as_bytes(storage)
+            used.add(entry[1])
+            return entry[1]
 
-        skeleton = walk(payload)
+        skeleton = to_views(payload, key_of)
         stale = [ptr for ptr, (_, key) in self._storages.items() if key not in used]
         forget = [self._storages.pop(ptr)[1] for ptr in stale]
         return skeleton, new, forget
-
-    def _ref(self, tensor: torch.Tensor, new: dict[int, torch.Tensor], used: set[int]) -> _ViewRef:
-        storage = tensor.untyped_storage()
-        entry = self._storages.get(storage.data_ptr())
-        if entry is None:
-            key, self._next_key = self._next_key, self._next_key + 1
-            # Holding the storage keeps its address from being reused by another one.
-            self._storages[storage.data_ptr()] = (storage, key)
-            new[key] = torch.empty(0, dtype=torch.uint8).set_(storage)
-        else:
-            key = entry[1]
-        used.add(key)
-        return _ViewRef(key, int(tensor.storage_offset()), tuple(tensor.shape),
-                        tuple(tensor.stride()), tensor.dtype)
 
     def _read(self) -> None:
         while True:
@@ -219,7 +193,8 @@ def _main_module_hidden() -> Iterator[None]:
     if main is None:
         yield
         return
-    saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    names = ("__file__", "__spec__")
+    saved: dict[str, Any] = {k: main.__dict__[k] for k in names if k in main.__dict__}
     main.__dict__.pop("__file__", None)
     main.__dict__["__spec__"] = None
     try:
@@ -247,7 +222,8 @@ def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_
         for key in forget:
             storages.pop(key, None)
         storages.update(new)
-        outcome = _persist(store, _decode(skeleton, storages), meta, keep, policy, parent_pid)
+        outcome = _persist(store, from_views(skeleton, storages), meta, keep, policy,
+                           parent_pid)
         conn.send(("done", outcome))
 
 
@@ -258,19 +234,6 @@ def _persist(store: Store, payload: Any, meta: SnapshotMeta, keep: int, policy: 
                                     before_commit=lambda: _exit_if_orphaned(parent_pid))
     except BaseException as exc:  # report, never leave the worker's handle pending
         return PersistOutcome(SaveState.FAILED, error=f"{type(exc).__name__}: {exc}")
-
-
-def _decode(node: Any, storages: dict[int, torch.Tensor]) -> Any:
-    if isinstance(node, _ViewRef):
-        base = storages[node.storage].untyped_storage()
-        return torch.empty(0, dtype=node.dtype).set_(base, node.offset, node.size, node.stride)
-    if isinstance(node, dict):
-        return {k: _decode(v, storages) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_decode(v, storages) for v in node]
-    if isinstance(node, tuple):
-        return tuple(_decode(v, storages) for v in node)
-    return node
 
 
 def _die_with_parent(parent_pid: int) -> None:
