@@ -44,6 +44,7 @@ from elastictrain.snapshot.persister import (
     SaveHandle,
     SaveState,
     persist_with_retries,
+    prune_after,
 )
 from elastictrain.snapshot.views import as_bytes, from_views, to_views
 from elastictrain.snapshot.writer import SnapshotMeta
@@ -154,7 +155,9 @@ class ProcessPersister:
                 inflight = self._inflight
                 if kind == "done":
                     self._inflight = None
-            context = inflight[1] if inflight else self._context
+            if inflight is not None:
+                self._context = inflight[1]  # retention logs after "done" keep the save's context
+            context = self._context
             if kind == "log":
                 context.run(log_forwarded, body)
             elif kind == "done" and inflight is not None:
@@ -222,15 +225,15 @@ def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_
         for key in forget:
             storages.pop(key, None)
         storages.update(new)
-        outcome = _persist(store, from_views(skeleton, storages), meta, keep, policy,
-                           parent_pid)
-        conn.send(("done", outcome))
+        outcome = _persist(store, from_views(skeleton, storages), meta, policy, parent_pid)
+        conn.send(("done", outcome))  # durable now; the worker may stage the next save
+        prune_after(store, keep, meta.step, outcome)
 
 
-def _persist(store: Store, payload: Any, meta: SnapshotMeta, keep: int, policy: RetryPolicy,
+def _persist(store: Store, payload: Any, meta: SnapshotMeta, policy: RetryPolicy,
              parent_pid: int) -> PersistOutcome:
     try:
-        return persist_with_retries(store, payload, meta, keep, policy,
+        return persist_with_retries(store, payload, meta, policy,
                                     before_commit=lambda: _exit_if_orphaned(parent_pid))
     except BaseException as exc:  # report, never leave the worker's handle pending
         return PersistOutcome(SaveState.FAILED, error=f"{type(exc).__name__}: {exc}")

@@ -21,6 +21,7 @@ from elastictrain.snapshot.persister import (
     SaveHandle,
     SaveState,
     persist_with_retries,
+    prune_after,
 )
 from elastictrain.snapshot.writer import SnapshotMeta
 from elastictrain.storage.api import Store
@@ -62,7 +63,8 @@ class ThreadPersister:
             payload, meta, handle, context = job
             try:
                 outcome = context.run(persist_with_retries, self._store, payload, meta,
-                                      self._keep, self._policy)
+                                      self._policy)
             except BaseException as exc:  # never leave a handle pending: wait() would hang
                 outcome = PersistOutcome(SaveState.FAILED, error=f"{type(exc).__name__}: {exc}")
-            handle._finish_with(outcome)
+            handle._finish_with(outcome)  # durable now; the next save may stage meanwhile
+            context.run(prune_after, self._store, self._keep, meta.step, outcome)

@@ -131,14 +131,15 @@ class Persister(Protocol):
     def close(self) -> None: ...
 
 
-def persist_with_retries(store: Store, payload: Any, meta: SnapshotMeta, keep: int,
-                         policy: RetryPolicy,
+def persist_with_retries(store: Store, payload: Any, meta: SnapshotMeta, policy: RetryPolicy,
                          before_commit: Callable[[], None] | None = None) -> PersistOutcome:
-    """Persist, commit and prune one snapshot, retrying failed attempts with backoff.
+    """Persist and commit one snapshot, retrying failed attempts with backoff.
 
     Logs ``snapshot.failed`` per failed attempt and ``snapshot.committed`` on
     success. ``before_commit`` runs just before the commit marker is written
     (a persister process checks there that its worker is still alive).
+    Retention is separate (``prune_after``): a save is durable at its commit,
+    and deleting old snapshots need not delay the next save.
     """
     failures = 0
     while True:
@@ -157,22 +158,24 @@ def persist_with_retries(store: Store, payload: Any, meta: SnapshotMeta, keep: i
                     store, meta.step, failures, exc), attempts=failures)
             time.sleep(policy.delay_s(failures))  # backoff before retrying, not synchronisation
             continue
-        return _committed(store, meta, keep, manifest, time.perf_counter() - started,
-                          failures + 1)
+        if manifest is None:
+            return PersistOutcome(SaveState.SKIPPED, attempts=failures + 1)
+        duration = time.perf_counter() - started
+        log.info("snapshot.committed", snapshot_step=meta.step, size_bytes=manifest.total_bytes,
+                 duration_s=round(duration, 4), attempts=failures + 1,
+                 throughput_mb_s=round(manifest.total_bytes / max(duration, 1e-9) / 1e6, 1))
+        return PersistOutcome(SaveState.COMMITTED, manifest.to_json(), attempts=failures + 1)
 
 
-def _committed(store: Store, meta: SnapshotMeta, keep: int, manifest: Manifest | None,
-               duration: float, attempts: int) -> PersistOutcome:
-    if manifest is None:
-        return PersistOutcome(SaveState.SKIPPED, attempts=attempts)
-    log.info("snapshot.committed", snapshot_step=meta.step, size_bytes=manifest.total_bytes,
-             duration_s=round(duration, 4), attempts=attempts,
-             throughput_mb_s=round(manifest.total_bytes / max(duration, 1e-9) / 1e6, 1))
+def prune_after(store: Store, keep: int, step: int, outcome: PersistOutcome) -> None:
+    """Retention after a commit; a failure is logged, never raised (the save is durable)."""
+    if outcome.state != SaveState.COMMITTED:
+        return
     try:
-        prune(store, keep, meta.step)
-    except Exception as exc:  # retention failing must not fail a committed save
-        log.warning("snapshot.prune_failed", error=str(exc))
-    return PersistOutcome(SaveState.COMMITTED, manifest.to_json(), attempts=attempts)
+        prune(store, keep, step)
+    except Exception as exc:
+        log.warning("snapshot.prune_failed", snapshot_step=step, error=str(exc),
+                    error_type=type(exc).__name__)
 
 
 def _give_up_message(store: Store, step: int, failures: int, exc: Exception) -> str:
@@ -192,8 +195,9 @@ class SyncPersister:
 
     def submit(self, payload: Any, meta: SnapshotMeta) -> SaveHandle:
         handle = SaveHandle(meta.step)
-        handle._finish_with(persist_with_retries(self._store, payload, meta, self._keep,
-                                                 self._policy))
+        outcome = persist_with_retries(self._store, payload, meta, self._policy)
+        handle._finish_with(outcome)
+        prune_after(self._store, self._keep, meta.step, outcome)
         return handle
 
     def close(self) -> None:
