@@ -62,13 +62,16 @@ class GatedStore(_Wrapper):
     ``stall_after`` bytes until the file ``gate`` exists (never, if nobody creates it).
 
     Args:
-        journal: file that gets one line per event: ``start <step>``, ``end <step>``.
+        journal: file that gets one line per event: ``start <step> pid=<pid>``, ``end <step>``.
         gate: path whose existence lets stalled writes continue.
+        stall_steps: only these steps stall (default: every step).
     """
 
-    def __init__(self, inner: Store, journal: str, gate: str, stall_after: int = 4096) -> None:
+    def __init__(self, inner: Store, journal: str, gate: str, stall_after: int = 4096,
+                 stall_steps: set[int] | None = None) -> None:
         super().__init__(inner)
         self.journal, self.gate, self.stall_after = journal, gate, stall_after
+        self.stall_steps = stall_steps
 
     def _note(self, line: str) -> None:
         with open(self.journal, "a") as f:
@@ -83,7 +86,10 @@ class GatedStore(_Wrapper):
         step = _step_of(path)
         self._note(f"start {step} pid={os.getpid()}")
         with self.inner.open_write(path) as sink:
-            yield _StallingSink(sink, self.stall_after, self.gate)  # type: ignore[misc]
+            if self.stall_steps is None or step in self.stall_steps:
+                yield _StallingSink(sink, self.stall_after, self.gate)  # type: ignore[misc]
+            else:
+                yield sink
         self._note(f"end {step}")
 
 

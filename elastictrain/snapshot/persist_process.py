@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextvars
 import ctypes
+import faulthandler
 import os
 import signal
 import sys
@@ -211,6 +212,7 @@ def _main_module_hidden() -> Iterator[None]:
 def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_pid: int) -> None:
     """The helper's loop: receive a staged save, persist it, report the outcome."""
     _die_with_parent(parent_pid)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: stacks
     torch.set_num_threads(1)  # the worker's training loop owns the other cores
     configure_forwarding(lambda event: conn.send(("log", event)))
     storages: dict[int, torch.Tensor] = {}
@@ -218,9 +220,9 @@ def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_
         try:
             message = conn.recv()
         except (EOFError, OSError):
-            return
+            break
         if message[0] != "save":
-            return
+            break
         _, meta, skeleton, new, forget = message
         for key in forget:
             storages.pop(key, None)
@@ -228,6 +230,10 @@ def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_
         outcome = _persist(store, from_views(skeleton, storages), meta, policy, parent_pid)
         conn.send(("done", outcome))  # durable now; the worker may stage the next save
         prune_after(store, keep, meta.step, outcome)
+    conn.close()
+    # Everything written is fsynced and closed; skip interpreter teardown (about a second
+    # with torch loaded), so close() returns promptly.
+    os._exit(0)
 
 
 def _persist(store: Store, payload: Any, meta: SnapshotMeta, policy: RetryPolicy,
