@@ -198,12 +198,17 @@ class MethodResult:
     first_durable_s: float
     step_rate_ratio_during_persist: float | None
     persist_vs_raw_write: float
+    raw_write_s: float
     peak_rss_mb: float
     helper_peak_rss_mb: float
     saves: list[dict[str, float]]
 
 
-def measure(method: Any, trainer: Trainer, saves: int, raw_write_s: float) -> MethodResult:
+def measure(method: Any, trainer: Trainer, saves: int, root: Path,
+            raw_write_initial_s: float) -> MethodResult:
+    """Warm-up save + ``saves`` measured saves; the raw write baseline is taken right
+    before and after the method (the load of a shared machine drifts)."""
+    raw_before = raw_write_s(root, trainer.state_bytes(), repeats=1)
     reset_peak_rss()
     trainer.steps.clear()
     for _ in range(GAP_STEPS):
@@ -217,12 +222,15 @@ def measure(method: Any, trainer: Trainer, saves: int, raw_write_s: float) -> Me
             trainer.step()
         pending.finish()
         durable = pending.finished_at() or time.perf_counter()
+        durable = max(durable, returned)
         figures.append(SaveFigures(returned - started, durable - started, durable - returned,
                                    (returned, durable)))
         for _ in range(GAP_STEPS):
             trainer.step()
     peak, helper = peak_rss_mb(), helpers_peak_rss_mb()
     method.close()
+    raw = statistics.median([raw_before, raw_write_s(root, trainer.state_bytes(), repeats=1),
+                             raw_write_initial_s])
     measured = figures[1:]
     blocking = statistics.median(f.blocking_s for f in measured)
     durable = statistics.median(f.durable_s for f in measured)
@@ -233,7 +241,7 @@ def measure(method: Any, trainer: Trainer, saves: int, raw_write_s: float) -> Me
         first_blocking_s=figures[0].blocking_s, first_durable_s=figures[0].durable_s,
         step_rate_ratio_during_persist=step_rate_ratio(trainer.steps, [f.window for f in figures])
         if background else None,
-        persist_vs_raw_write=raw_write_s / (persist if background else blocking),
+        persist_vs_raw_write=raw / (persist if background else blocking), raw_write_s=raw,
         peak_rss_mb=peak, helper_peak_rss_mb=helper,
         saves=[{k: round(v, 4) for k, v in asdict(f).items() if k != "window"} for f in measured])
 
@@ -408,7 +416,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                           DcpAsyncSave(root, trainer, "thread"),
                           ElasticTrainAsync(root, trainer, "thread", default == "thread"),
                           ElasticTrainAsync(root, trainer, "process", default == "process")]
-    results = [measure(m, trainer, args.saves, raw_w) for m in methods]
+    results = [measure(m, trainer, args.saves, root, raw_w) for m in methods]
     et_root = root / f"et-{default}"
     staging_main = next(m.staging_bytes for m in methods if isinstance(m, ElasticTrainAsync)
                         and m.name.endswith("[default]")) / state
@@ -469,19 +477,23 @@ def table(report: dict[str, Any]) -> str:
         + ("  (NOISY: other work was running)" if setup["noisy"] else ""),
         "",
         f"{'method':40s} {'block s':>8s} {'durable s':>9s} {'persist s':>9s} "
-        f"{'steps%':>7s} {'vs raw wr':>9s} {'1st blk':>8s} {'1st dur':>8s} "
+        f"{'steps%':>7s} {'raw wr s':>8s} {'vs raw':>6s} {'1st blk':>8s} {'1st dur':>8s} "
         f"{'RSS MB':>7s} {'helper':>7s}",
     ]
     for m in report["methods"]:
         rate = m["step_rate_ratio_during_persist"]
         lines.append(
             f"{m['name']:40s} {m['blocking_s']:8.3f} {m['durable_s']:9.3f} {m['persist_s']:9.3f} "
-            f"{'blocks' if rate is None else f'{rate:.1%}':>7s} {m['persist_vs_raw_write']:9.2f} "
+            f"{'blocks' if rate is None else f'{rate:.1%}':>7s} {m['raw_write_s']:8.3f} "
+            f"{m['persist_vs_raw_write']:6.2f} "
             f"{m['first_blocking_s']:8.3f} {m['first_durable_s']:8.3f} {m['peak_rss_mb']:7.0f} "
             f"{m['helper_peak_rss_mb']:7.0f}")
     r = report["restore_s"]
     lines += [
-        f"raw write+fsync of the state bytes: {report['raw_write_s']:.3f} s",
+        f"raw write+fsync of the state bytes: {report['raw_write_s']:.3f} s at the start; "
+        "'raw wr s' is the median of that and one write right before and after each method",
+        "persist s: save returned -> durable; steps%: training step rate while persisting vs"
+        " without a save; vs raw: raw write time / persist time (1.00 = as fast as raw)",
         "",
         f"restore (2 ranks, slowest rank)   cold: each {r['restore_each_cold']:.3f} s, "
         f"broadcast {r['restore_broadcast_cold']:.3f} s, raw read {r['raw_read_cold']:.3f} s",

@@ -136,6 +136,8 @@ class SnapshotManager:
     def restore(self) -> ResumeInfo:
         """Load the newest verified snapshot on every rank (or start fresh)."""
         started = time.perf_counter()
+        if self.ctx.is_writer:
+            self._saver.warm_up()  # a persister process starts while we load
         loaded = load_newest(self.store, self.ctx, self.config.restore_mode)
         step = loaded.step if loaded else None
         previous_high = self._progress.read() if self._progress else None

@@ -60,6 +60,11 @@ class Saver:
         self._last: SaveHandle | None = None
         self._reported: SaveHandle | None = None
 
+    def warm_up(self) -> None:
+        """Start the persister now (a helper process imports torch for seconds), from
+        the training thread, so the first save does not wait for it."""
+        _ = self.persister
+
     @property
     def persister(self) -> Persister:
         """The persister, started on first use (from the training thread)."""
