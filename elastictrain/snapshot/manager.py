@@ -3,11 +3,11 @@
 Call order (every rank runs the same calls)::
 
     manager = SnapshotManager(url, model=ddp_model, optimizer=opt, sampler=sampler, ...)
-    resume = manager.restore()      # (rank 0) discover → broadcast step → (all) load
+    resume = manager.restore()      # (rank 0) list → (all) read + verify + load → agree
     for batch in loader:
         ...optimizer.step()
         manager.step()              # advance; when due: (all) gather RNG → (rank 0)
-                                    # stage → persist → commit → prune
+                                    # stage, then persist → commit → prune in the background
     manager.close()                 # wait for the save in flight
 
 Snapshots are taken at step boundaries only, so every rank decides the same:

@@ -104,8 +104,11 @@ def test_consecutive_failures_raise_from_the_next_step_once(tmp_path: Path,
                        max_consecutive_failures=2)
     with capture_logs() as logs:
         train(*live, snap, until=3)
-        assert snap._last_handle is not None
-        snap._last_handle.join()  # the background persist gave up
+        handle = snap._last_handle
+        assert handle is not None
+        handle.join()  # the background persist gave up
+        with pytest.raises(SnapshotWriteFailed):
+            handle.wait()  # the handle re-raises the background failure
         with pytest.raises(SnapshotWriteFailed) as err:
             train(*live, snap, until=4)
         train(*live, snap, until=5)  # raised once: the loop may go on if it chooses to
@@ -145,6 +148,24 @@ def test_backpressure_keeps_one_save_in_flight(tmp_path: Path, persister: str) -
     assert (wait["snapshot_step"], wait["waiting_for_step"]) == (4, 2) and wait["wait_s"] > 0
     order = [(e["event"], e.get("snapshot_step")) for e in logs]
     assert order.index(("snapshot.committed", 2)) < order.index(("snapshot.staged", 4))
+
+
+@pytest.mark.parametrize("persister", ASYNC)
+def test_close_waits_for_the_save_in_flight(tmp_path: Path, persister: str) -> None:
+    journal, gate = tmp_path / "journal", tmp_path / "gate"
+    store = GatedStore(open_store(str(tmp_path / "run")), str(journal), str(gate))
+    *live, snap = make(store, persister, every_steps=3)
+    train(*live, snap, until=3)
+    wait_for(lambda: read_journal(journal), 60, "the persist of step 3 to start")
+    closer = threading.Thread(target=snap.close)
+    closer.start()
+    wait_for(lambda: "close" in _stack_of(closer) and "join" in _stack_of(closer), 60,
+             "close() to wait")
+    assert list_snapshot_dirs(store) == [] and closer.is_alive()
+    gate.touch()
+    closer.join(timeout=60)
+    assert not closer.is_alive() and list_snapshot_dirs(store) == [3]
+    assert snap._last_handle is not None and snap._last_handle.done()
 
 
 @pytest.mark.parametrize("share_memory", [False, True])
@@ -254,7 +275,7 @@ def test_fused_load_detects_a_flipped_byte_anywhere(tmp_path: Path, where: str) 
     index = {"first": 0, "early": 200, "middle": len(data) // 2, "last": len(data) - 1}[where]
     data[index] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(SnapshotCorrupt, match="state.pt"):
+    with pytest.raises(SnapshotCorrupt, match=r"state\.pt"):
         load_verified(store, 2)
 
 
