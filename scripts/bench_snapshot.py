@@ -146,7 +146,7 @@ class DcpAsyncSave:
         target = self.dir / f"step_{step}"
         future = dcp.async_save({"model": model_sd, "optim": opt_sd}, checkpoint_id=str(target),
                                 async_checkpointer_type=self.kind)
-        upload = getattr(future, "upload_completion", future)
+        upload: Any = getattr(future, "upload_completion", future)
         finished: list[float] = []
         upload.add_done_callback(lambda _: finished.append(time.perf_counter()))
 
@@ -173,11 +173,15 @@ class ElasticTrainAsync:
     def save(self, step: int) -> Pending:
         self.manager.step_count = step
         handle = self.manager.save()
-        return Pending(handle.done, lambda: handle.finished_at, lambda: handle.wait())
+        return Pending(handle.done, lambda: handle.finished_at, lambda: _wait(handle))
 
     def close(self) -> None:
         self.staging_bytes = self.manager._saver.staging.nbytes
         self.manager.close()
+
+
+def _wait(handle: Any) -> None:
+    handle.wait()
 
 
 # -- measuring a method -------------------------------------------------------------
@@ -282,7 +286,7 @@ def busy_loop_ratio(trainer: Trainer, steps: int = 6) -> float:
 
 
 def raw_write_s(root: Path, nbytes: int, repeats: int = 3) -> float:
-    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy()
+    data: Any = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy()
     times = []
     for _ in range(repeats):
         path = root / "raw.bin"

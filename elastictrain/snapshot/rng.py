@@ -27,8 +27,9 @@ def capture_rng() -> dict[str, Any]:
         state["cuda"] = torch.cuda.get_rng_state_all()
     if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos),
-                          int(has_gauss), float(cached))
+        keys64 = keys.astype("int64")  # type: ignore[attr-defined]
+        state["numpy"] = (name, torch.from_numpy(keys64), int(pos), int(has_gauss),
+                          float(cached))
     return state
 
 

@@ -14,6 +14,7 @@ commit → ``prune``. The commit is one object written last:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import sys
@@ -60,7 +61,7 @@ def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm) -> 
     (``EarlyWriteback``), instead of idling until the final fsync.
     """
     writer = HashingWriter(EarlyWriteback.wrap(sink), algorithm)
-    with serialization_config.patch({"save.compute_crc32": False}):
+    with serialization_config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
         torch.save(payload, writer)  # type: ignore[arg-type]
     writer.flush()
     return writer.bytes_written, writer.hexdigest()
@@ -180,10 +181,8 @@ def _persist_manifest_last(store: Store, payload: Any, meta: SnapshotMeta,
 
 
 def _best_effort_delete(store: Store, path: str) -> None:
-    try:
+    with contextlib.suppress(StorageError):  # retention clears it later
         store.delete(path, recursive=True)
-    except StorageError:
-        pass  # retention clears it later
 
 
 def prune(store: Store, keep: int, newest_step: int) -> list[int]:
