@@ -17,9 +17,9 @@ step than its peers.
 Which mode is faster depends on the storage. On a local disk "each" wins:
 ranks on one machine share the page cache, and a broadcast adds a send of
 every byte through the process group. ``scripts/bench_snapshot.py`` measured,
-1 GiB, 2 ranks over gloo, this 2-core machine under other load: cold cache
-each 2.7 s / broadcast 5.4 s, warm 2.6 s / 2.7 s; 256 MB: cold 1.1 s / 2.3 s,
-warm 0.58 s / 0.86 s. "each" is the default; "broadcast" is for storage where
+1 GiB, 2 ranks over gloo, this 2-core machine under other load (two runs):
+cold cache each 2.7 / 1.9 s against broadcast 5.4 / 5.3 s, warm 2.6 / 1.2 s
+against 2.7 / 2.2 s; 256 MB: cold 1.1 s / 2.3 s, warm 0.58 s / 0.86 s. "each" is the default; "broadcast" is for storage where
 N readers cost N times the bandwidth (object stores, a busy NFS).
 """
 
