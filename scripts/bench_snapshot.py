@@ -26,7 +26,19 @@ marked). Baselines: a raw write+fsync and a raw read of the same bytes.
 
 Step rate during a persist counts the steps inside [save returned, durable],
 partial steps by the fraction that overlaps, against the rate of the steps
-outside any save in the same method's run (same machine load).
+outside any save in the same method's run (same machine load). A calibration
+runs first: the step rate with a plain busy-loop process beside the loop
+(~100% when a core is really free; less means every step-rate figure is
+pessimistic, and the output says NOISY). Restore is compared with a raw read
+of the payload by one process (``restore_vs_raw_read``, the headline) and by
+both ranks at once (``restore_vs_raw_read_all_ranks``, like for like with
+"each").
+
+``--json`` prints one object: ``blocking_ratio_vs_sync``,
+``step_rate_ratio_during_persist``, ``persist_vs_raw_write``,
+``restore_vs_raw_read`` (+ ``_warm``, ``_all_ranks``),
+``staging_bytes_over_state_bytes``, ``targets`` (met or not), ``setup``,
+``methods`` (per-method figures), ``restore_s``, ``staging``.
 """
 
 from __future__ import annotations
