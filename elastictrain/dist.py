@@ -93,6 +93,22 @@ class DistContext:
         torch_dist.broadcast(buf, src=src)
         return data if self.rank == src and data is not None else buf.cpu().numpy().tobytes()
 
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0,
+                         chunk_bytes: int = 256 << 20) -> None:
+        """Overwrite a contiguous CPU ``tensor`` on every rank with rank ``src``'s, in
+        place, in chunks (bounded memory on the comm device, no giant messages)."""
+        if not self.initialized:
+            return
+        flat = tensor.view(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), chunk_bytes):
+            chunk = flat[start:start + chunk_bytes]
+            if self._comm_device.type == "cpu":
+                torch_dist.broadcast(chunk, src=src)
+            else:
+                on_device = chunk.to(self._comm_device)
+                torch_dist.broadcast(on_device, src=src)
+                chunk.copy_(on_device)
+
     @property
     def _comm_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")

@@ -13,6 +13,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -93,6 +94,36 @@ def configure(
         logger_factory=structlog.PrintLoggerFactory(file=stream),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
+
+
+def configure_forwarding(send: Callable[[dict[str, Any]], None], level: str = "debug") -> None:
+    """Hand every event of this process to ``send`` instead of writing it.
+
+    A helper process (the snapshot persister) forwards its events to its worker,
+    which logs them with the worker's bound context (``log_forwarded``), so the
+    run's event log stays one file per worker.
+    """
+
+    def forward(logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
+        send({k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
+              for k, v in event.items()})
+        raise structlog.DropEvent
+
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, _add_time, forward],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        logger_factory=structlog.PrintLoggerFactory(),
+        cache_logger_on_first_use=False,
+    )
+
+
+def log_forwarded(event: dict[str, Any], logger_name: str = "elastictrain") -> None:
+    """Log an event received from a helper process (its ``ts`` and level are kept)."""
+    fields = dict(event)
+    level = str(fields.pop("level", "info"))
+    name = fields.pop("event", "unknown")
+    method = getattr(get_logger(logger_name), level, None) or get_logger(logger_name).info
+    method(name, **fields)
 
 
 def bind(**fields: Any) -> None:

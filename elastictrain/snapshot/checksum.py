@@ -1,7 +1,10 @@
 """Checksums of payload objects, computed while bytes stream past.
 
-crc32 is the default: 6 GB/s here (sha256 1.7 GB/s), so it never limits a
-persist or restore; the algorithm is named in every manifest.
+crc32 is the default and the algorithm is named in every manifest. zlib's
+crc32 ran at 2.5-6 GiB/s here (sha256: 1.7 GB/s), a small part of a persist
+or a restore, and releases the GIL on large buffers. If ISA-L (``isal``, not a
+dependency) happens to be installed, its identical CRC-32 is used: measured
+8.7-14.6 GiB/s.
 """
 
 from __future__ import annotations
@@ -11,6 +14,11 @@ import zlib
 from typing import BinaryIO, Protocol
 
 from elastictrain.config import ChecksumAlgorithm
+
+try:
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # the default: isal is optional
+    _crc32 = zlib.crc32
 
 
 class Hasher(Protocol):
@@ -23,7 +31,7 @@ class _Crc32:
         self._value = 0
 
     def update(self, data: bytes | memoryview) -> None:
-        self._value = zlib.crc32(data, self._value)
+        self._value = _crc32(data, self._value)
 
     def hexdigest(self) -> str:
         return f"{self._value:08x}"
@@ -42,17 +50,27 @@ def checksum_bytes(data: bytes | memoryview, algorithm: ChecksumAlgorithm) -> st
 
 
 class HashingWriter:
-    """A write-only file wrapper that counts and hashes what it forwards."""
+    """A write-only file wrapper that counts and hashes what it forwards.
 
-    def __init__(self, sink: BinaryIO, algorithm: ChecksumAlgorithm) -> None:
+    Large writes (``torch.save`` hands over a whole storage at once) are cut
+    into ``chunk_bytes`` pieces, each hashed and then written, so the sink sees
+    a steady stream (and can start writing back early) instead of one huge
+    write after one huge checksum pass.
+    """
+
+    def __init__(self, sink: BinaryIO, algorithm: ChecksumAlgorithm,
+                 chunk_bytes: int = 16 << 20) -> None:
         self._sink = sink
         self._hasher = new_hasher(algorithm)
+        self._chunk = chunk_bytes
         self.bytes_written = 0
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
-        self._hasher.update(view)
-        self._sink.write(view)
+        for start in range(0, view.nbytes, self._chunk):
+            piece = view[start:start + self._chunk]
+            self._hasher.update(piece)
+            self._sink.write(piece)
         self.bytes_written += view.nbytes
         return view.nbytes
 

@@ -3,11 +3,11 @@
 Call order (every rank runs the same calls)::
 
     manager = SnapshotManager(url, model=ddp_model, optimizer=opt, sampler=sampler, ...)
-    resume = manager.restore()      # (rank 0) discover → broadcast step → (all) load
+    resume = manager.restore()      # (rank 0) list → (all) read + verify + load → agree
     for batch in loader:
         ...optimizer.step()
         manager.step()              # advance; when due: (all) gather RNG → (rank 0)
-                                    # stage → persist → commit → prune
+                                    # stage, then persist → commit → prune in the background
     manager.close()                 # wait for the save in flight
 
 Snapshots are taken at step boundaries only, so every rank decides the same:
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,10 @@ from elastictrain.dist import DistContext
 from elastictrain.env import WorkerEnv
 from elastictrain.errors import ConfigError
 from elastictrain.log import bind_step, get_logger
-from elastictrain.snapshot.persister import Persister, SaveHandle, SyncPersister
-from elastictrain.snapshot.reader import find_latest_verified, load_payload, read_verified
+from elastictrain.snapshot.persister import SaveHandle
+from elastictrain.snapshot.restore import load_newest
 from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world, restore_rng
-from elastictrain.snapshot.staging import StagingBuffers
+from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.writer import SnapshotMeta
 from elastictrain.storage import Store, open_store
 
@@ -82,6 +83,7 @@ class SnapshotManager:
         storage_options: passed to fsspec (credentials: never logged).
         progress_dir: local directory for a tiny per-rank step counter, used to
             report how many steps a restart lost. None disables it.
+        clock: monotonic seconds for ``every_seconds`` (tests inject a fake one).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class SnapshotManager:
         run_id: str | None = None,
         storage_options: dict[str, Any] | None = None,
         progress_dir: str | Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
         **overrides: Any,
     ) -> None:
         base = (config or SnapshotConfig()).model_dump()
@@ -113,10 +116,10 @@ class SnapshotManager:
         self.extras: dict[str, Any] = {}
         self.step_count = 0
         self._epoch = 0
-        self._staging = StagingBuffers()
-        self._persister: Persister | None = None
+        self._saver = Saver(self.store, self.config)
         self._last_handle: SaveHandle | None = None
-        self._last_save_time = time.monotonic()
+        self._clock = clock
+        self._last_save_time = clock()
         self._progress = _ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
         self._rng_rule = "none"
 
@@ -135,28 +138,27 @@ class SnapshotManager:
     def restore(self) -> ResumeInfo:
         """Load the newest verified snapshot on every rank (or start fresh)."""
         started = time.perf_counter()
-        found = find_latest_verified(self.store) if self.ctx.is_writer else None
-        # The manifest's dataset length travels with the step: a mismatch fails on
-        # every rank before any payload is read or applied.
-        step, saved_len = self.ctx.broadcast_object(
-            (found.step, found.manifest.dataset_len) if found else (None, None))
-        if step is not None and self.sampler is not None:
-            check_dataset_len(self.sampler.dataset_len, saved_len)
+        if self.ctx.is_writer:
+            self._saver.warm_up()  # a persister process starts while we load
+        loaded = load_newest(self.store, self.ctx, self.config.restore_mode)
+        step = loaded.step if loaded else None
+        if loaded is not None and self.sampler is not None:
+            # Before anything is applied or trained; every rank holds the same payload.
+            saved = loaded.payload.get("sampler") or {}
+            check_dataset_len(self.sampler.dataset_len, saved.get("dataset_len"))
         previous_high = self._progress.read() if self._progress else None
         if step is None:
             info = ResumeInfo(None, self.epoch, None, self.ctx.world_size, previous_high or 0)
             log.info("resume", from_step=None, lost_steps=previous_high or 0)
             return info
-        if self.config.restore_mode == "broadcast":
-            data = self.ctx.broadcast_bytes(found.payload if found else None)
-        else:
-            data = found.payload if found else read_verified(self.store, step).payload
-        payload = load_payload(data)
+        assert loaded is not None
+        payload = loaded.payload
         self._apply(payload)
         lost = None if previous_high is None else max(0, previous_high - step)
         info = ResumeInfo(step, self.epoch, int(payload["world_size"]), self.ctx.world_size, lost)
         bind_step(step)
-        log.info("snapshot.loaded", snapshot_step=step, size_bytes=len(data),
+        log.info("snapshot.loaded", snapshot_step=step, size_bytes=loaded.size_bytes,
+                 restore_mode=self.config.restore_mode,
                  duration_s=round(time.perf_counter() - started, 4))
         log.info("resume", from_step=step, lost_steps=lost, epoch=info.epoch,
                  saved_world_size=info.saved_world_size, world_size=info.world_size,
@@ -202,6 +204,7 @@ class SnapshotManager:
         Args:
             per_rank_samples: samples each rank consumed (default: the sampler's batch size).
         """
+        self._saver.raise_if_failed()  # a background persist that gave up stops training here
         self.step_count += 1
         if self.sampler is not None:
             self.sampler.advance(per_rank_samples)
@@ -216,7 +219,7 @@ class SnapshotManager:
         every = self.config.every_steps
         due = every is not None and self.step_count % every == 0
         if self.config.every_seconds is not None and not due:
-            elapsed = time.monotonic() - self._last_save_time >= self.config.every_seconds
+            elapsed = self._clock() - self._last_save_time >= self.config.every_seconds
             due = self.ctx.agree_any(elapsed)  # rank clocks differ: agree on one decision
         return due
 
@@ -224,13 +227,9 @@ class SnapshotManager:
         """Snapshot the current step now (all ranks must call it at the same step)."""
         started = time.perf_counter()
         rng = self.ctx.all_gather_object(capture_rng())
-        self._last_save_time = time.monotonic()
+        self._last_save_time = self._clock()
         if not self.ctx.is_writer:
             return SaveHandle.completed(self.step_count)
-        staged = self._staging.stage(self._state(rng))
-        log.info("snapshot.staged", snapshot_step=self.step_count,
-                 size_bytes=self._staging.nbytes,
-                 duration_s=round(time.perf_counter() - started, 4))
         meta = SnapshotMeta(
             run_id=self.run_id,
             step=self.step_count,
@@ -240,7 +239,7 @@ class SnapshotManager:
             dataset_len=self.sampler.dataset_len if self.sampler is not None else None,
             global_batch_size=self.sampler.global_batch if self.sampler is not None else None,
         )
-        self._last_handle = self._get_persister().submit(staged, meta)
+        self._last_handle = self._saver.save(self._state(rng), meta, started)
         return self._last_handle
 
     def _state(self, rng: list[dict[str, Any]]) -> dict[str, Any]:
@@ -258,24 +257,13 @@ class SnapshotManager:
             "extras": dict(self.extras),
         }
 
-    def _get_persister(self) -> Persister:
-        if self._persister is None:
-            self._persister = SyncPersister(self.store, self.config.keep)
-        return self._persister
-
     def wait(self) -> None:
         """Block until the last save is durable (re-raises its failure)."""
-        if self._last_handle is not None:
-            self._last_handle.wait()
+        self._saver.wait()
 
     def close(self) -> None:
         """Wait for the save in flight and release the persister."""
-        try:
-            self.wait()
-        finally:
-            if self._persister is not None:
-                self._persister.close()
-                self._persister = None
+        self._saver.close()
 
 
 class _ProgressFile:

@@ -1,8 +1,20 @@
-"""Persisters run ``persist_snapshot`` + ``prune`` for staged state.
+"""Persisters write staged snapshots: serialise + checksum → write → commit → prune.
 
-Lifecycle of one save (``SaveState``): ``pending`` → ``committed`` |
-``skipped`` (the step was already committed) | ``failed``. ``SaveHandle.wait()``
-returns the manifest or re-raises the persist's error.
+Lifecycle of one save (``SaveState``)::
+
+    pending ──> committed   written, checksummed, committed (retention ran after)
+            ──> skipped     the step was already committed and verifies, or this
+                            rank does not write
+            ──> failed      ``max_consecutive_failures`` attempts in a row failed;
+                            ``SaveHandle.wait()`` raises SnapshotWriteFailed
+
+Each failed attempt logs ``snapshot.failed`` (with ``will_retry``) and is retried
+with exponential backoff (``retry_backoff_s * 2**k``) on the same staged state,
+while training goes on. Three implementations share ``persist_with_retries``:
+``SyncPersister`` (in the caller, blocking: ``mode="sync"``), and the
+background ``ThreadPersister`` and ``ProcessPersister`` (``mode="async"``).
+At most one save is in flight; the caller (``Saver``) waits before staging the
+next one (back-pressure).
 """
 
 from __future__ import annotations
@@ -10,8 +22,11 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import get_logger
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot, prune
@@ -27,25 +42,70 @@ class SaveState(str, enum.Enum):
     FAILED = "failed"
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a persist that fails is retried (from ``SnapshotConfig``)."""
+
+    max_consecutive_failures: int = 3
+    backoff_s: float = 0.5
+
+    def delay_s(self, failures: int) -> float:
+        """Backoff before the next attempt after ``failures`` failed ones (1, 2, …)."""
+        return float(self.backoff_s * 2 ** (failures - 1))
+
+
+@dataclass(frozen=True)
+class PersistOutcome:
+    """What a persist ended with; plain data so it crosses a process boundary."""
+
+    state: SaveState
+    manifest_json: bytes | None = None
+    error: str | None = None
+    attempts: int = 1
+
+
 class SaveHandle:
-    """The result of one ``save()``: ``wait()`` blocks until durable, re-raising failures."""
+    """The result of one ``save()``: ``wait()`` blocks until durable, re-raising failures.
+
+    Attributes:
+        finished_at: ``time.perf_counter()`` when the outcome reached this process
+            (the durable-commit time, for benchmarks); None while pending.
+    """
 
     def __init__(self, step: int) -> None:
         self.step = step
         self.state = SaveState.PENDING
         self.manifest: Manifest | None = None
         self.error: BaseException | None = None
+        self.finished_at: float | None = None
         self._done = threading.Event()
 
     def _finish(self, state: SaveState, manifest: Manifest | None = None,
                 error: BaseException | None = None) -> None:
         self.state, self.manifest, self.error = state, manifest, error
+        self.finished_at = time.perf_counter()
         self._done.set()
+
+    def _finish_with(self, outcome: PersistOutcome) -> None:
+        manifest = (Manifest.from_json(outcome.manifest_json, f"step {self.step}")
+                    if outcome.manifest_json is not None else None)
+        error = SnapshotWriteFailed(outcome.error) if outcome.error is not None else None
+        self._finish(outcome.state, manifest, error)
 
     def done(self) -> bool:
         return self._done.is_set()
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until the save finished either way (never raises); False on timeout."""
+        return self._done.wait(timeout)
+
     def wait(self, timeout: float | None = None) -> Manifest | None:
+        """Block until the save is durable; return its manifest (None if skipped).
+
+        Raises:
+            SnapshotWriteFailed: the persist failed ``max_consecutive_failures`` times.
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
         if not self._done.wait(timeout):
             raise TimeoutError(f"snapshot of step {self.step} not durable after {timeout}s")
         if self.error is not None:
@@ -61,48 +121,83 @@ class SaveHandle:
 
 
 class Persister(Protocol):
-    """Writes staged snapshots; at most one in flight."""
+    """Writes staged snapshots; the caller keeps at most one in flight.
+
+    ``submit`` takes ownership of ``payload`` (staged buffers) until the
+    returned handle is done; ``close`` waits for the save in flight.
+    """
 
     def submit(self, payload: Any, meta: SnapshotMeta) -> SaveHandle: ...
     def close(self) -> None: ...
 
 
-def run_persist(store: Store, payload: Any, meta: SnapshotMeta, keep: int,
-                handle: SaveHandle) -> None:
-    """Persist, commit and prune one snapshot, recording the outcome on ``handle``."""
-    started = time.perf_counter()
+def persist_with_retries(store: Store, payload: Any, meta: SnapshotMeta, policy: RetryPolicy,
+                         before_commit: Callable[[], None] | None = None) -> PersistOutcome:
+    """Persist and commit one snapshot, retrying failed attempts with backoff.
+
+    Logs ``snapshot.failed`` per failed attempt and ``snapshot.committed`` on
+    success. ``before_commit`` runs just before the commit marker is written
+    (a persister process checks there that its worker is still alive).
+    Retention is separate (``prune_after``): a save is durable at its commit,
+    and deleting old snapshots need not delay the next save.
+    """
+    failures = 0
+    while True:
+        started = time.perf_counter()
+        try:
+            manifest = persist_snapshot(store, payload, meta, before_commit=before_commit)
+        except Exception as exc:
+            failures += 1
+            will_retry = failures < policy.max_consecutive_failures
+            log.error("snapshot.failed", snapshot_step=meta.step, attempt=failures,
+                      error=str(exc), error_type=type(exc).__name__, will_retry=will_retry,
+                      retry_in_s=policy.delay_s(failures) if will_retry else None,
+                      duration_s=round(time.perf_counter() - started, 4))
+            if not will_retry:
+                return PersistOutcome(SaveState.FAILED, error=_give_up_message(
+                    store, meta.step, failures, exc), attempts=failures)
+            time.sleep(policy.delay_s(failures))  # backoff before retrying, not synchronisation
+            continue
+        if manifest is None:
+            return PersistOutcome(SaveState.SKIPPED, attempts=failures + 1)
+        duration = time.perf_counter() - started
+        log.info("snapshot.committed", snapshot_step=meta.step, size_bytes=manifest.total_bytes,
+                 duration_s=round(duration, 4), attempts=failures + 1,
+                 throughput_mb_s=round(manifest.total_bytes / max(duration, 1e-9) / 1e6, 1))
+        return PersistOutcome(SaveState.COMMITTED, manifest.to_json(), attempts=failures + 1)
+
+
+def prune_after(store: Store, keep: int, step: int, outcome: PersistOutcome) -> None:
+    """Retention after a commit; a failure is logged, never raised (the save is durable)."""
+    if outcome.state != SaveState.COMMITTED:
+        return
     try:
-        manifest = persist_snapshot(store, payload, meta)
+        prune(store, keep, step)
     except Exception as exc:
-        log.error("snapshot.failed", snapshot_step=meta.step, error=str(exc),
-                  error_type=type(exc).__name__,
-                  duration_s=round(time.perf_counter() - started, 4))
-        handle._finish(SaveState.FAILED, error=exc)
-        return
-    duration = time.perf_counter() - started
-    if manifest is None:
-        handle._finish(SaveState.SKIPPED)
-        return
-    log.info("snapshot.committed", snapshot_step=meta.step, size_bytes=manifest.total_bytes,
-             duration_s=round(duration, 4),
-             throughput_mb_s=round(manifest.total_bytes / max(duration, 1e-9) / 1e6, 1))
-    handle._finish(SaveState.COMMITTED, manifest=manifest)
-    try:
-        prune(store, keep, meta.step)
-    except Exception as exc:  # retention failing must not fail a committed save
-        log.warning("snapshot.prune_failed", error=str(exc))
+        log.warning("snapshot.prune_failed", snapshot_step=step, error=str(exc),
+                    error_type=type(exc).__name__)
+
+
+def _give_up_message(store: Store, step: int, failures: int, exc: Exception) -> str:
+    return (f"snapshot of step {step} to {store.url} failed {failures} times in a row "
+            f"(snapshot.max_consecutive_failures={failures}); last error: "
+            f"{type(exc).__name__}: {exc}; fix: make the storage writable and reachable, "
+            "or raise snapshot.max_consecutive_failures / retry_backoff_s")
 
 
 class SyncPersister:
-    """Persists in the caller's thread: the simplest, fully blocking mode."""
+    """Persists in the caller's thread (``mode="sync"``): fully blocking."""
 
-    def __init__(self, store: Store, keep: int) -> None:
+    def __init__(self, store: Store, keep: int, policy: RetryPolicy) -> None:
         self._store = store
         self._keep = keep
+        self._policy = policy
 
     def submit(self, payload: Any, meta: SnapshotMeta) -> SaveHandle:
         handle = SaveHandle(meta.step)
-        run_persist(self._store, payload, meta, self._keep, handle)
+        outcome = persist_with_retries(self._store, payload, meta, self._policy)
+        handle._finish_with(outcome)
+        prune_after(self._store, self._keep, meta.step, outcome)
         return handle
 
     def close(self) -> None:

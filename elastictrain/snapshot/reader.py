@@ -9,16 +9,17 @@ for each candidate it skips: never silent, never deleted here.
 from __future__ import annotations
 
 import io
+import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from elastictrain.errors import SnapshotCorrupt, SnapshotNotFound, StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
-from elastictrain.snapshot.checksum import checksum_bytes
+from elastictrain.snapshot.checksum import checksum_bytes, new_hasher
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.storage.api import Store
 
@@ -110,12 +111,130 @@ def find_latest_verified(store: Store, max_step: int | None = None) -> VerifiedS
     return None
 
 
-def load_payload(data: bytes) -> dict[str, Any]:
-    """Deserialize a verified payload. Never unpickles arbitrary objects."""
-    obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+def load_payload(data: bytes | BinaryIO) -> dict[str, Any]:
+    """Deserialize a payload (bytes or a seekable file). Never unpickles arbitrary objects."""
+    source = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    obj = torch.load(source, weights_only=True, map_location="cpu")
     if not isinstance(obj, dict):
         raise SnapshotCorrupt(f"payload is a {type(obj).__name__}, expected a dict")
     return obj
+
+
+def load_verified(store: Store, step: int) -> tuple[Manifest, dict[str, Any]]:
+    """Read, verify and deserialize ``step`` in one pass where the store is local.
+
+    A local payload is deserialized straight from the file while its checksum
+    is computed over the same reads (``_VerifyingReader``): one read of the
+    bytes instead of read → checksum → copy out of a byte string. The state is
+    used only after the whole file verified; deserializing unverified bytes is
+    safe because loading never unpickles anything but tensors and containers.
+    Other stores read the object once into memory, verify, then deserialize.
+
+    Raises:
+        SnapshotCorrupt: missing manifest or payload, wrong size or checksum, or
+            a payload that does not deserialize.
+    """
+    manifest = read_manifest(store, step)
+    (entry,) = [o for o in manifest.objects if o.name == layout.PAYLOAD]
+    path = f"{layout.step_dir(step)}/{entry.name}"
+    local = store.local_path(path)
+    if local is None:
+        return manifest, load_payload(read_verified(store, step).payload)
+    where = f"{store.url}/{path}"
+    try:
+        f = open(local, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
+    except OSError as exc:
+        raise SnapshotCorrupt(f"{where}: unreadable: {exc}") from exc
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size != entry.size_bytes:
+            raise SnapshotCorrupt(f"{where}: {size} bytes, manifest says {entry.size_bytes} "
+                                  "(truncated?)")
+        reader = _VerifyingReader(f, size, manifest.checksum_algorithm)
+        try:
+            payload = load_payload(reader)  # type: ignore[arg-type]
+        except SnapshotCorrupt:
+            raise
+        except Exception as exc:  # a damaged zip or pickle: report it as corruption
+            raise SnapshotCorrupt(f"{where}: does not deserialize "
+                                  f"({type(exc).__name__}: {exc})") from exc
+        actual = reader.finish()
+    if actual != entry.checksum:
+        raise SnapshotCorrupt(f"{where}: {manifest.checksum_algorithm} {actual} "
+                              f"!= manifest {entry.checksum}")
+    return manifest, payload
+
+
+class _VerifyingReader(io.RawIOBase):
+    """A seekable file reader that checksums the file while ``torch.load`` reads it.
+
+    ``torch.load`` reads the zip directory at the end first, then the records
+    front to back. Bytes are hashed whenever a read continues the hashed
+    prefix; a small gap before a read (a record header) is read and hashed on
+    the spot; anything left when loading is done (the directory) is hashed by
+    ``finish``. The result is the checksum of the whole file, in order, for any
+    read pattern: an unusual one only costs extra reads.
+    """
+
+    _GAP_LIMIT = 1 << 20
+    _CHUNK = 8 << 20
+
+    def __init__(self, f: BinaryIO, size: int, algorithm: Any) -> None:
+        super().__init__()
+        self._fd = f.fileno()
+        self._size = size
+        self._pos = 0
+        self._hashed = 0
+        self._hasher = new_hasher(algorithm)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < view.nbytes:  # one pread returns at most ~2 GiB on Linux
+            n = os.preadv(self._fd, [view[done:]], self._pos + done)
+            if n == 0:
+                break
+            done += n
+        self._cover(self._pos, view[:done])
+        self._pos += done
+        return done
+
+    def _cover(self, pos: int, data: memoryview) -> None:
+        end = pos + data.nbytes
+        if end <= self._hashed:
+            return
+        if pos > self._hashed:
+            if pos - self._hashed > self._GAP_LIMIT:
+                return  # far ahead (the zip directory): hashed in order later
+            self._hasher.update(os.pread(self._fd, pos - self._hashed, self._hashed))
+            self._hashed = pos
+        self._hasher.update(data[self._hashed - pos:])
+        self._hashed = end
+
+    def finish(self) -> str:
+        """Hash whatever was not read in order yet; return the whole file's checksum."""
+        chunk = bytearray(min(self._CHUNK, max(self._size - self._hashed, 1)))
+        while self._hashed < self._size:
+            n = os.preadv(self._fd, [chunk], self._hashed)
+            if n == 0:
+                break
+            self._hasher.update(memoryview(chunk)[:n])
+            self._hashed += n
+        return self._hasher.hexdigest()
 
 
 def load_step(store: Store, step: int) -> dict[str, Any]:

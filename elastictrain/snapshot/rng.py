@@ -34,12 +34,17 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    """Set this process's RNGs from :func:`capture_rng` output."""
+    """Set this process's RNGs from :func:`capture_rng` output.
+
+    Loaded states are views into one storage (staging slabs); ``set_rng_state``
+    reads from the start of a tensor's storage and ignores its offset (torch
+    2.13), so each state is cloned into a tensor of its own first.
+    """
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].clone())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.clone() for s in state["cuda"]])
     if "numpy" in state and np is not None:
         name, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))

@@ -3,73 +3,131 @@
 This is the only part of a save that blocks training. Buffers are allocated
 on the first save and reused by every later one (a fresh allocation per save
 measured ~7x slower here, and memory would grow), so staging memory stays
-at the state's size. Buffers are pinned when the state lives on CUDA (fast,
-asynchronous device-to-host copies) and can live in shared memory so a
-persister process reads them without another copy.
+at the state's size.
+
+Buffers are views into a few large slabs, one per top-level key of the state
+and dtype (``model``/float32, ``optimizer``/float32, ``rng``/uint8, …):
+
+* a persister process maps each slab once, so a state with thousands of
+  tensors costs a handful of shared-memory file descriptors, not thousands
+  (the per-process limit is often 1024);
+* ``torch.save`` writes each slab as one record, and a restored optimizer
+  keeps only its own slab alive (the model's is copied into the parameters
+  and freed), so restore does not hold extra memory.
+
+Slabs are pinned when the state lives on CUDA (fast, asynchronous
+device-to-host copies) and live in shared memory when a persister process
+reads them, so only their handles cross the process boundary, once.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
+
+_ALIGN = 64  # bytes; keeps every view aligned for vectorised copies and dtype views
 
 
 class StagingBuffers:
     """Reusable CPU copies of every tensor in a nested state (dicts, lists, tuples).
 
     Args:
-        share_memory: allocate in shared memory (for a persister process).
+        share_memory: allocate slabs in shared memory (for a persister process).
+            This wins over pinning: the process must see the bytes and pinned
+            memory cannot be handed to another process, so CUDA state then
+            stages through pageable shared memory (slower device-to-host copies).
+
+    Attributes:
+        allocations: how many slabs were allocated; constant across saves once
+            the state's shapes are stable (tests and benchmarks check it).
     """
 
     def __init__(self, share_memory: bool = False) -> None:
         self.share_memory = share_memory
-        self._buffers: dict[str, torch.Tensor] = {}
-        self.allocations = 0  # how many buffers were (re)allocated, for tests and benches
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.allocations = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        """Bytes of staging memory held (every live slab, padding included)."""
+        storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
+                    for b in self._buffers.values()}
+        return sum(storages.values())
 
     def stage(self, state: Any) -> Any:
         """Return ``state`` with every tensor replaced by its staged CPU copy.
 
         Non-tensor leaves (ints, floats, strings) are immutable and returned as
         they are; containers are rebuilt so later mutation of the live state
-        does not leak into the staged one.
+        does not leak into the staged one. Buffers of paths that are no longer
+        in ``state`` are released, so memory follows the state.
         """
+        leaves: dict[tuple[Any, ...], torch.Tensor] = {}
+        _collect(state, (), leaves)
+        for path in set(self._buffers) - set(leaves):
+            del self._buffers[path]
+        self._allocate_missing(leaves)
         needs_sync = [False]
-        staged = self._walk(state, "", needs_sync)
+        staged = self._walk(state, (), needs_sync)
         if needs_sync[0]:
             torch.cuda.synchronize()
         return staged
 
-    def _walk(self, node: Any, path: str, needs_sync: list[bool]) -> Any:
+    def _walk(self, node: Any, path: tuple[Any, ...], needs_sync: list[bool]) -> Any:
         if isinstance(node, torch.Tensor):
-            return self._copy(node, path, needs_sync)
+            buf = self._buffers[path]
+            on_cuda = node.is_cuda
+            buf.copy_(node.detach(), non_blocking=on_cuda)
+            needs_sync[0] = needs_sync[0] or on_cuda
+            return buf
         if isinstance(node, dict):
-            return {k: self._walk(v, f"{path}/{k}", needs_sync) for k, v in node.items()}
+            return {k: self._walk(v, (*path, k), needs_sync) for k, v in node.items()}
         if isinstance(node, list):
-            return [self._walk(v, f"{path}/{i}", needs_sync) for i, v in enumerate(node)]
+            return [self._walk(v, (*path, i), needs_sync) for i, v in enumerate(node)]
         if isinstance(node, tuple):
-            return tuple(self._walk(v, f"{path}/{i}", needs_sync) for i, v in enumerate(node))
+            return tuple(self._walk(v, (*path, i), needs_sync) for i, v in enumerate(node))
         return node
 
-    def _copy(self, tensor: torch.Tensor, path: str, needs_sync: list[bool]) -> torch.Tensor:
-        src = tensor.detach()
-        buf = self._buffers.get(path)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = self._allocate(src)
-            self._buffers[path] = buf
-        on_cuda = src.is_cuda
-        buf.copy_(src, non_blocking=on_cuda)
-        needs_sync[0] = needs_sync[0] or on_cuda
-        return buf
+    def _allocate_missing(self, leaves: dict[tuple[Any, ...], torch.Tensor]) -> None:
+        groups: dict[tuple[Any, torch.dtype, bool], list[tuple[Any, ...]]] = defaultdict(list)
+        for path, src in leaves.items():
+            buf = self._buffers.get(path)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                top = path[0] if path else None  # one slab per top-level key and dtype
+                groups[(top, src.dtype, src.is_cuda)].append(path)
+        for (_, dtype, on_cuda), paths in groups.items():
+            self._allocate_slab(dtype, on_cuda, [(p, leaves[p].shape) for p in paths])
 
-    def _allocate(self, src: torch.Tensor) -> torch.Tensor:
+    def _allocate_slab(self, dtype: torch.dtype, on_cuda: bool,
+                       items: list[tuple[tuple[Any, ...], torch.Size]]) -> None:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        offsets, total = [], 0
+        for _, shape in items:
+            offsets.append(total)
+            total += _aligned(shape.numel() * itemsize)
+        pin = on_cuda and torch.cuda.is_available() and not self.share_memory
+        slab = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
+        if self.share_memory:
+            slab.share_memory_()
         self.allocations += 1
-        pin = src.is_cuda and torch.cuda.is_available()
-        buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
-        if self.share_memory and not pin:
-            buf.share_memory_()
-        return buf
+        for (path, shape), offset in zip(items, offsets, strict=True):
+            nbytes = shape.numel() * itemsize
+            self._buffers[path] = slab[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _collect(node: Any, path: tuple[Any, ...], out: dict[tuple[Any, ...], torch.Tensor]) -> None:
+    """Every tensor leaf of ``node`` by path (the same paths ``_walk`` visits)."""
+    if isinstance(node, torch.Tensor):
+        out[path] = node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            _collect(v, (*path, k), out)
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            _collect(v, (*path, i), out)

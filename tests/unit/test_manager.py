@@ -49,6 +49,7 @@ def train(model: torch.nn.Module, opt: Any, sched: Any, sampler: et.ElasticSampl
 def test_resume_is_bit_exact(tmp_path: Path) -> None:
     ref = build(str(tmp_path / "ref"))
     ref_losses = train(*ref, until=23)
+    ref[4].close()
     interrupted = build(str(tmp_path / "run"))
     train(*interrupted, until=17)  # last snapshot at 15: steps 16, 17 are lost
     interrupted[4].close()
@@ -56,6 +57,7 @@ def test_resume_is_bit_exact(tmp_path: Path) -> None:
     info = resumed[4].restore()
     assert info.from_step == 15 and resumed[4].step_count == 15
     losses = train(*resumed, until=23)
+    resumed[4].close()
     assert losses == ref_losses[15:]
     for a, b in zip(ref[0].state_dict().values(), resumed[0].state_dict().values(), strict=True):
         assert torch.equal(a, b)

@@ -1,0 +1,163 @@
+"""The writer rank's save pipeline: back-pressure → stage → persist in the background.
+
+Call order (rank 0; other ranks only take part in the RNG gather)::
+
+    saver.save(state, meta)   # wait for the save in flight (logged as
+                              # snapshot.backpressure) → raise if it failed →
+                              # copy into staging buffers (snapshot.staged) →
+                              # hand the staged state to the persister
+    saver.raise_if_failed()   # every step: a persist that gave up surfaces here
+    saver.close()             # wait for the save in flight, stop the persister
+
+One save is in flight at a time: staging buffers are reused, so the next save
+must not overwrite them while they are being written.
+
+Thread or process: measured, the thread is the default
+------------------------------------------------------
+Both were measured on this 2-core machine (torch 2.13 CPU, 256 MB of model +
+AdamW state, training loop on one core, ``scripts/bench_snapshot.py`` and an
+A/B/A/B run of its measurement; the machine was shared, load average 4-6):
+
+=====================================  ================  ================
+                                       thread            process
+=====================================  ================  ================
+training step rate while persisting    56.7%, 56.5%      56.8%, 57.7%
+  (vs without a save; A/B/A/B)
+pure-Python loop rate while persisting 0.41-0.95         0.35-0.82
+  (GIL probe, 4 saves each, two runs)
+first save durable after               0.8-2.6 s         4.2-12 s (helper
+                                                         imports torch)
+extra resident memory                  none              ~480 MB helper
+=====================================  ================  ================
+
+The step-rate figures are the same within noise (a busy-loop process alone
+cost the loop the same ~50% at that load: the "free" core was not free).
+The persist releases the GIL for nearly all of its time (``torch.save``
+hands each storage over as one buffer; ISA-L/zlib crc32, file writes and
+fsync run without the GIL), so a thread does not measurably slow the loop,
+while the process pays a slow first save, a second copy of torch in memory
+and shared-memory staging. ``persister="process"`` remains available (for
+training loops that hold the GIL far more than this one).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from elastictrain.config import SnapshotConfig
+from elastictrain.log import get_logger
+from elastictrain.snapshot.persister import (
+    Persister,
+    RetryPolicy,
+    SaveHandle,
+    SaveState,
+    SyncPersister,
+)
+from elastictrain.snapshot.staging import StagingBuffers
+from elastictrain.snapshot.writer import SnapshotMeta
+from elastictrain.storage.api import Store
+
+log = get_logger("elastictrain.snapshot")
+
+
+def choose_persister(config: SnapshotConfig, store: Store) -> str:
+    """``sync``, ``thread`` or ``process`` for this config and store.
+
+    A helper process cannot reach a ``memory://`` store (it lives in this
+    process's memory), so that falls back to a thread.
+    """
+    if config.mode == "sync":
+        return "sync"
+    if config.persister == "process" and store.url.startswith("memory://"):
+        return "thread"
+    return config.persister
+
+
+class Saver:
+    """Stages state and hands it to a background persister, one save at a time."""
+
+    def __init__(self, store: Store, config: SnapshotConfig) -> None:
+        self.store = store
+        self.kind = choose_persister(config, store)
+        self.staging = StagingBuffers(share_memory=self.kind == "process")
+        self._keep = config.keep
+        self._policy = RetryPolicy(config.max_consecutive_failures, config.retry_backoff_s)
+        self._persister: Persister | None = None
+        self._last: SaveHandle | None = None
+        self._reported: SaveHandle | None = None
+
+    def warm_up(self) -> None:
+        """Start the persister now (a helper process imports torch for seconds), from
+        the training thread, so the first save does not wait for it."""
+        _ = self.persister
+
+    @property
+    def persister(self) -> Persister:
+        """The persister, started on first use (from the training thread)."""
+        if self._persister is None:
+            self._persister = self._start_persister()
+        return self._persister
+
+    def save(self, state: Any, meta: SnapshotMeta, started: float | None = None) -> SaveHandle:
+        """Stage ``state`` and start persisting it; returns at once in async mode.
+
+        Args:
+            started: ``time.perf_counter()`` when the save began (for ``duration_s``).
+
+        Raises:
+            SnapshotWriteFailed: the previous save gave up.
+        """
+        started = time.perf_counter() if started is None else started
+        self._wait_in_flight(meta.step)
+        self.raise_if_failed()
+        staged = self.staging.stage(state)
+        log.info("snapshot.staged", snapshot_step=meta.step, size_bytes=self.staging.nbytes,
+                 duration_s=round(time.perf_counter() - started, 4), persister=self.kind)
+        self._last = self.persister.submit(staged, meta)
+        return self._last
+
+    def raise_if_failed(self) -> None:
+        """Raise the last save's SnapshotWriteFailed, once."""
+        last = self._last
+        if last is not None and last.state == SaveState.FAILED and last is not self._reported:
+            self._reported = last
+            assert last.error is not None
+            raise last.error
+
+    def wait(self) -> None:
+        """Block until the last save is durable (re-raises its failure)."""
+        if self._last is not None:
+            self._last.wait()
+
+    def close(self) -> None:
+        """Wait for the save in flight and stop the persister; raise a failure not yet raised."""
+        try:
+            if self._last is not None:
+                self._last.join()
+            self.raise_if_failed()
+        finally:
+            if self._persister is not None:
+                self._persister.close()
+                self._persister = None
+
+    def _wait_in_flight(self, step: int) -> None:
+        last = self._last
+        if last is None or last.done():
+            return
+        started = time.perf_counter()
+        last.join()
+        log.info("snapshot.backpressure", snapshot_step=step, waiting_for_step=last.step,
+                 wait_s=round(time.perf_counter() - started, 4))
+
+    def _start_persister(self) -> Persister:
+        if self.kind == "sync":
+            return SyncPersister(self.store, self._keep, self._policy)
+        if self.kind == "thread":
+            from elastictrain.snapshot.persist_thread import ThreadPersister
+
+            log.info("snapshot.persister_started", kind="thread")
+            return ThreadPersister(self.store, self._keep, self._policy)
+        from elastictrain.snapshot.persist_process import ProcessPersister
+
+        return ProcessPersister(self.store, self._keep, self._policy)

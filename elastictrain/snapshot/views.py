@@ -1,0 +1,77 @@
+"""A nested state as a skeleton of views into a few flat storages, and back.
+
+Staged and loaded states keep their tensors in a few large storages (slabs).
+Moving such a state to another process (the persister) or another rank
+(restore by broadcast) then means moving a handful of storages once, plus a
+small picklable skeleton that says which view of which storage each tensor is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ViewRef:
+    """A tensor as a view into storage number ``storage`` (offset, size, stride in
+    elements of ``dtype``)."""
+
+    storage: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def to_views(state: Any, key_of: Callable[[torch.UntypedStorage], int]) -> Any:
+    """``state`` with every non-empty tensor replaced by a ViewRef; ``key_of`` names
+    (and typically collects) each tensor's storage."""
+    if isinstance(state, torch.Tensor) and state.untyped_storage().nbytes() > 0:
+        return ViewRef(key_of(state.untyped_storage()), int(state.storage_offset()),
+                       tuple(state.shape), tuple(state.stride()), state.dtype)
+    if isinstance(state, dict):
+        return {k: to_views(v, key_of) for k, v in state.items()}
+    if isinstance(state, list):
+        return [to_views(v, key_of) for v in state]
+    if isinstance(state, tuple):
+        return tuple(to_views(v, key_of) for v in state)
+    return state
+
+
+def from_views(skeleton: Any, storages: Mapping[int, torch.Tensor]) -> Any:
+    """Rebuild the state from a skeleton and its storages (as uint8 tensors); no copies."""
+    if isinstance(skeleton, ViewRef):
+        base = storages[skeleton.storage].untyped_storage()
+        return torch.empty(0, dtype=skeleton.dtype).set_(base, skeleton.offset, skeleton.size,
+                                                         skeleton.stride)
+    if isinstance(skeleton, dict):
+        return {k: from_views(v, storages) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [from_views(v, storages) for v in skeleton]
+    if isinstance(skeleton, tuple):
+        return tuple(from_views(v, storages) for v in skeleton)
+    return skeleton
+
+
+def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage (shares memory)."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+class StorageIndex:
+    """Numbers storages in order of first use (a ``key_of`` for ``to_views``)."""
+
+    def __init__(self) -> None:
+        self.storages: list[torch.UntypedStorage] = []
+        self._keys: dict[int, int] = {}
+
+    def __call__(self, storage: torch.UntypedStorage) -> int:
+        ptr = storage.data_ptr()
+        if ptr not in self._keys:
+            self._keys[ptr] = len(self.storages)
+            self.storages.append(storage)
+        return self._keys[ptr]

@@ -1,0 +1,133 @@
+"""Two real processes over gloo: the time trigger is agreed across ranks, and both
+restore modes load the same verified snapshot on every rank (skipping a corrupt one
+together)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+
+from elastictrain.dist import DistContext
+from elastictrain.snapshot import layout
+from elastictrain.snapshot.manager import SnapshotManager
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.distributed
+
+
+def _join(tmp_path: Path, fn: Any, *args: Any, timeout: float = 180) -> None:
+    """Run ``fn(rank, *args)`` on 2 spawned ranks; kill them by PID if they overrun."""
+    ctx = torch_mp.start_processes(fn, args=(str(tmp_path), free_port(), *args), nprocs=2,
+                                   join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"ranks did not finish within {timeout}s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _group(rank: int, port: int) -> DistContext:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    return DistContext(rank, 2, rank, "gloo", torch.device("cpu"), True)
+
+
+class _RankClock:
+    """Rank 0's clock runs 3 s per step; rank 1's stands still (clocks disagree)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.now = rank, 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self) -> None:
+        self.now += 3.0 if self.rank == 0 else 0.0
+
+
+def _time_trigger_rank(rank: int, tmp: str, port: int) -> None:
+    ctx = _group(rank, port)
+    clock = _RankClock(rank)
+    snap = SnapshotManager(f"{tmp}/run", model=torch.nn.Linear(4, 4), ctx=ctx, clock=clock,
+                           every_steps=None, every_seconds=10)
+    saved = []
+    for _ in range(14):
+        clock.tick()
+        if snap.step() is not None:
+            saved.append(snap.step_count)
+    snap.close()
+    Path(f"{tmp}/saved-{rank}.json").write_text(json.dumps(saved))
+    dist.destroy_process_group()
+
+
+def test_time_trigger_is_agreed_across_ranks(tmp_path: Path) -> None:
+    _join(tmp_path, _time_trigger_rank)
+    saved = [json.loads((tmp_path / f"saved-{r}.json").read_text()) for r in (0, 1)]
+    assert saved[0] == saved[1] == [4, 8, 12]  # rank 1's clock never says "due"
+    assert sorted(p.name for p in (tmp_path / "run" / layout.SNAPSHOTS).iterdir()) == [
+        "step_000000000004", "step_000000000008", "step_000000000012"]
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, snap: SnapshotManager,
+           until: int) -> None:
+    while snap.step_count < until:
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        snap.step()
+
+
+def _restore_rank(rank: int, tmp: str, port: int) -> None:
+    ctx = _group(rank, port)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    snap = SnapshotManager(f"{tmp}/run", model=model, optimizer=opt, ctx=ctx, every_steps=5)
+    _train(model, opt, snap, until=5)
+    expected = [p.detach().clone() for p in model.parameters()]
+    _train(model, opt, snap, until=10)
+    snap.close()
+    ctx.barrier()
+    if rank == 0:  # damage the newest snapshot: every rank must skip it together
+        payload = Path(tmp) / "run" / layout.step_dir(10) / layout.PAYLOAD
+        payload.write_bytes(payload.read_bytes()[:-10])
+    ctx.barrier()
+    results = {}
+    for mode in ("each", "broadcast"):
+        torch.manual_seed(1)
+        fresh = torch.nn.Linear(8, 8)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        again = SnapshotManager(f"{tmp}/run", model=fresh, optimizer=fresh_opt, ctx=ctx,
+                                restore_mode=mode)
+        info = again.restore()
+        results[mode] = {
+            "from_step": info.from_step,
+            "params_equal": all(torch.equal(a, b) for a, b in zip(fresh.parameters(), expected,
+                                                                  strict=True)),
+            "adam_step": float(fresh_opt.state_dict()["state"][0]["step"]),
+        }
+    Path(f"{tmp}/restore-{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_both_restore_modes_load_the_newest_verified_snapshot_everywhere(tmp_path: Path) -> None:
+    _join(tmp_path, _restore_rank)
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"restore-{rank}.json").read_text())
+        for mode in ("each", "broadcast"):
+            assert results[mode] == {"from_step": 5, "params_equal": True, "adam_step": 5.0}, (
+                rank, mode)
