@@ -88,10 +88,9 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
     # resume that starts iterating mid-epoch would shift every later dropout mask.
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
                         generator=torch.Generator())
-    snap = et.SnapshotManager(rt.settings.storage.url, model=ddp, optimizer=optimizer,
+    snap = et.SnapshotManager(rt.settings.storage, model=ddp, optimizer=optimizer,
                               scheduler=scheduler, sampler=sampler, ctx=rt.ctx,
-                              config=rt.settings.snapshot, progress_dir=rt.events_dir,
-                              storage_options=rt.settings.storage.storage_options)
+                              config=rt.settings.snapshot, progress_dir=rt.events_dir)
     snap.restore()
     kills = sorted(args.kill_at)
     while snap.step_count < args.steps:

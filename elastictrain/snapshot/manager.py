@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain.config import SnapshotConfig, validated
+from elastictrain.config import SnapshotConfig, StorageConfig, validated
 from elastictrain.data import ElasticSampler
 from elastictrain.dist import DistContext
 from elastictrain.env import WorkerEnv
@@ -72,7 +72,8 @@ class SnapshotManager:
     """Saves and restores everything a training loop needs to resume exactly.
 
     Args:
-        storage: a URL (local path, ``file://``, ``memory://``, ``s3://…``) or a Store.
+        storage: a URL (local path, ``file://``, ``memory://``, ``s3://…``), a
+            StorageConfig (URL, options, retries, multipart settings) or a Store.
         model: the (DDP-wrapped or plain) model; saved unwrapped.
         optimizer, scheduler, scaler: optional; anything with state_dict().
         sampler: the ElasticSampler whose global position is saved.
@@ -86,7 +87,7 @@ class SnapshotManager:
 
     def __init__(
         self,
-        storage: str | Store,
+        storage: str | StorageConfig | Store,
         *,
         model: nn.Module,
         optimizer: Any | None = None,
@@ -105,7 +106,8 @@ class SnapshotManager:
         env = WorkerEnv.from_environ()
         self.ctx = ctx or DistContext(env.rank, env.world_size, env.local_rank, "gloo",
                                       torch.device("cpu"), False)
-        self.store = open_store(storage, storage_options) if isinstance(storage, str) else storage
+        self.store = (open_store(storage, storage_options)
+                      if isinstance(storage, (str, StorageConfig)) else storage)
         self.run_id = run_id or env.run_id
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.sampler = sampler

@@ -70,7 +70,11 @@ def read_verified(store: Store, step: int) -> VerifiedSnapshot:
     """
     manifest = read_manifest(store, step)
     where = f"{store.url}/{layout.step_dir(step)}"
-    (entry,) = [o for o in manifest.objects if o.name == layout.PAYLOAD]
+    payloads = [o for o in manifest.objects if layout.is_payload(o.name)]
+    if len(payloads) != 1:
+        raise SnapshotCorrupt(f"{where}: manifest names {len(payloads)} payload objects, "
+                              "expected 1")
+    entry = payloads[0]
     try:
         data = store.read_bytes(f"{layout.step_dir(step)}/{entry.name}")
     except StorageError as exc:
