@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import sys
 import threading
 import urllib.request
@@ -207,14 +208,22 @@ def _error_response(start_response: Any, status: int, code: str, message: str) -
     return [body]
 
 
+def _abort_connection(sock: socket.socket) -> None:
+    """Reset a connection as the kernel does for a crashed process: linger 0 makes the
+    close send RST. (A plain shutdown sends FIN, and a client still sending a body
+    then hangs for minutes on TCP timers, which is not what a crash looks like.)"""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a handler thread blocked in recv
+    except OSError:
+        pass
+
+
 def _cut(environ: dict[str, Any], start_response: Any) -> list[bytes]:
-    """Close the client's connection without an answer, as a crashed server would."""
+    """Drop the client's connection without an answer, as a crashed server would."""
     sock = environ.get("werkzeug.socket")
     if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        _abort_connection(sock)
     # werkzeug then fails to write this response and treats it as a dropped connection.
     start_response("500 Cut", [("Content-Length", "0")])
     return []
@@ -222,7 +231,7 @@ def _cut(environ: dict[str, Any], start_response: Any) -> list[bytes]:
 
 class _QuietHandler(WSGIRequestHandler):
     def log(self, type: str, message: str, *args: Any) -> None:
-        pass
+        pass  # no access log on the test's stderr
 
 
 class _Server(ThreadedWSGIServer):
@@ -243,14 +252,14 @@ class _Server(ThreadedWSGIServer):
             self.open_connections.discard(request)
         super().shutdown_request(request)
 
+    def log(self, type: str, message: str, *args: Any) -> None:
+        pass  # cut connections make werkzeug report errors we caused on purpose
+
     def cut_all(self) -> None:
         with self._conn_lock:
             connections = list(self.open_connections)
         for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _abort_connection(conn)
 
 
 class MotoS3:

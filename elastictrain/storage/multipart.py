@@ -1,9 +1,10 @@
 """Streaming multipart upload to S3: ``torch.save`` writes straight into upload parts.
 
 The serialised state never exists as one buffer. Bytes are copied once, from the
-staged tensors into a part-sized ``bytearray``; a full part is handed to one of
-``concurrency`` upload threads and a fresh buffer is started, so one upload holds
-at most ``concurrency + 1`` parts in memory whatever the state's size. A stream
+staged tensors into a part-sized buffer; a full part is handed to one of
+``concurrency`` upload threads and a fresh buffer is started. The HTTP client
+(aiohttp) copies a part once more while sending it, so one upload holds at most
+``2 * concurrency + 1`` parts in memory, whatever the state's size. A stream
 that ends within its first part becomes one ``PutObject`` (no multipart overhead
 for small states).
 
@@ -67,8 +68,9 @@ class MultipartWriter(io.RawIOBase):
         self._grow = not getattr(fs, "fixed_upload_size", False)  # R2 needs equal parts
         self._concurrency = concurrency
         self._call = call
-        self._buf: bytearray | None = None
+        self._buf: io.BytesIO | None = None
         self._fill = 0
+        self._size = 0  # capacity of the current part buffer
         self._upload_id: str | None = None
         self._next_part = 1
         self._etags: dict[int, str] = {}
@@ -89,12 +91,12 @@ class MultipartWriter(io.RawIOBase):
         total = view.nbytes
         while view.nbytes:
             if self._buf is None:
-                self._buf = bytearray(self._current_part_size())
-            take = min(len(self._buf) - self._fill, view.nbytes)
-            self._buf[self._fill:self._fill + take] = view[:take]
+                self._buf, self._size = _part_buffer(self._current_part_size())
+            take = min(self._size - self._fill, view.nbytes)
+            self._buf.write(view[:take])
             self._fill += take
             view = view[take:]
-            if self._fill == len(self._buf):
+            if self._fill == self._size:
                 self._send_part()
         self.bytes_written += total
         return total
@@ -105,10 +107,14 @@ class MultipartWriter(io.RawIOBase):
             return self._part_size
         return self._part_size * 2 ** ((self._next_part - 1) // _GROW_EVERY)
 
-    def _take_buffer(self) -> bytearray:
-        body = self._buf if self._buf is not None else bytearray()
-        del body[self._fill:]  # trims a short last part in place, without a copy
-        self._buf, self._fill = None, 0
+    def _take_buffer(self) -> bytes:
+        if self._buf is None:
+            return b""
+        self._buf.truncate(self._fill)  # a short last part
+        # getvalue() hands over the buffer's own bytes object (no copy): bytes, not a
+        # bytearray, because aiohttp copies a bytearray body twice while sending it.
+        body = self._buf.getvalue()
+        self._buf, self._fill, self._size = None, 0, 0
         return body
 
     def _send_part(self) -> None:
@@ -125,7 +131,7 @@ class MultipartWriter(io.RawIOBase):
         assert self._pool is not None
         self._pending.add(self._pool.submit(self._upload_part, number, body))
 
-    def _upload_part(self, number: int, body: bytearray) -> tuple[int, str]:
+    def _upload_part(self, number: int, body: bytes) -> tuple[int, str]:
         out = self._call(f"upload part {number} of", lambda: self._s3(
             "upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
             PartNumber=number, Body=body))
@@ -196,3 +202,13 @@ class MultipartWriter(io.RawIOBase):
         if self.state is UploadState.OPEN:
             self.abort("closed without commit")
         super().close()
+
+
+def _part_buffer(size: int) -> tuple[io.BytesIO, int]:
+    """An empty BytesIO with ``size`` bytes allocated up front, so that filling it
+    never reallocates and ``getvalue()`` of a full part is the buffer itself."""
+    buf = io.BytesIO()
+    buf.seek(size - 1)
+    buf.write(b"\0")
+    buf.seek(0)
+    return buf, size

@@ -34,9 +34,10 @@ MISSING_BUCKET_CODES = frozenset({"NoSuchBucket"})
 CREDENTIAL_CODES = frozenset({
     "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
     "TokenRefreshRequired", "InvalidClientTokenId", "AuthFailure",
-    # botocore raises these before any request when the chain finds nothing usable.
-    "NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError",
 })
+# botocore raises these before any request when the chain finds nothing usable.
+NO_CREDENTIAL_CODES = frozenset({"NoCredentialsError", "PartialCredentialsError",
+                                 "NoAuthTokenError"})
 DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "AccountProblem",
                           "InvalidPayer", "NotSignedUp"})
 # Stores that do not implement conditional writes answer If-None-Match with one of these.
@@ -78,7 +79,7 @@ def error_code(exc: BaseException) -> str | None:
             code = (response.get("Error") or {}).get("Code")
             if code:
                 return str(code)
-        if type(link).__name__ in CREDENTIAL_CODES:
+        if type(link).__name__ in NO_CREDENTIAL_CODES:
             return type(link).__name__
     return None
 
@@ -124,6 +125,12 @@ def translate(op: str, where: str, bucket: str, exc: BaseException) -> StorageEr
             f"{op} {where}: bucket {bucket!r} does not exist ({code}); fix: create the "
             f"bucket (e.g. `aws s3 mb s3://{bucket}`, with --endpoint-url for MinIO or "
             "another S3-compatible store) or correct the storage URL"
+        )
+    if code in NO_CREDENTIAL_CODES:
+        return StoragePermissionError(
+            f"{op} {where}: no usable S3 credentials were found ({code}); fix: set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, storage_options "
+            'key/secret, or run with an instance role; for a public bucket pass {"anon": true}'
         )
     if code in CREDENTIAL_CODES:
         return StoragePermissionError(
