@@ -79,7 +79,7 @@ def error_code(exc: BaseException) -> str | None:
             code = (response.get("Error") or {}).get("Code")
             if code:
                 return str(code)
-        if type(link).__name__ in NO_CREDENTIAL_CODES:
+        if type(link).__name__ in NO_CREDENTIAL_CODES | {"ProfileNotFound"}:
             return type(link).__name__
     return None
 
@@ -131,6 +131,11 @@ def translate(op: str, where: str, bucket: str, exc: BaseException) -> StorageEr
             f"{op} {where}: no usable S3 credentials were found ({code}); fix: set "
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, storage_options "
             'key/secret, or run with an instance role; for a public bucket pass {"anon": true}'
+        )
+    if code == "ProfileNotFound":
+        return StoragePermissionError(
+            f"{op} {where}: the AWS profile to use does not exist (ProfileNotFound); fix: "
+            "correct AWS_PROFILE or storage_options profile, or define it in ~/.aws/config"
         )
     if code in CREDENTIAL_CODES:
         return StoragePermissionError(
