@@ -46,6 +46,7 @@ T = TypeVar("T")
 
 log = get_logger("elastictrain.storage")
 
+DEFAULT_MULTIPART_THRESHOLD = 64 * 2**20
 DEFAULT_PART_SIZE = 16 * 2**20
 DEFAULT_UPLOAD_CONCURRENCY = 4
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@]+@")
@@ -67,7 +68,9 @@ class FsspecStore:
             ``config_kwargs``…); fsspec's own ``FSSPEC_S3_*`` configuration fills in
             what is not given here. Never logged.
         retries, retry_backoff_s: the operation-level retry policy (:mod:`.retry`).
-        part_size_bytes, upload_concurrency: multipart uploads on S3 (:mod:`.multipart`).
+        multipart_threshold_bytes, part_size_bytes, upload_concurrency: streaming
+            uploads on S3 (:mod:`.multipart`): objects up to the threshold go in one
+            PUT, larger ones as multipart uploads.
     """
 
     def __init__(
@@ -78,10 +81,13 @@ class FsspecStore:
         retry_backoff_s: float = 0.2,
         part_size_bytes: int = DEFAULT_PART_SIZE,
         upload_concurrency: int = DEFAULT_UPLOAD_CONCURRENCY,
+        multipart_threshold_bytes: int | None = None,
     ) -> None:
         self._url = redact_url(url)
         self._policy = RetryPolicy(retries=retries, backoff_s=retry_backoff_s)
         self._part_size = part_size_bytes
+        self._threshold = (DEFAULT_MULTIPART_THRESHOLD if multipart_threshold_bytes is None
+                           else multipart_threshold_bytes)
         self._concurrency = upload_concurrency
         try:
             fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -218,7 +224,8 @@ class FsspecStore:
     def _open_write_s3(self, path: str) -> Iterator[BinaryIO]:
         writer = MultipartWriter(
             self.fs, self._full(path), part_size=self._part_size,
-            concurrency=self._concurrency, call=lambda op, fn: self._call(op, path, fn))
+            concurrency=self._concurrency, single_put_max=self._threshold,
+            call=lambda op, fn: self._call(op, path, fn))
         try:
             yield cast(BinaryIO, writer)
             writer.commit()
@@ -354,6 +361,7 @@ def open_store(
         target.url, {**target.storage_options, **(storage_options or {})},
         retries=target.retries, retry_backoff_s=target.retry_backoff_s,
         part_size_bytes=target.part_size_bytes, upload_concurrency=target.upload_concurrency,
+        multipart_threshold_bytes=target.multipart_threshold_bytes,
     )
 
 

@@ -1,12 +1,16 @@
 """Streaming multipart upload to S3: ``torch.save`` writes straight into upload parts.
 
 The serialised state never exists as one buffer. Bytes are copied once, from the
-staged tensors into a part-sized buffer; a full part is handed to one of
-``concurrency`` upload threads and a fresh buffer is started. The HTTP client
-(aiohttp) copies a part once more while sending it, so one upload holds at most
-``2 * concurrency + 1`` parts in memory, whatever the state's size. A stream
-that ends within its first part becomes one ``PutObject`` (no multipart overhead
-for small states).
+staged tensors into a part buffer; a full part is handed to one of
+``concurrency`` upload threads and a fresh buffer is started, so memory depends
+on the settings, never on the state's size.
+
+The first part is ``single_put_max`` bytes: a stream that ends within it is sent
+as one ``PutObject``, like s3fs and boto3 do for small objects (one request
+instead of three, and S3-compatible servers that re-hash every part on
+completion are twice as slow on multipart). Later parts are ``part_size``. The
+HTTP client (aiohttp) copies a part once more while sending it, so one upload
+holds at most about ``2 * (single_put_max + concurrency * part_size)`` bytes.
 
 Lifecycle (``UploadState``)::
 
@@ -52,20 +56,25 @@ class MultipartWriter(io.RawIOBase):
         fs: an ``s3fs.S3FileSystem``; requests go through its ``call_s3`` so its
             ``s3_additional_kwargs`` (server-side encryption…) apply to every part.
         path: ``bucket/key`` of the object.
-        part_size: bytes per part (the last may be smaller); at least 5 MiB on S3.
+        part_size: bytes per part after the first (the last may be smaller);
+            at least 5 MiB on S3.
         concurrency: parts uploaded at the same time.
+        single_put_max: size of the first part, and so the largest object sent as
+            one PUT (default: ``part_size``). Stores that need equal parts
+            (s3fs ``fixed_upload_size``, e.g. Cloudflare R2) use ``part_size``.
         call: ``call(op, fn)`` runs ``fn`` with the store's retries and turns
             failures into :class:`~elastictrain.errors.StorageError`.
     """
 
     def __init__(self, fs: Any, path: str, *, part_size: int, concurrency: int,
-                 call: Call) -> None:
+                 call: Call, single_put_max: int | None = None) -> None:
         super().__init__()
         self._fs = fs
         self._path = path
         self._bucket, self._key, _ = fs.split_path(path)
         self._part_size = part_size
         self._grow = not getattr(fs, "fixed_upload_size", False)  # R2 needs equal parts
+        self._first_part_size = single_put_max if single_put_max and self._grow else part_size
         self._concurrency = concurrency
         self._call = call
         self._buf: io.BytesIO | None = None
@@ -90,19 +99,22 @@ class MultipartWriter(io.RawIOBase):
         view = memoryview(data).cast("B")
         total = view.nbytes
         while view.nbytes:
+            if self._buf is not None and self._fill == self._size:
+                # Sent only once more bytes come: a stream of exactly one part is one PUT.
+                self._send_part()
             if self._buf is None:
                 self._buf, self._size = _part_buffer(self._current_part_size())
             take = min(self._size - self._fill, view.nbytes)
             self._buf.write(view[:take])
             self._fill += take
             view = view[take:]
-            if self._fill == self._size:
-                self._send_part()
         self.bytes_written += total
         return total
 
     # -- parts ----------------------------------------------------------------------------
     def _current_part_size(self) -> int:
+        if self._next_part == 1:
+            return self._first_part_size
         if not self._grow:
             return self._part_size
         return self._part_size * 2 ** ((self._next_part - 1) // _GROW_EVERY)

@@ -27,7 +27,7 @@ MIB = 2**20
 def main(endpoint: str, bucket: str, state_mb: int, part_mb: int, concurrency: int) -> None:
     options = {"key": FAKE_KEY, "secret": FAKE_SECRET, "client_kwargs": {"endpoint_url": endpoint}}
     store = FsspecStore(f"s3://{bucket}/probe", options, part_size_bytes=part_mb * MIB,
-                        upload_concurrency=concurrency)
+                        multipart_threshold_bytes=part_mb * MIB, upload_concurrency=concurrency)
     # torch allocates tensor storage outside Python's allocator: tracemalloc sees only
     # the copies the write path makes, which is what this measures.
     state = {f"w{i}": torch.randn(state_mb * MIB // 4 // 8) for i in range(8)}

@@ -34,7 +34,8 @@ def _open(kind: str, tmp_path: Path, request: pytest.FixtureRequest,
     bucket = request.getfixturevalue("s3")
     # Small parts so that modest payloads exercise real multipart uploads.
     store = FsspecStore(bucket.url(token), bucket.options, retries=2, retry_backoff_s=0.05,
-                        part_size_bytes=5 * MIB, upload_concurrency=2)
+                        part_size_bytes=5 * MIB, multipart_threshold_bytes=5 * MIB,
+                        upload_concurrency=2)
     return store, (bucket.url(token), {**bucket.options, "skip_instance_cache": True})
 
 

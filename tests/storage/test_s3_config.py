@@ -49,7 +49,8 @@ def test_bad_storage_options_never_echo_their_values() -> None:
 @pytest.mark.s3
 def test_store_from_config_applies_every_setting(s3: S3Bucket) -> None:
     config = StorageConfig(url=s3.url(), storage_options=s3.options, retries=1,
-                           part_size_bytes=5 * MIB, upload_concurrency=1)
+                           part_size_bytes=5 * MIB, multipart_threshold_bytes=5 * MIB,
+                           upload_concurrency=1)
     store = open_store(config)
     with store.open_write("big.bin") as f:
         f.write(b"\1" * (11 * MIB))

@@ -77,34 +77,36 @@ def test_store_without_conditional_writes_falls_back(s3: S3Bucket) -> None:
     assert not store.supports_conditional_put
 
 
-@pytest.mark.parametrize("fault", ["throttle", "cut"])
-def test_transient_faults_are_retried_with_backoff(s3: S3Bucket, fault: str) -> None:
-    """7 failures in a row: s3fs absorbs some (5 for SlowDown), elastictrain's policy
-    retries the operation until it succeeds, with growing, jittered delays."""
+@pytest.mark.parametrize("fault,times", [("throttle", 12), ("cut", 7)])
+def test_transient_faults_are_retried_with_backoff(s3: S3Bucket, fault: str,
+                                                    times: int) -> None:
+    """Many failures in a row: s3fs absorbs some (up to 5 SlowDowns in a row; cut
+    connections only sometimes), elastictrain's policy retries the operation until it
+    succeeds, with growing, jittered delays."""
     match = put_of("obj.bin")
     if fault == "throttle":
-        s3.server.faults.throttle(match, times=7)
+        s3.server.faults.throttle(match, times=times)
     else:
-        s3.server.faults.drop(match, times=7)
-    store = s3_store(s3, options=ONE_ATTEMPT, retries=3)
+        s3.server.faults.drop(match, times=times)
+    store = s3_store(s3, options=ONE_ATTEMPT, retries=8, retry_backoff_s=0.01)
     with capture_logs() as logs:
         store.write_bytes("obj.bin", b"payload")
     assert store.read_bytes("obj.bin") == b"payload"
     statuses = [r.status for r in s3.server.faults.seen(match)]
-    assert len(statuses) == 8 and statuses[-1] == 200
+    assert len(statuses) == times + 1 and statuses[-1] == 200
     retries = [e for e in logs if e["event"] == "storage.retry"]
-    assert 1 <= len(retries) <= 3 and all(e["op"] == "write" for e in retries)
+    assert len(retries) <= 8 and all(e["op"] == "write" for e in retries)
     assert all(e["path"] == s3.url() + "/obj.bin" for e in retries)
-    assert all(0 < e["delay_s"] <= 0.05 * 2**i for i, e in enumerate(retries))
-    if fault == "throttle":
-        assert [e["error_code"] for e in retries] == ["SlowDown"]
+    assert all(0 < e["delay_s"] <= 0.01 * 2**i for i, e in enumerate(retries))
+    if fault == "throttle":  # s3fs stops after 5 SlowDowns: the rest were ours
+        assert len(retries) >= 2 and {e["error_code"] for e in retries} == {"SlowDown"}
 
 
 def test_a_failing_part_is_retried_alone(s3: S3Bucket) -> None:
     part2 = lambda r: r.op == "UploadPart" and r.part == 2  # noqa: E731
     s3.server.faults.throttle(part2, times=7)
     store = s3_store(s3, options=ONE_ATTEMPT, retries=3, part_size_bytes=5 * MIB,
-                     upload_concurrency=2)
+                     multipart_threshold_bytes=5 * MIB, upload_concurrency=2)
     data = bytes(range(256)) * (11 * MIB // 256)
     with store.open_write("big.bin") as f:
         f.write(data)

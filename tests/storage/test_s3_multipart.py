@@ -24,7 +24,7 @@ MIB = 2**20
 
 def s3_store(bucket: S3Bucket, **kwargs: object) -> FsspecStore:
     settings = {"retries": 1, "retry_backoff_s": 0.05, "part_size_bytes": 5 * MIB,
-                "upload_concurrency": 2, **kwargs}
+                "multipart_threshold_bytes": 5 * MIB, "upload_concurrency": 2, **kwargs}
     options = {**bucket.options,
                "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": 1}}}
     return FsspecStore(bucket.url(), options, **settings)  # type: ignore[arg-type]
@@ -57,6 +57,21 @@ def test_stream_within_one_part_is_one_put(s3: S3Bucket) -> None:
         f.write(data_of(3 * MIB))
     assert ops(s3) == ["PutObject"]
     assert store.size("small.bin") == 3 * MIB
+
+
+def test_threshold_sets_the_single_put_limit_and_the_first_part(s3: S3Bucket) -> None:
+    """Up to the threshold: one PUT. Beyond: the first part is the threshold's size,
+    then part_size parts (12 MiB with an 8 MiB threshold: 2 parts, not 3)."""
+    store = s3_store(s3, multipart_threshold_bytes=8 * MIB)
+    with store.open_write("eight.bin") as f:
+        f.write(data_of(8 * MIB))
+    with store.open_write("twelve.bin") as f:
+        f.write(data_of(12 * MIB))
+    assert ops(s3) == ["PutObject", "CreateMultipartUpload", "UploadPart", "UploadPart",
+                       "CompleteMultipartUpload"]
+    head = s3.server.client().head_object(Bucket=s3.name, Key="run/twelve.bin")
+    assert head["ETag"].endswith('-2"') and head["ContentLength"] == 12 * MIB
+    assert store.read_bytes("twelve.bin") == data_of(12 * MIB)
 
 
 def test_failed_part_aborts_the_upload(s3: S3Bucket) -> None:
@@ -109,7 +124,8 @@ def test_server_stopping_mid_upload_leaves_no_object(s3: S3Bucket) -> None:
     assert "big.bin" in str(failure[0])
     assert s3.keys() == []
     assert server.pending_uploads(s3.name) == ["run/big.bin"]
-    assert "storage.upload_abort_failed" in [e["event"] for e in logs]
+    names = [e["event"] for e in logs]
+    assert "storage.retry" in names and "storage.upload_abort_failed" in names
     with store.open_write("big.bin") as f:
         f.write(data_of(12 * MIB))
     assert store.read_bytes("big.bin") == data_of(12 * MIB)
