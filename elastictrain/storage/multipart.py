@@ -103,7 +103,9 @@ class MultipartWriter(io.RawIOBase):
                 # Sent only once more bytes come: a stream of exactly one part is one PUT.
                 self._send_part()
             if self._buf is None:
-                self._buf, self._size = _part_buffer(self._current_part_size())
+                # A BytesIO grows by realloc (no copy for large buffers) and getvalue()
+                # hands over its own bytes object: filling it copies each byte once.
+                self._buf, self._size = io.BytesIO(), self._current_part_size()
             take = min(self._size - self._fill, view.nbytes)
             self._buf.write(view[:take])
             self._fill += take
@@ -215,12 +217,3 @@ class MultipartWriter(io.RawIOBase):
             self.abort("closed without commit")
         super().close()
 
-
-def _part_buffer(size: int) -> tuple[io.BytesIO, int]:
-    """An empty BytesIO with ``size`` bytes allocated up front, so that filling it
-    never reallocates and ``getvalue()`` of a full part is the buffer itself."""
-    buf = io.BytesIO()
-    buf.seek(size - 1)
-    buf.write(b"\0")
-    buf.seek(0)
-    return buf, size
