@@ -48,7 +48,7 @@ from elastictrain import log as et_log
 from elastictrain.config import StorageConfig
 from elastictrain.snapshot.reader import find_latest_verified, load_payload
 from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot, prune, serialize_payload
-from elastictrain.storage import FsspecStore, open_store
+from elastictrain.storage import open_store
 
 MB = 1e6
 MIB = 2**20

@@ -197,7 +197,8 @@ class Faults:
             self._set_status(index, int(status.split()[0]))
             return start_response(status, headers, exc_info)
 
-        return self.app(environ, recording_start_response)  # type: ignore[no-any-return]
+        result: Iterable[bytes] = self.app(environ, recording_start_response)
+        return result
 
 
 def _error_response(start_response: Any, status: int, code: str, message: str) -> list[bytes]:

@@ -17,6 +17,7 @@ carries a credential: URLs are redacted and storage options are never echoed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import uuid
@@ -209,7 +210,7 @@ class FsspecStore:
         try:
             os.makedirs(os.path.dirname(full), exist_ok=True)
             with open(tmp, "wb") as f:
-                yield f  # type: ignore[misc]
+                yield f
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, full)  # appears whole or not at all
@@ -253,7 +254,7 @@ class FsspecStore:
     # -- reads ---------------------------------------------------------------------
     def read_bytes(self, path: str) -> bytes:
         full = self._full(path)
-        return self._call("read", path, lambda: self.fs.cat_file(full))  # type: ignore[no-any-return]
+        return bytes(self._call("read", path, lambda: self.fs.cat_file(full)))
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
@@ -315,10 +316,9 @@ class FsspecStore:
         self._call("delete", path, rm)
 
     def _delete_quietly(self, full: str) -> None:
-        try:
+        # Nothing there, or unreachable: either way there is nothing to report.
+        with contextlib.suppress(Exception):
             self.fs.rm(full)
-        except Exception:
-            pass  # nothing there, or unreachable: either way nothing to report
 
     def rename(self, src: str, dst: str) -> None:
         if not self.is_local:

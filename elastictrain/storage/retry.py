@@ -55,7 +55,7 @@ class RetryPolicy:
     def delay(self, attempt: int) -> float:
         ceiling = min(self.backoff_s * (2**attempt), self.max_backoff_s)
         # Jitter spreads retries of many ranks/parts so they do not throttle in lockstep.
-        return ceiling * random.uniform(0.5, 1.0)  # noqa: S311 - not cryptographic
+        return ceiling * random.uniform(0.5, 1.0)
 
     def run(self, fn: Callable[[], T], *, op: str, where: str) -> tuple[T, int]:
         """Call ``fn`` until it succeeds or fails permanently; return (result, retries).

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("moto.moto_server.werkzeug_app", reason="needs moto[server] (test extra)")
 pytest.importorskip("s3fs", reason="needs s3fs (the s3 extra)")
 
-from tests.s3server import MotoS3, S3Bucket, fresh_bucket, moto_session  # noqa: E402
+from tests.s3server import MotoS3, S3Bucket, fresh_bucket, moto_session
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,7 @@ def assert_nothing_leaked(bucket: S3Bucket, tmp_path: Path, *outputs: str) -> No
         if path.is_file():
             assert_no_secret(path.read_bytes(), where=str(path))
     client = bucket.server.client()
-    for key in bucket.keys():
+    for key in bucket.keys(""):
         body = client.get_object(Bucket=bucket.name, Key=key)["Body"].read()
         assert_no_secret(body, where=f"s3://{bucket.name}/{key}")
 

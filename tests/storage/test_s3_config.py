@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,7 +62,8 @@ def _committed_snapshot(s3: S3Bucket) -> None:
     store = FsspecStore(s3.url(), s3.options)
     import torch
 
-    meta = SnapshotMeta(run_id="cli", step=7, epoch=0, world_size=1, checksum_algorithm="crc32")
+    meta = SnapshotMeta(run_id="cli", step=7, epoch=0, world_size=1,
+                        checksum_algorithm="crc32")
     persist_snapshot(store, {"w": torch.ones(8)}, meta)
 
 
@@ -70,12 +72,12 @@ def _committed_snapshot(s3: S3Bucket) -> None:
                                    "--storage-options"])
 def test_cli_reaches_s3_by_every_configuration_route(s3: S3Bucket, tmp_path: Path,
                                                      route: str) -> None:
-    """`elastictrain snapshots verify` (list, read, check) on a moto bucket, with the endpoint and the
-    credentials given each supported way. The default endpoint (AWS) is unreachable
+    """`elastictrain snapshots verify` (list, read, check) on a moto bucket, with the
+    endpoint and the credentials given each supported way. The default endpoint (AWS) is unreachable
     here, so success proves the configuration was applied."""
     _committed_snapshot(s3)
     endpoint = {"client_kwargs": {"endpoint_url": s3.server.endpoint}}
-    env = {"AWS_EC2_METADATA_DISABLED": "true"}
+    env: dict[str, Any] = {"AWS_EC2_METADATA_DISABLED": "true"}
     args: list[str] = []
     if route == "elastictrain env":
         env["ELASTICTRAIN_STORAGE__STORAGE_OPTIONS"] = json.dumps(s3.options)
@@ -95,9 +97,9 @@ def test_cli_reaches_s3_by_every_configuration_route(s3: S3Bucket, tmp_path: Pat
 @pytest.mark.s3
 def test_no_credentials_anywhere_is_a_clear_fatal_error(s3: S3Bucket, tmp_path: Path) -> None:
     nowhere = str(tmp_path / "none")
-    env = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SESSION_TOKEN": "",
-           "AWS_SHARED_CREDENTIALS_FILE": nowhere,
-           "AWS_CONFIG_FILE": nowhere, "AWS_EC2_METADATA_DISABLED": "true"}
+    env: dict[str, Any] = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
+                           "AWS_SESSION_TOKEN": "", "AWS_SHARED_CREDENTIALS_FILE": nowhere,
+                           "AWS_CONFIG_FILE": nowhere, "AWS_EC2_METADATA_DISABLED": "true"}
     options = json.dumps({"client_kwargs": {"endpoint_url": s3.server.endpoint}})
     result = run_cli(["snapshots", "list", s3.url(), "--storage-options", options], tmp_path,
                      **env)

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from elastictrain.errors import StorageError
 from elastictrain.storage import FsspecStore
-from tests.helpers import REPO, child_env, wait_for
+from tests.helpers import REPO, child_env
 from tests.s3server import S3Bucket
 
 pytestmark = pytest.mark.s3
@@ -78,9 +78,9 @@ def test_failed_part_aborts_the_upload(s3: S3Bucket) -> None:
     s3.server.faults.error(lambda r: r.op == "UploadPart" and r.part == 2, 400,
                            "InvalidArgument", "injected: part rejected")
     store = s3_store(s3)
-    with capture_logs() as logs, pytest.raises(StorageError, match="part rejected"):
-        with store.open_write("big.bin") as f:
-            f.write(data_of(16 * MIB))
+    with capture_logs() as logs, pytest.raises(StorageError, match="part rejected"), \
+            store.open_write("big.bin") as f:
+        f.write(data_of(16 * MIB))
     assert "AbortMultipartUpload" in ops(s3) and "CompleteMultipartUpload" not in ops(s3)
     assert s3.keys() == [] and s3.server.pending_uploads(s3.name) == []
     assert [e["event"] for e in logs if e["event"].startswith("storage.upload")] == [

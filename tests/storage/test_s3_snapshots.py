@@ -56,7 +56,7 @@ def test_two_writers_racing_for_one_step_commit_exactly_one(s3: S3Bucket) -> Non
     exactly one wins, the other backs off and deletes its payload."""
     held = s3.server.faults.hold(is_manifest_put, times=2, forward=True)
     stores = [s3_store(s3, skip_instance_cache=True) for _ in range(2)]
-    results: dict[int, Manifest | None | BaseException] = {}
+    results: dict[int, Manifest | BaseException | None] = {}
 
     def write(i: int) -> None:
         try:
