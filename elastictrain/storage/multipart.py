@@ -26,6 +26,7 @@ bucket lifecycle rule (``AbortIncompleteMultipartUpload``) removes them.
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import io
 from collections.abc import Callable
@@ -143,7 +144,9 @@ class MultipartWriter(io.RawIOBase):
         number, body = self._next_part, self._take_buffer()
         self._next_part += 1
         assert self._pool is not None
-        self._pending.add(self._pool.submit(self._upload_part, number, body))
+        # Run in the caller's context: events from upload threads keep run_id, rank, step.
+        context = contextvars.copy_context()
+        self._pending.add(self._pool.submit(context.run, self._upload_part, number, body))
 
     def _upload_part(self, number: int, body: bytes) -> tuple[int, str]:
         out = self._call(f"upload part {number} of", lambda: self._s3(

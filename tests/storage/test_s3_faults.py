@@ -7,12 +7,16 @@ server in front of moto; credentials are checked by moto's own IAM emulation.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from structlog.testing import capture_logs
 
+from elastictrain import log as et_log
 from elastictrain.errors import (
     EXIT_FATAL,
     StorageConflictError,
@@ -162,3 +166,23 @@ def test_rejected_credentials_fail_at_once(s3: S3Bucket, iam_key: tuple[str, str
     assert not [e for e in logs if e["event"] == "storage.retry"]
     assert_no_secret(message, repr(logs))
     assert key_id not in message and secret not in message
+
+
+def test_retry_events_from_upload_threads_carry_the_run_context(s3: S3Bucket,
+                                                                tmp_path: Path) -> None:
+    """Parts upload in worker threads; their events still say which run and rank."""
+    s3.server.faults.throttle(lambda r: r.op == "UploadPart" and r.part == 2, times=6)
+    store = s3_store(s3, options=ONE_ATTEMPT, retries=3, part_size_bytes=5 * MIB,
+                     multipart_threshold_bytes=5 * MIB, upload_concurrency=2)
+    events_file = tmp_path / "events.jsonl"
+    et_log.configure("warning", json_output=True, events_file=events_file,
+                     stream=io.StringIO())
+    et_log.bind(run_id="run-ctx", rank=0)
+    try:
+        with store.open_write("big.bin") as f:
+            f.write(b"\0" * (11 * MIB))
+    finally:
+        structlog.contextvars.clear_contextvars()
+        structlog.reset_defaults()
+    retries = [e for e in et_log.read_events(events_file) if e["event"] == "storage.retry"]
+    assert retries and all(e["run_id"] == "run-ctx" and e["rank"] == 0 for e in retries)
