@@ -226,7 +226,7 @@ class FsspecStore:
         writer = MultipartWriter(
             self.fs, self._full(path), part_size=self._part_size,
             concurrency=self._concurrency, single_put_max=self._threshold,
-            call=lambda op, fn: self._call(op, path, fn))
+            call=lambda op, fn: self._call(op, path, fn), where=self._describe(path))
         try:
             yield cast(BinaryIO, writer)
             writer.commit()

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
+from elastictrain.errors import StorageError
 from elastictrain.log import get_logger
 
 T = TypeVar("T")
@@ -60,6 +61,7 @@ class MultipartWriter(io.RawIOBase):
         part_size: bytes per part after the first (the last may be smaller);
             at least 5 MiB on S3.
         concurrency: parts uploaded at the same time.
+        where: how events name the object (its redacted URL); default ``path``.
         single_put_max: size of the first part, and so the largest object sent as
             one PUT (default: ``part_size``). Stores that need equal parts
             (s3fs ``fixed_upload_size``, e.g. Cloudflare R2) use ``part_size``.
@@ -68,10 +70,12 @@ class MultipartWriter(io.RawIOBase):
     """
 
     def __init__(self, fs: Any, path: str, *, part_size: int, concurrency: int,
-                 call: Call, single_put_max: int | None = None) -> None:
+                 call: Call, single_put_max: int | None = None,
+                 where: str | None = None) -> None:
         super().__init__()
         self._fs = fs
         self._path = path
+        self._where = where or path
         self._bucket, self._key, _ = fs.split_path(path)
         self._part_size = part_size
         self._grow = not getattr(fs, "fixed_upload_size", False)  # R2 needs equal parts
@@ -139,7 +143,8 @@ class MultipartWriter(io.RawIOBase):
             self._upload_id = str(created["UploadId"])
             self._pool = ThreadPoolExecutor(self._concurrency, thread_name_prefix="et-upload")
         if self._next_part > MAX_PARTS:
-            raise ValueError(f"{self._path}: more than {MAX_PARTS} parts; raise part_size_bytes")
+            raise StorageError(f"write {self._where}: more than {MAX_PARTS} parts; fix: raise "
+                               "storage.part_size_bytes")
         self._collect(below=self._concurrency)  # back-pressure: bounded parts in memory
         number, body = self._next_part, self._take_buffer()
         self._next_part += 1
@@ -202,10 +207,10 @@ class MultipartWriter(io.RawIOBase):
             # parts are invisible anyway; a lifecycle rule reclaims them.
             self._s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key,
                      UploadId=self._upload_id)
-            log.info("storage.upload_aborted", path=self._path, parts=len(self._etags),
+            log.info("storage.upload_aborted", path=self._where, parts=len(self._etags),
                      reason=reason)
         except Exception as exc:
-            log.warning("storage.upload_abort_failed", path=self._path,
+            log.warning("storage.upload_abort_failed", path=self._where,
                         error_type=type(exc).__name__, reason=reason)
 
     def _release(self) -> None:
