@@ -7,8 +7,8 @@ on the settings, never on the state's size.
 
 The first part is ``single_put_max`` bytes: a stream that ends within it is sent
 as one ``PutObject``, like s3fs and boto3 do for small objects (one request
-instead of three, and S3-compatible servers that re-hash every part on
-completion are twice as slow on multipart). Later parts are ``part_size``. The
+instead of three; servers that re-hash every part on completion, moto among
+them, are markedly slower on multipart). Later parts are ``part_size``. The
 HTTP client (aiohttp) copies a part once more while sending it, so one upload
 holds at most about ``2 * (single_put_max + concurrency * part_size)`` bytes.
 
@@ -31,12 +31,11 @@ import enum
 import io
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any, TypeVar
+from typing import Any
 
 from elastictrain.errors import StorageError
 from elastictrain.log import get_logger
 
-T = TypeVar("T")
 Call = Callable[[str, Callable[[], Any]], Any]
 
 log = get_logger("elastictrain.storage")
