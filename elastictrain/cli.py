@@ -15,6 +15,7 @@ from elastictrain.errors import EXIT_USAGE, ConfigError, ElasticTrainError
 
 def _demo(args: argparse.Namespace) -> int:
     from elastictrain.demo.runner import DemoOptions, print_result, run_demo
+    from elastictrain.ops import parse_storage_options
 
     opts = DemoOptions(storage=args.storage, nproc=args.nproc, steps=args.steps,
                        snapshot_every=args.snapshot_every, keep=args.keep,
@@ -22,7 +23,8 @@ def _demo(args: argparse.Namespace) -> int:
                        nnodes=args.nnodes, kill_node_at=args.kill_node_at,
                        add_node_at=args.add_node_at, batch_size=args.batch_size,
                        global_batch_size=args.global_batch_size, samples=args.samples,
-                       record_samples=args.record_samples)
+                       record_samples=args.record_samples,
+                       storage_options=parse_storage_options(args.storage_options))
     result = run_demo(opts)
     print_result(result, args.json)
     return result.exit_code
@@ -60,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--events-dir", default=None, help="where event logs go (default: "
                       "<storage>/events for local storage)")
+    demo.add_argument("--storage-options", default=None, metavar="JSON",
+                      help="JSON object passed to fsspec, e.g. "
+                      '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; '
+                      "leave credentials to the environment (AWS_*, a profile, a role)")
     demo.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     elastic = demo.add_argument_group("elastic", "world-size changes and batch policy")
     elastic.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",

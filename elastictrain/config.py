@@ -38,6 +38,13 @@ class StorageConfig(_Model):
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
     retries: int = Field(default=5, ge=0, le=50)
     retry_backoff_s: float = Field(default=0.2, gt=0, le=60)
+    # Object stores: a payload up to multipart_threshold_bytes goes up in one PUT;
+    # a larger one streams as a multipart upload (first part the threshold, then
+    # parts of part_size_bytes, upload_concurrency at a time), so memory is bounded
+    # by these settings, never by the state's size. S3 rejects parts under 5 MiB.
+    multipart_threshold_bytes: int = Field(default=64 * 2**20, ge=5 * 2**20, le=5 * 2**30)
+    part_size_bytes: int = Field(default=16 * 2**20, ge=5 * 2**20, le=5 * 2**30)
+    upload_concurrency: int = Field(default=4, ge=1, le=64)
 
 
 class SnapshotConfig(_Model):

@@ -50,6 +50,10 @@ class StoragePermissionError(StorageError):
     exit_code = EXIT_FATAL
 
 
+class StorageConflictError(StorageError):
+    """A create-only write found the object already there (another writer won)."""
+
+
 class StorageTransientError(StorageError):
     """A retryable fault (throttling, connection reset) outlived its retries."""
 

@@ -6,23 +6,37 @@ import json
 import sys
 from typing import Any
 
+from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError, SnapshotCorrupt
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, read_verified
 from elastictrain.snapshot.writer import prune
 from elastictrain.storage import Store, open_store
 
 
+def parse_storage_options(text: str | None, flag: str = "--storage-options") -> dict[str, Any]:
+    """The JSON object given on the command line ({} when absent). The error never
+    quotes the text: it may hold a secret."""
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} is not JSON ({exc.msg} at character {exc.pos}); fix: pass "
+                          'a JSON object such as \'{"anon": true}\'') from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got a {type(options).__name__}; "
+                          'fix: pass a JSON object such as \'{"anon": true}\'')
+    return options
+
+
 def open_from_cli(url: str, storage_options_json: str | None) -> Store:
-    options: dict[str, Any] = {}
-    if storage_options_json:
-        try:
-            options = json.loads(storage_options_json)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--storage-options is not JSON ({exc.msg}); fix: pass a JSON "
-                              "object such as '{\"anon\": true}'") from None
-        if not isinstance(options, dict):
-            raise ConfigError("--storage-options must be a JSON object")
-    return open_store(url, options)
+    """The store at ``url`` with every storage setting applied: ``ELASTICTRAIN_STORAGE__*``
+    and the config file, then ``--storage-options`` (and fsspec's ``FSSPEC_S3_*``)."""
+    storage: dict[str, Any] = {"url": url}
+    options = parse_storage_options(storage_options_json)
+    if options:
+        storage["storage_options"] = options
+    return open_store(load_settings(storage=storage).storage)
 
 
 def list_snapshots(store: Store) -> list[dict[str, Any]]:

@@ -6,6 +6,7 @@ attempt and rank), the same events an operator would see.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import uuid
@@ -40,6 +41,8 @@ class DemoOptions:
     global_batch_size: int | None = None
     samples: int | None = None
     record_samples: str | None = None
+    # fsspec storage_options (may hold credentials): never printed, never on a command line.
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def validate(self) -> None:
         """Reject bad input before any worker starts (one line: field, value, fix)."""
@@ -81,8 +84,11 @@ class DemoResult:
 def run_demo(opts: DemoOptions) -> DemoResult:
     """Validate, check storage, launch torchrun with restarts, and summarise."""
     opts.validate()
-    settings = load_settings(storage={"url": opts.storage})
-    store = open_store(opts.storage)
+    storage: dict[str, Any] = {"url": opts.storage}
+    if opts.storage_options:
+        storage["storage_options"] = opts.storage_options
+    settings = load_settings(storage=storage)
+    store = open_store(settings.storage)
     store.check_writable()  # before any worker trains; raises StorageError naming the path
     check_resumable(opts, store)  # dataset length vs the newest snapshot, before training
     run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -101,10 +107,18 @@ def run_demo(opts: DemoOptions) -> DemoResult:
                       rdzv_id=run_id, log_dir=str(Path(events_dir) / "torchelastic"))
     started = time.monotonic()
     with open(Path(events_dir) / "launcher.log", "w") as agent_log:
-        proc = start_torchrun(spec, stdout=agent_log)
+        proc = start_torchrun(spec, stdout=agent_log, extra_env=_worker_env(opts))
         exit_code = proc.wait()
     wall = time.monotonic() - started
-    return summarize(events_dir, opts.storage, exit_code, wall)
+    return summarize(events_dir, store.url, exit_code, wall)
+
+
+def _worker_env(opts: DemoOptions) -> dict[str, str]:
+    """Storage options reach the workers through their environment, never their
+    arguments: torchrun logs a worker's command line."""
+    if not opts.storage_options:
+        return {}
+    return {"ELASTICTRAIN_STORAGE__STORAGE_OPTIONS": json.dumps(opts.storage_options)}
 
 
 def elastic_worker_args(opts: DemoOptions) -> list[str]:

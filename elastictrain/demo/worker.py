@@ -98,10 +98,9 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
     # resume that starts iterating mid-epoch would shift every later dropout mask.
     loader = DataLoader(dataset, batch_sampler=et.MicroBatchSampler(sampler),
                         generator=torch.Generator())
-    snap = et.SnapshotManager(rt.settings.storage.url, model=ddp, optimizer=optimizer,
+    snap = et.SnapshotManager(rt.settings.storage, model=ddp, optimizer=optimizer,
                               scheduler=scheduler, sampler=sampler, ctx=rt.ctx,
-                              config=rt.settings.snapshot, progress_dir=rt.events_dir,
-                              storage_options=rt.settings.storage.storage_options)
+                              config=rt.settings.snapshot, progress_dir=rt.events_dir)
     resumed_at = snap.restore().from_step or 0
     kills = sorted(args.kill_at)
     recorder = SampleRecorder.open(args.record_samples, rt) if args.record_samples else None

@@ -1,6 +1,7 @@
 """Names in a run's storage root. See DESIGN.md "Snapshot layout".
 
     <root>/snapshots/step_000000001200/state.pt       payload (torch.load weights_only)
+                                   or state-<token>.pt on object stores (one per writer)
     <root>/snapshots/step_000000001200/MANIFEST.json  written last: the commit marker
     <root>/snapshots/.partial-step_…-<id>/            local staging dir, renamed on commit
     <root>/events/                                    per-attempt JSON-lines event logs
@@ -17,6 +18,7 @@ PAYLOAD = "state.pt"
 PARTIAL_PREFIX = ".partial-"
 
 _STEP_DIR = re.compile(r"^step_(\d{12})$")
+_PAYLOAD_NAME = re.compile(r"^state(-[0-9a-f]{1,32})?\.pt$")
 
 
 def step_dir(step: int) -> str:
@@ -39,3 +41,15 @@ def partial_dir(step: int, token: str) -> str:
 
 def is_partial(name: str) -> bool:
     return name.startswith(PARTIAL_PREFIX)
+
+
+def payload_name(token: str | None = None) -> str:
+    """The payload object's name: ``state.pt``, or ``state-<token>.pt`` where there is
+    no rename (object stores), so two writers of one step never overwrite each
+    other's payload and the manifest that wins names exactly one of them."""
+    return PAYLOAD if token is None else f"state-{token}.pt"
+
+
+def is_payload(name: str) -> bool:
+    """Whether ``name`` is a payload object name (and safe to join to a path)."""
+    return _PAYLOAD_NAME.match(name) is not None

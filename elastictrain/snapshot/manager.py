@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain.config import SnapshotConfig, validated
+from elastictrain.config import SnapshotConfig, StorageConfig, validated
 from elastictrain.data import ElasticSampler, check_dataset_len
 from elastictrain.dist import DistContext
 from elastictrain.env import WorkerEnv
@@ -73,7 +73,8 @@ class SnapshotManager:
     """Saves and restores everything a training loop needs to resume exactly.
 
     Args:
-        storage: a URL (local path, ``file://``, ``memory://``, ``s3://…``) or a Store.
+        storage: a URL (local path, ``file://``, ``memory://``, ``s3://…``), a
+            StorageConfig (URL, options, retries, multipart settings) or a Store.
         model: the (DDP-wrapped or plain) model; saved unwrapped.
         optimizer, scheduler, scaler: optional; anything with state_dict().
         sampler: the ElasticSampler whose global position is saved.
@@ -88,7 +89,7 @@ class SnapshotManager:
 
     def __init__(
         self,
-        storage: str | Store,
+        storage: str | StorageConfig | Store,
         *,
         model: nn.Module,
         optimizer: Any | None = None,
@@ -108,7 +109,8 @@ class SnapshotManager:
         env = WorkerEnv.from_environ()
         self.ctx = ctx or DistContext(env.rank, env.world_size, env.local_rank, "gloo",
                                       torch.device("cpu"), False)
-        self.store = open_store(storage, storage_options) if isinstance(storage, str) else storage
+        self.store = (open_store(storage, storage_options)
+                      if isinstance(storage, (str, StorageConfig)) else storage)
         self.run_id = run_id or env.run_id
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler

@@ -48,10 +48,11 @@ class RetryPolicy:
 
     max_consecutive_failures: int = 3
     backoff_s: float = 0.5
+    max_delay_s: float = 30.0  # an outage can outlast many retries: keep trying often
 
     def delay_s(self, failures: int) -> float:
         """Backoff before the next attempt after ``failures`` failed ones (1, 2, …)."""
-        return float(self.backoff_s * 2 ** (failures - 1))
+        return float(min(self.max_delay_s, self.backoff_s * 2 ** (failures - 1)))
 
 
 @dataclass(frozen=True)

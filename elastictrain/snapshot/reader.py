@@ -20,7 +20,7 @@ from elastictrain.errors import SnapshotCorrupt, SnapshotNotFound, StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import checksum_bytes, new_hasher
-from elastictrain.snapshot.manifest import Manifest
+from elastictrain.snapshot.manifest import Manifest, ObjectEntry
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
@@ -63,6 +63,15 @@ def read_manifest(store: Store, step: int) -> Manifest:
     return manifest
 
 
+def _payload_entry(manifest: Manifest, where: str) -> ObjectEntry:
+    """The manifest's one payload object (its name is unique per writer on object stores)."""
+    payloads = [o for o in manifest.objects if layout.is_payload(o.name)]
+    if len(payloads) != 1:
+        raise SnapshotCorrupt(f"{where}: manifest names {len(payloads)} payload objects, "
+                              "expected 1")
+    return payloads[0]
+
+
 def read_verified(store: Store, step: int) -> VerifiedSnapshot:
     """Read the payload of ``step`` and check it against the manifest.
 
@@ -71,7 +80,7 @@ def read_verified(store: Store, step: int) -> VerifiedSnapshot:
     """
     manifest = read_manifest(store, step)
     where = f"{store.url}/{layout.step_dir(step)}"
-    (entry,) = [o for o in manifest.objects if o.name == layout.PAYLOAD]
+    entry = _payload_entry(manifest, where)
     try:
         data = store.read_bytes(f"{layout.step_dir(step)}/{entry.name}")
     except StorageError as exc:
@@ -135,7 +144,7 @@ def load_verified(store: Store, step: int) -> tuple[Manifest, dict[str, Any]]:
             a payload that does not deserialize.
     """
     manifest = read_manifest(store, step)
-    (entry,) = [o for o in manifest.objects if o.name == layout.PAYLOAD]
+    entry = _payload_entry(manifest, f"{store.url}/{layout.step_dir(step)}")
     path = f"{layout.step_dir(step)}/{entry.name}"
     local = store.local_path(path)
     if local is None:

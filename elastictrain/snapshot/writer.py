@@ -7,9 +7,12 @@ commit → ``prune``. The commit is one object written last:
   ``snapshots/.partial-…`` directory, fsynced, and the directory is renamed
   to ``snapshots/step_…``; a crash leaves only a partial directory, which
   discovery ignores and retention removes;
-* object stores (no rename): the payload is written under ``step_…/`` first
-  and ``MANIFEST.json`` last in one PUT, created only if absent where the
-  store enforces it; objects without a manifest are never loaded.
+* object stores (no rename): the payload is streamed to ``step_…/state-<token>.pt``
+  (unique per writer) first and ``MANIFEST.json`` last in one PUT, created only
+  if absent where the store enforces it. Two writers racing for one step each
+  upload their own payload; exactly one manifest wins and names its payload,
+  the loser deletes its own. Objects no manifest names are never loaded, and
+  retention removes them.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch.utils.serialization import config as serialization_config
 
 import elastictrain
 from elastictrain.config import ChecksumAlgorithm
-from elastictrain.errors import SnapshotCorrupt, StorageError
+from elastictrain.errors import SnapshotCorrupt, StorageConflictError, StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import HashingWriter
@@ -137,7 +140,8 @@ def _no_check() -> None:
     return None
 
 
-def _manifest(meta: SnapshotMeta, size: int, checksum: str) -> Manifest:
+def _manifest(meta: SnapshotMeta, size: int, checksum: str,
+              name: str = layout.PAYLOAD) -> Manifest:
     return Manifest(
         run_id=meta.run_id,
         step=meta.step,
@@ -146,7 +150,7 @@ def _manifest(meta: SnapshotMeta, size: int, checksum: str) -> Manifest:
         torch_version=torch.__version__,
         elastictrain_version=elastictrain.__version__,
         checksum_algorithm=meta.checksum_algorithm,
-        objects=[ObjectEntry(name=layout.PAYLOAD, size_bytes=size, checksum=checksum)],
+        objects=[ObjectEntry(name=name, size_bytes=size, checksum=checksum)],
         dataset_len=meta.dataset_len,
         global_batch_size=meta.global_batch_size,
     )
@@ -171,13 +175,33 @@ def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: st
 
 
 def _persist_manifest_last(store: Store, payload: Any, meta: SnapshotMeta,
-                           final: str, before_commit: Callable[[], None]) -> Manifest:
-    with store.open_write(f"{final}/{layout.PAYLOAD}") as sink:
+                           final: str, before_commit: Callable[[], None]) -> Manifest | None:
+    name = layout.payload_name(uuid.uuid4().hex[:12])
+    with store.open_write(f"{final}/{name}") as sink:
         size, checksum = serialize_payload(payload, sink, meta.checksum_algorithm)
-    manifest = _manifest(meta, size, checksum)
+    manifest = _manifest(meta, size, checksum, name)
     before_commit()
-    store.write_bytes(f"{final}/{layout.MANIFEST}", manifest.to_json(), if_absent=True)
+    try:
+        store.write_bytes(f"{final}/{layout.MANIFEST}", manifest.to_json(), if_absent=True)
+    except StorageConflictError:
+        return _after_lost_race(store, meta, final, manifest)
     return manifest
+
+
+def _after_lost_race(store: Store, meta: SnapshotMeta, final: str,
+                     ours: Manifest) -> Manifest | None:
+    """The manifest already existed: ours if a retried PUT's first response was lost,
+    else another writer's, which must verify; our payload is then an orphan."""
+    from elastictrain.snapshot.reader import read_manifest, verify_snapshot
+
+    theirs = read_manifest(store, meta.step)
+    if theirs.objects == ours.objects:  # the names carry our unique token
+        return ours
+    _best_effort_delete(store, f"{final}/{ours.objects[0].name}")
+    verify_snapshot(store, meta.step)
+    log.info("snapshot.exists", snapshot_step=meta.step, action="kept",
+             reason="another writer committed this step first")
+    return None
 
 
 def _best_effort_delete(store: Store, path: str) -> None:
@@ -205,7 +229,23 @@ def prune(store: Store, keep: int, newest_step: int) -> list[int]:
     for name in names:
         if layout.is_partial(name):
             _prune_one(store, f"{layout.SNAPSHOTS}/{name}", None, "partial")
+    for step in sorted(keep_steps & set(committed)):
+        _prune_orphans(store, step)
     return pruned
+
+
+def _prune_orphans(store: Store, step: int) -> None:
+    """Delete payload objects the committed manifest does not name (a writer that
+    lost the commit race, or an attempt that crashed before committing this step)."""
+    from elastictrain.snapshot.reader import read_manifest
+
+    try:
+        named = {o.name for o in read_manifest(store, step).objects}
+    except SnapshotCorrupt:
+        return  # discovery reports it; retention never guesses
+    for name in store.list_dir(layout.step_dir(step)):
+        if layout.is_payload(name) and name not in named:
+            _prune_one(store, f"{layout.step_dir(step)}/{name}", step, "orphan")
 
 
 def _prune_one(store: Store, path: str, step: int | None, reason: str) -> None:

@@ -32,11 +32,16 @@ class Store(Protocol):
         ...
 
     def write_bytes(self, path: str, data: bytes, *, if_absent: bool = False) -> None:
-        """Write a whole object durably. With ``if_absent``, fail if it exists."""
+        """Write a whole object durably, in one PUT on object stores.
+
+        With ``if_absent``, raise :class:`~elastictrain.errors.StorageConflictError`
+        if it exists (atomically where ``supports_conditional_put``).
+        """
         ...
 
     def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
-        """Stream an object; durable (fsynced / upload completed) when the context exits."""
+        """Stream an object. It appears, whole and durable (fsynced / upload completed),
+        when the context exits cleanly; if the block raises, nothing appears."""
         ...
 
     def read_bytes(self, path: str) -> bytes:

@@ -8,32 +8,48 @@ backend enforces ``If-None-Match``, the marker is created only if absent.
 
 Listings always invalidate fsspec's directory cache first: s3fs caches them
 indefinitely by default, which is how a resume can pick an old step.
+
+On S3, ``open_write`` streams a multipart upload (:mod:`.multipart`), transient
+faults are retried with backoff (:mod:`.retry`), and the faults a user must fix
+get a message naming the bucket and the fix (:mod:`.s3`). No message ever
+carries a credential: URLs are redacted and storage options are never echoed.
 """
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import os
 import re
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
-from typing import Any, BinaryIO, TypeVar
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from elastictrain.errors import (
+    StorageConflictError,
     StorageError,
     StorageNotFoundError,
     StoragePermissionError,
     StorageTransientError,
 )
+from elastictrain.log import get_logger
+from elastictrain.storage import s3
+from elastictrain.storage.multipart import MultipartWriter
+from elastictrain.storage.retry import RetryPolicy, is_transient
+
+if TYPE_CHECKING:
+    from elastictrain.config import StorageConfig
 
 T = TypeVar("T")
 
-_TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.EBUSY}
+log = get_logger("elastictrain.storage")
+
+DEFAULT_MULTIPART_THRESHOLD = 64 * 2**20
+DEFAULT_PART_SIZE = 16 * 2**20
+DEFAULT_UPLOAD_CONCURRENCY = 4
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@]+@")
 _INSTALL_HINT = {"s3": "s3fs (pip install 'elastictrain[s3]')", "gs": "gcsfs", "az": "adlfs"}
 
@@ -43,21 +59,20 @@ def redact_url(url: str) -> str:
     return _CREDENTIALS_IN_URL.sub("", url)
 
 
-def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError)):
-        return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
-        return True
-    name = type(exc).__name__
-    return name in {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-                    "ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
-                    "ResponseStreamingError"}
-
-
 class FsspecStore:
-    """A Store over any fsspec file system. See the module docstring for the guarantees."""
+    """A Store over any fsspec file system. See the module docstring for the guarantees.
+
+    Args:
+        url: a local path, ``file://``, ``memory://``, ``s3://bucket/prefix``…
+        storage_options: passed straight to fsspec (``key``/``secret``/``token``,
+            ``profile``, ``anon``, ``client_kwargs={"endpoint_url": …}``,
+            ``config_kwargs``…); fsspec's own ``FSSPEC_S3_*`` configuration fills in
+            what is not given here. Never logged.
+        retries, retry_backoff_s: the operation-level retry policy (:mod:`.retry`).
+        multipart_threshold_bytes, part_size_bytes, upload_concurrency: streaming
+            uploads on S3 (:mod:`.multipart`): objects up to the threshold go in one
+            PUT, larger ones as multipart uploads.
+    """
 
     def __init__(
         self,
@@ -65,10 +80,16 @@ class FsspecStore:
         storage_options: dict[str, Any] | None = None,
         retries: int = 5,
         retry_backoff_s: float = 0.2,
+        part_size_bytes: int = DEFAULT_PART_SIZE,
+        upload_concurrency: int = DEFAULT_UPLOAD_CONCURRENCY,
+        multipart_threshold_bytes: int | None = None,
     ) -> None:
         self._url = redact_url(url)
-        self._retries = retries
-        self._backoff = retry_backoff_s
+        self._policy = RetryPolicy(retries=retries, backoff_s=retry_backoff_s)
+        self._part_size = part_size_bytes
+        self._threshold = (DEFAULT_MULTIPART_THRESHOLD if multipart_threshold_bytes is None
+                           else multipart_threshold_bytes)
+        self._concurrency = upload_concurrency
         try:
             fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         except ImportError as exc:
@@ -78,13 +99,17 @@ class FsspecStore:
                 f"storage URL {self._url!r} needs {hint}; fix: install it"
             ) from None if "s3fs" in str(exc) else exc
         except (ValueError, TypeError) as exc:
+            # The message may quote an option's value: never show it (it may be a secret).
             raise StorageError(
-                f"cannot open storage URL {self._url!r}: {exc}; fix: check the URL and "
-                "storage_options"
+                f"cannot open storage URL {self._url!r} ({type(exc).__name__}); fix: check "
+                "the URL and the names and types in storage_options"
             ) from None
         self.fs = fs
         self.is_local = isinstance(fs, LocalFileSystem)
+        self.is_s3 = s3.is_s3_protocol(fs.protocol)
         self.root = os.path.abspath(root) if self.is_local else root.rstrip("/")
+        self.bucket = self.root.split("/", 1)[0] if self.is_s3 else ""
+        self._conditional_put = self.is_local or self.is_s3 or "memory" in _protocols(fs)
 
     # -- properties ---------------------------------------------------------------
     @property
@@ -97,7 +122,7 @@ class FsspecStore:
 
     @property
     def supports_conditional_put(self) -> bool:
-        return self.is_local or "s3" in _protocols(self.fs)
+        return self._conditional_put
 
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}".rstrip("/") if path else self.root
@@ -107,21 +132,20 @@ class FsspecStore:
 
     # -- error translation and retries ------------------------------------------
     def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
-        attempt = 0
-        while True:
-            try:
-                return fn()
-            except Exception as exc:
-                if _is_transient(exc) and attempt < self._retries:
-                    time.sleep(self._backoff * (2**attempt))
-                    attempt += 1
-                    continue
-                raise self._translate(op, path, exc, attempt) from exc
+        try:
+            result, _ = self._policy.run(fn, op=op, where=self._describe(path))
+        except Exception as exc:
+            raise self._translate(op, path, exc, getattr(exc, "retries_used", 0)) from exc
+        return result
 
     def _translate(self, op: str, path: str, exc: Exception, attempts: int) -> StorageError:
         where = self._describe(path)
         if isinstance(exc, StorageError):
             return exc
+        if self.is_s3:
+            specific = s3.translate(op, where, self.bucket, exc)
+            if specific is not None:
+                return specific
         if isinstance(exc, FileNotFoundError):
             return StorageNotFoundError(
                 f"{op} {where}: not found; fix: check the storage URL, and that the bucket "
@@ -133,8 +157,9 @@ class FsspecStore:
                 "another --storage location, and check the credentials in use"
             )
         if isinstance(exc, FileExistsError):
-            return StorageError(f"{op} {where}: already exists (another writer committed it)")
-        if _is_transient(exc):
+            return StorageConflictError(
+                f"{op} {where}: already exists (another writer committed it)")
+        if is_transient(exc):
             return StorageTransientError(
                 f"{op} {where}: still failing after {attempts} retries "
                 f"({type(exc).__name__}); fix: check that the storage endpoint is reachable"
@@ -148,37 +173,83 @@ class FsspecStore:
         if self.is_local:
             self._call("write", path, lambda: _local_atomic_write(full, data, if_absent))
             return
-        mode = "create" if if_absent and self.supports_conditional_put else "overwrite"
-        if if_absent and mode == "overwrite" and self._call("stat", path,
-                                                            lambda: self.fs.exists(full)):
-            raise StorageError(f"write {self._describe(path)}: already exists")
-        self._call("write", path, lambda: self.fs.pipe_file(full, data, mode=mode))
+        if if_absent and self._conditional_put:
+            try:
+                self._call("write", path, lambda: self.fs.pipe_file(full, data, mode="create"))
+                return
+            except StorageConflictError:
+                raise
+            except StorageError as exc:
+                if not (self.is_s3 and s3.is_conditional_unsupported(exc)):
+                    raise
+                # An S3-compatible store without If-None-Match: check, then write.
+                self._conditional_put = False
+                log.warning("storage.conditional_put_unsupported", url=self._url,
+                            fallback="exists check before PUT (not atomic)")
+        if if_absent and self._call("stat", path, lambda: self._exists(full)):
+            raise StorageConflictError(
+                f"write {self._describe(path)}: already exists (another writer committed it)")
+        self._call("write", path, lambda: self.fs.pipe_file(full, data))
 
     @contextmanager
     def open_write(self, path: str) -> Iterator[BinaryIO]:
-        full = self._full(path)
         if self.is_local:
+            with self._open_write_local(path) as f:
+                yield f
+        elif self.is_s3:
+            with self._open_write_s3(path) as f:
+                yield f
+        else:
+            with self._open_write_fsspec(path) as f:
+                yield f
+
+    @contextmanager
+    def _open_write_local(self, path: str) -> Iterator[BinaryIO]:
+        full = self._full(path)
+        tmp = f"{full}.tmp-{uuid.uuid4().hex}"
+        try:
             os.makedirs(os.path.dirname(full), exist_ok=True)
-            try:
-                f = open(full, "wb")  # noqa: SIM115 - closed below after fsync
-            except OSError as exc:
-                raise self._translate("write", path, exc, 0) from exc
-            try:
+            with open(tmp, "wb") as f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
-            except OSError as exc:
-                raise self._translate("write", path, exc, 0) from exc
-            finally:
-                f.close()
-            return
-        try:
-            with self.fs.open(full, "wb") as f:
-                yield f
-        except StorageError:
-            raise
-        except Exception as exc:
+            os.replace(tmp, full)  # appears whole or not at all
+            _fsync_dir(os.path.dirname(full))
+        except OSError as exc:
             raise self._translate("write", path, exc, 0) from exc
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    @contextmanager
+    def _open_write_s3(self, path: str) -> Iterator[BinaryIO]:
+        writer = MultipartWriter(
+            self.fs, self._full(path), part_size=self._part_size,
+            concurrency=self._concurrency, single_put_max=self._threshold,
+            call=lambda op, fn: self._call(op, path, fn), where=self._describe(path))
+        try:
+            yield cast(BinaryIO, writer)
+            writer.commit()
+        except BaseException as exc:
+            writer.abort(type(exc).__name__)
+            if isinstance(exc, OSError):  # the backend's; the caller's own errors pass
+                raise self._translate("write", path, exc, 0) from exc
+            raise
+
+    @contextmanager
+    def _open_write_fsspec(self, path: str) -> Iterator[BinaryIO]:
+        full = self._full(path)
+        f = self._call("write", path, lambda: self.fs.open(full, "wb"))
+        try:
+            yield f
+            f.close()
+        except BaseException as exc:
+            # Some backends (memory://) show the object while it is written: remove it.
+            getattr(f, "discard", lambda: None)()
+            self._delete_quietly(full)
+            if isinstance(exc, OSError):  # the backend's; the caller's own errors pass
+                raise self._translate("write", path, exc, 0) from exc
+            raise
 
     # -- reads ---------------------------------------------------------------------
     def read_bytes(self, path: str) -> bytes:
@@ -202,10 +273,13 @@ class FsspecStore:
         full = self._full(path)
 
         def ls() -> list[str]:
+            # s3fs caches listings forever by default: always ask the store itself.
             self.fs.invalidate_cache(full)
             try:
                 entries = self.fs.ls(full, detail=False, refresh=True)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if s3.is_missing_bucket(exc):
+                    raise  # not "no snapshots yet": the location itself is wrong
                 return []
             prefix = full.rstrip("/") + "/"
             names = [str(e).rstrip("/") for e in entries]
@@ -214,10 +288,13 @@ class FsspecStore:
 
         return self._call("list", path, ls)
 
+    def _exists(self, full: str) -> bool:
+        self.fs.invalidate_cache(full)
+        return bool(self.fs.exists(full))
+
     def exists(self, path: str) -> bool:
         full = self._full(path)
-        self.fs.invalidate_cache(full)
-        return bool(self._call("stat", path, lambda: self.fs.exists(full)))
+        return self._call("stat", path, lambda: self._exists(full))
 
     def size(self, path: str) -> int:
         full = self._full(path)
@@ -229,11 +306,19 @@ class FsspecStore:
         full = self._full(path)
 
         def rm() -> None:
-            with suppress(FileNotFoundError):
+            try:
                 self.fs.rm(full, recursive=recursive)
+            except FileNotFoundError as exc:
+                if s3.is_missing_bucket(exc):
+                    raise
             self.fs.invalidate_cache(full)
 
         self._call("delete", path, rm)
+
+    def _delete_quietly(self, full: str) -> None:
+        # Nothing there, or unreachable: either way there is nothing to report.
+        with contextlib.suppress(Exception):
+            self.fs.rm(full)
 
     def rename(self, src: str, dst: str) -> None:
         if not self.is_local:
@@ -261,13 +346,23 @@ class FsspecStore:
 
 
 def open_store(
-    url: str,
+    target: str | StorageConfig,
     storage_options: dict[str, Any] | None = None,
     retries: int = 5,
     retry_backoff_s: float = 0.2,
 ) -> FsspecStore:
-    """Open a Store for ``url`` (a local path, ``file://``, ``memory://``, ``s3://``…)."""
-    return FsspecStore(url, storage_options, retries=retries, retry_backoff_s=retry_backoff_s)
+    """Open a Store for a URL (a local path, ``file://``, ``memory://``, ``s3://``…) or
+    for a :class:`~elastictrain.config.StorageConfig` (all of its settings apply;
+    ``storage_options``, if given, update the config's)."""
+    if isinstance(target, str):
+        return FsspecStore(target, storage_options, retries=retries,
+                           retry_backoff_s=retry_backoff_s)
+    return FsspecStore(
+        target.url, {**target.storage_options, **(storage_options or {})},
+        retries=target.retries, retry_backoff_s=target.retry_backoff_s,
+        part_size_bytes=target.part_size_bytes, upload_concurrency=target.upload_concurrency,
+        multipart_threshold_bytes=target.multipart_threshold_bytes,
+    )
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

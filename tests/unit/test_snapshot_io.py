@@ -15,6 +15,7 @@ from elastictrain.snapshot.reader import (
     find_latest_verified,
     list_snapshot_dirs,
     load_payload,
+    read_manifest,
     read_verified,
 )
 from elastictrain.snapshot.staging import StagingBuffers
@@ -42,7 +43,7 @@ def test_persist_commits_manifest_and_loadable_payload(store) -> None:  # type: 
     save(store, 12)
     assert store.list_dir(layout.SNAPSHOTS) == ["step_000000000012"]
     found = read_verified(store, 12)
-    assert found.manifest.step == 12 and found.manifest.objects[0].name == layout.PAYLOAD
+    assert found.manifest.step == 12 and layout.is_payload(found.manifest.objects[0].name)
     payload = load_payload(found.payload)
     assert torch.equal(payload["w"], torch.full((64,), 12.0))
 
@@ -53,15 +54,17 @@ def test_damaged_newest_falls_back_to_previous(store, damage: str) -> None:  # t
     save(store, 10)
     save(store, 20)
     newest = layout.step_dir(20)
-    data = store.read_bytes(f"{newest}/{layout.PAYLOAD}")
+    # Object stores name the payload per writer (state-<token>.pt): ask the manifest.
+    payload_path = f"{newest}/{read_manifest(store, 20).objects[0].name}"
+    data = store.read_bytes(payload_path)
     if damage == "truncate":
-        store.write_bytes(f"{newest}/{layout.PAYLOAD}", data[: len(data) // 2])
+        store.write_bytes(payload_path, data[: len(data) // 2])
     elif damage == "flip":
-        store.write_bytes(f"{newest}/{layout.PAYLOAD}", data[:-1] + bytes([data[-1] ^ 1]))
+        store.write_bytes(payload_path, data[:-1] + bytes([data[-1] ^ 1]))
     elif damage == "drop_manifest":
         store.delete(f"{newest}/{layout.MANIFEST}")
     elif damage == "drop_payload":
-        store.delete(f"{newest}/{layout.PAYLOAD}")
+        store.delete(payload_path)
     else:
         store.write_bytes(f"{newest}/{layout.MANIFEST}", b'{"step": "twenty"}')
     with capture_logs() as logs:
@@ -83,7 +86,8 @@ def test_only_snapshot_corrupt_is_not_loaded_nor_deleted(store) -> None:  # type
 
 def test_resave_of_a_corrupt_step_replaces_it(store) -> None:  # type: ignore[no-untyped-def]
     save(store, 7, value=1.0)
-    store.write_bytes(f"{layout.step_dir(7)}/{layout.PAYLOAD}", b"garbage")
+    store.write_bytes(f"{layout.step_dir(7)}/{read_manifest(store, 7).objects[0].name}",
+                      b"garbage")
     save(store, 7, value=2.0)
     assert torch.equal(load_payload(read_verified(store, 7).payload)["w"],
                        torch.full((64,), 9.0))

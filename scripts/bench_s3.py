@@ -1,0 +1,236 @@
+"""Persist and restore throughput on S3: elastictrain versus raw s3fs on the same bytes.
+
+One run, one server (a moto server this script starts on 127.0.0.1 at a free port
+and stops, or any S3 endpoint with ``--endpoint``), a state of ``--size-mb``:
+
+* ``raw put``: s3fs ``pipe_file`` of the serialised state's bytes (s3fs sends one
+  PUT below 100 MB);
+* ``persist``: elastictrain's ``persist_snapshot`` of the state: ``torch.save``
+  streamed into a multipart upload, checksummed, then the manifest PUT;
+* ``raw get``: s3fs ``cat_file`` of those bytes;
+* ``restore``: discovery (fresh listing, manifest) and the verified read (size and
+  checksum) of the payload: the storage work. ``torch.load`` of the verified bytes
+  is timed separately (it is the same for every store and cannot overlap the
+  download: a zip is read from its end), and ``restore_with_load_vs_raw_get``
+  includes it.
+
+Rounds interleave raw and elastictrain so that load on a shared machine hits both;
+times are medians. Ratios are elastictrain's throughput over raw's (1.0 = as fast as
+a bare PUT/GET of the same bytes; the target is >= 0.9). A separate, untimed round
+measures peak Python memory (tracemalloc) of persist and of a raw put, beyond the
+state itself. Numbers on a loaded 2-core box are noisy: compare ratios from one run.
+
+    python scripts/bench_s3.py [--size-mb 48] [--rounds 5] [--json]
+    python scripts/bench_s3.py --endpoint http://127.0.0.1:9000 --bucket b  # MinIO…
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from elastictrain import log as et_log
+from elastictrain.config import StorageConfig
+from elastictrain.snapshot.reader import find_latest_verified, load_payload
+from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot, prune, serialize_payload
+from elastictrain.storage import open_store
+
+MB = 1e6
+MIB = 2**20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = StorageConfig()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-mb", type=float, default=48.0, help="state size (default 48)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--part-size-mb", type=float, default=defaults.part_size_bytes / MIB)
+    p.add_argument("--multipart-threshold-mb", type=float,
+                   default=defaults.multipart_threshold_bytes / MIB,
+                   help="states up to this go in one PUT (5: stream everything)")
+    p.add_argument("--concurrency", type=int, default=defaults.upload_concurrency)
+    p.add_argument("--endpoint", default=None, help="an S3 endpoint (default: start moto)")
+    p.add_argument("--bucket", default="elastictrain-bench")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def moto_server() -> Iterator[str]:
+    """moto's S3 server as a child process (its own GIL), stopped by PID at the end."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                             "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint + "/moto-api/", timeout=2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("moto server did not start") from None
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def make_state(size_mb: float, n_params: int = 100) -> dict[str, Any]:
+    """Shaped like a model with AdamW: ``n_params`` weights, and per weight an
+    ``exp_avg``, an ``exp_avg_sq`` and a step counter (about 400 tensors)."""
+    per = int(size_mb * MB) // 4 // 3 // n_params
+    model = {f"layer{i}.weight": torch.randn(per) for i in range(n_params)}
+    state = {i: {"step": torch.tensor(10.0), "exp_avg": torch.randn(per),
+                 "exp_avg_sq": torch.rand(per)} for i in range(n_params)}
+    optimizer = {"state": state, "param_groups": [{"lr": 1e-3, "params": list(range(n_params))}]}
+    return {"model": model, "optimizer": optimizer, "step": 1}
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def peak_python_bytes(fn: Callable[[], Any]) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
+    options: dict[str, Any] = {"client_kwargs": {"endpoint_url": endpoint}}
+    if not os.environ.get("AWS_ACCESS_KEY_ID"):
+        options.update(key="bench", secret="bench")  # moto accepts anything
+    config = StorageConfig(url=f"s3://{args.bucket}/bench", storage_options=options,
+                           part_size_bytes=int(args.part_size_mb * MIB),
+                           multipart_threshold_bytes=int(args.multipart_threshold_mb * MIB),
+                           upload_concurrency=args.concurrency)
+    store = open_store(config)
+    fs = store.fs
+    if not fs.exists(args.bucket):
+        fs.mkdir(args.bucket)  # no region: moto rejects a location constraint
+    state = make_state(args.size_mb)
+    buf = io.BytesIO()
+    serialize_payload(state, buf, "crc32")
+    raw = buf.getvalue()
+    raw_key = f"{args.bucket}/bench-raw/state.pt"
+    step = 0
+
+    def persist() -> None:
+        nonlocal step
+        step += 1
+        meta = SnapshotMeta(run_id="bench", step=step, epoch=0, world_size=1,
+                            checksum_algorithm="crc32")
+        persist_snapshot(store, state, meta)
+
+    found: list[Any] = []
+
+    def restore() -> None:
+        """Discovery (fresh listing, manifest) and the verified read: the storage work."""
+        found[:] = [find_latest_verified(store)]
+        assert found[0] is not None and found[0].manifest.total_bytes == len(raw)
+
+    times: dict[str, list[float]] = {"raw_put": [], "persist": [], "raw_get": [], "restore": [],
+                                     "deserialize": []}
+    persist()
+    restore()
+    fs.pipe_file(raw_key, raw)  # warm-up: connections, credentials, code paths
+    for _ in range(args.rounds):
+        times["raw_put"].append(timed(lambda: fs.pipe_file(raw_key, raw)))
+        times["persist"].append(timed(persist))
+        times["raw_get"].append(timed(lambda: fs.cat_file(raw_key)))
+        times["restore"].append(timed(restore))
+        times["deserialize"].append(timed(lambda: load_payload(found[0].payload)))
+        prune(store, keep=1, newest_step=step)  # keep the server's memory flat
+    peaks = {"persist_peak_python_bytes": peak_python_bytes(persist),
+             "raw_put_peak_python_bytes": peak_python_bytes(lambda: fs.pipe_file(raw_key, raw))}
+    fs.rm(f"{args.bucket}/bench-raw", recursive=True)
+    store.delete("", recursive=True)
+    return summarize(args, endpoint, len(raw), times, peaks)
+
+
+def summarize(args: argparse.Namespace, endpoint: str, size: int,
+              times: dict[str, list[float]], peaks: dict[str, int]) -> dict[str, Any]:
+    median = {k: statistics.median(v) for k, v in times.items()}
+    mb_s = {k: round(size / MB / v, 1) for k, v in median.items() if k != "deserialize"}
+    return {
+        "endpoint": endpoint, "size_bytes": size, "rounds": args.rounds,
+        "part_size_bytes": int(args.part_size_mb * MIB), "upload_concurrency": args.concurrency,
+        "multipart_threshold_bytes": int(args.multipart_threshold_mb * MIB),
+        "persist_upload": "multipart" if size > args.multipart_threshold_mb * MIB else "one PUT",
+        **{f"{k}_s": round(v, 4) for k, v in median.items()},
+        **{f"{k}_mb_s": v for k, v in mb_s.items()},
+        "persist_vs_raw_put": round(median["raw_put"] / median["persist"], 3),
+        "restore_vs_raw_get": round(median["raw_get"] / median["restore"], 3),
+        "restore_with_load_vs_raw_get": round(
+            median["raw_get"] / (median["restore"] + median["deserialize"]), 3),
+        **peaks,
+        "all_times_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
+    }
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = [
+        f"elastictrain S3 bench: {r['size_bytes'] / MB:.1f} MB state at {r['endpoint']}, "
+        f"median of {r['rounds']} rounds; persist as {r['persist_upload']} (threshold "
+        f"{r['multipart_threshold_bytes'] / MIB:g} MiB, parts {r['part_size_bytes'] / MIB:g} MiB"
+        f" x {r['upload_concurrency']})",
+        f"  {'':26} {'time_s':>8} {'MB/s':>8}",
+        f"  {'raw s3fs pipe_file (PUT)':26} {r['raw_put_s']:8.3f} {r['raw_put_mb_s']:8.1f}",
+        f"  {'elastictrain persist':26} {r['persist_s']:8.3f} {r['persist_mb_s']:8.1f}"
+        f"   persist_vs_raw_put {r['persist_vs_raw_put']:.2f}",
+        f"  {'raw s3fs cat_file (GET)':26} {r['raw_get_s']:8.3f} {r['raw_get_mb_s']:8.1f}",
+        f"  {'elastictrain restore':26} {r['restore_s']:8.3f} {r['restore_mb_s']:8.1f}"
+        f"   restore_vs_raw_get {r['restore_vs_raw_get']:.2f}",
+        f"  {'  + torch.load':26} {r['deserialize_s']:8.3f} {'':8}"
+        f"   restore_with_load_vs_raw_get {r['restore_with_load_vs_raw_get']:.2f}",
+        f"  peak Python memory beyond the state: persist "
+        f"{r['persist_peak_python_bytes'] / MB:.1f} MB, raw put "
+        f"{r['raw_put_peak_python_bytes'] / MB:.1f} MB (plus the raw bytes themselves)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    et_log.configure("warning")  # events of every persist would drown the table
+    if args.endpoint:
+        result = run(args, args.endpoint)
+    else:
+        with moto_server() as endpoint:
+            result = run(args, endpoint)
+    print(json.dumps(result) if args.json else table(result))
+
+
+if __name__ == "__main__":
+    main()

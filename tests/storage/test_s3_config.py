@@ -1,0 +1,108 @@
+"""Pointing elastictrain at S3: settings, environment, fsspec's FSSPEC_S3_* config and
+the credential chain all reach the store, from the library and from the CLI; no
+route ever prints a credential."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastictrain.config import StorageConfig, load_settings
+from elastictrain.errors import EXIT_FATAL, ConfigError, StorageError
+from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot
+from elastictrain.storage import FsspecStore, open_store
+from tests.helpers import run_cli
+from tests.s3server import FAKE_KEY, FAKE_SECRET, S3Bucket, assert_no_secret
+
+MIB = 2**20
+
+
+def test_storage_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    options = {"key": FAKE_KEY, "secret": FAKE_SECRET,
+               "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}
+    monkeypatch.setenv("ELASTICTRAIN_STORAGE__STORAGE_OPTIONS", json.dumps(options))
+    monkeypatch.setenv("ELASTICTRAIN_STORAGE__PART_SIZE_BYTES", str(8 * MIB))
+    monkeypatch.setenv("ELASTICTRAIN_STORAGE__UPLOAD_CONCURRENCY", "2")
+    settings = load_settings(storage={"url": "s3://bucket/run"})
+    assert settings.storage.url == "s3://bucket/run"
+    assert settings.storage.storage_options == options
+    assert (settings.storage.part_size_bytes, settings.storage.upload_concurrency) == (8 * MIB, 2)
+    assert_no_secret(repr(settings), str(settings), where="Settings repr")
+
+
+def test_part_size_below_the_s3_minimum_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"storage.part_size_bytes=1000: .*5242880"):
+        load_settings(storage={"part_size_bytes": 1000})
+
+
+def test_bad_storage_options_never_echo_their_values() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(storage={"storage_options": f"secret={FAKE_SECRET}"})
+    assert_no_secret(str(info.value), where="config error")
+    with pytest.raises(StorageError) as opened:
+        FsspecStore("s3://bucket/run", {"no_such_option": FAKE_SECRET}).list_dir("")
+    assert_no_secret(str(opened.value), where="open error")
+
+
+@pytest.mark.s3
+def test_store_from_config_applies_every_setting(s3: S3Bucket) -> None:
+    config = StorageConfig(url=s3.url(), storage_options=s3.options, retries=1,
+                           part_size_bytes=5 * MIB, multipart_threshold_bytes=5 * MIB,
+                           upload_concurrency=1)
+    store = open_store(config)
+    with store.open_write("big.bin") as f:
+        f.write(b"\1" * (11 * MIB))
+    assert [r.part for r in s3.server.faults.seen(lambda r: r.op == "UploadPart")] == [1, 2, 3]
+
+
+def _committed_snapshot(s3: S3Bucket) -> None:
+    store = FsspecStore(s3.url(), s3.options)
+    import torch
+
+    meta = SnapshotMeta(run_id="cli", step=7, epoch=0, world_size=1,
+                        checksum_algorithm="crc32")
+    persist_snapshot(store, {"w": torch.ones(8)}, meta)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("route", ["elastictrain env", "FSSPEC_S3 json", "FSSPEC_S3_* vars",
+                                   "--storage-options"])
+def test_cli_reaches_s3_by_every_configuration_route(s3: S3Bucket, tmp_path: Path,
+                                                     route: str) -> None:
+    """`elastictrain snapshots verify` (list, read, check) on a moto bucket, with the
+    endpoint and the credentials given each supported way. The default endpoint (AWS) is unreachable
+    here, so success proves the configuration was applied."""
+    _committed_snapshot(s3)
+    endpoint = {"client_kwargs": {"endpoint_url": s3.server.endpoint}}
+    env: dict[str, Any] = {"AWS_EC2_METADATA_DISABLED": "true"}
+    args: list[str] = []
+    if route == "elastictrain env":
+        env["ELASTICTRAIN_STORAGE__STORAGE_OPTIONS"] = json.dumps(s3.options)
+    elif route == "FSSPEC_S3 json":
+        env["FSSPEC_S3"] = json.dumps({**endpoint, "key": FAKE_KEY, "secret": FAKE_SECRET})
+    elif route == "FSSPEC_S3_* vars":
+        env.update(s3.env, FSSPEC_S3_ENDPOINT_URL=s3.server.endpoint)
+    else:
+        env.update(s3.env)
+        args = ["--storage-options", json.dumps(endpoint)]
+    verified = run_cli(["snapshots", "verify", s3.url(), "--json", *args], tmp_path, **env)
+    assert verified.returncode == 0, verified.stderr[-3000:]
+    assert_no_secret(verified.stdout, verified.stderr, where=f"CLI output ({route})")
+    assert [(r["step"], r["status"]) for r in json.loads(verified.stdout)] == [(7, "ok")]
+
+
+@pytest.mark.s3
+def test_no_credentials_anywhere_is_a_clear_fatal_error(s3: S3Bucket, tmp_path: Path) -> None:
+    nowhere = str(tmp_path / "none")
+    env: dict[str, Any] = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
+                           "AWS_SESSION_TOKEN": "", "AWS_SHARED_CREDENTIALS_FILE": nowhere,
+                           "AWS_CONFIG_FILE": nowhere, "AWS_EC2_METADATA_DISABLED": "true"}
+    options = json.dumps({"client_kwargs": {"endpoint_url": s3.server.endpoint}})
+    result = run_cli(["snapshots", "list", s3.url(), "--storage-options", options], tmp_path,
+                     **env)
+    assert result.returncode == EXIT_FATAL, result.stderr[-3000:]
+    assert "no usable S3 credentials were found" in result.stderr
+    assert f"{s3.url()}/snapshots" in result.stderr and "AWS_ACCESS_KEY_ID" in result.stderr
