@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain import log as et_log
+from elastictrain import preempt, watchdog
 from elastictrain.config import Settings, load_settings
 from elastictrain.dist import DistContext, destroy_process_group, init_process_group
 from elastictrain.env import WorkerEnv
@@ -66,7 +67,12 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
     et_log.configure(settings.log.level, settings.log.json_output, events_file)
     et_log.bind(run_id=run_id, rank=env.rank, world_size=env.world_size,
                 restart_count=env.restart_count, step=0, **env.scheduler_attempts)
-    et_log.get_logger("elastictrain").info("worker.start", pid=os.getpid(), local_rank=env.local_rank)
+    et_log.get_logger("elastictrain").info("worker.start", pid=os.getpid(),
+                                           local_rank=env.local_rank)
+    # Before joining the group: a notice during a long start is acted on at the first
+    # step, and a hung init_process_group is caught. One poller per node is enough.
+    preempt.install(settings.preempt, poll=env.local_rank == 0)
+    watchdog.install(settings.watchdog)
     ctx = init_process_group(settings.dist, env)
     et_log.bind(rank=ctx.rank, world_size=ctx.world_size)
     return Runtime(settings, env, ctx, events_dir)
@@ -74,5 +80,8 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
 
 def shutdown() -> None:
     """Leave the process group (call at the end of training, also on errors)."""
+    watchdog.uninstall()  # teardown is not a hang
+    # Handlers stay: a late SIGTERM from the agent must not turn exit 75 into a kill.
+    preempt.uninstall(restore_signals=False)
     destroy_process_group()
 

@@ -82,7 +82,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     worker_args += [f"--kill-at={k}" for k in opts.kill_at]
     spec = LaunchSpec(nproc_per_node=opts.nproc, module="elastictrain.demo.worker",
                       script_args=worker_args, max_restarts=len(opts.kill_at) + 2,
-                      rdzv_id=run_id, log_dir=str(Path(events_dir) / "torchelastic"))
+                      rdzv_id=run_id, log_dir=str(Path(events_dir) / "torchelastic"),
+                      events_dir=events_dir)
     started = time.monotonic()
     with open(Path(events_dir) / "launcher.log", "w") as agent_log:
         proc = start_torchrun(spec, stdout=agent_log)

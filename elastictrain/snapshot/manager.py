@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from elastictrain import preempt, watchdog
 from elastictrain.config import SnapshotConfig, validated
 from elastictrain.data import ElasticSampler
 from elastictrain.dist import DistContext
@@ -117,6 +118,7 @@ class SnapshotManager:
         self._last_handle: SaveHandle | None = None
         self._last_save_time = time.monotonic()
         self._progress = _ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
+        self._preempt = preempt.current()
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -130,6 +132,7 @@ class SnapshotManager:
         self._epoch = value
 
     # -- restore ----------------------------------------------------------------------
+    @watchdog.busy("snapshot.restore")
     def restore(self) -> ResumeInfo:
         """Load the newest verified snapshot on every rank (or start fresh)."""
         started = time.perf_counter()
@@ -191,18 +194,30 @@ class SnapshotManager:
         bind_step(self.step_count)
         if self._progress is not None:
             self._progress.write(self.step_count)
-        if self._save_due():
+        watchdog.beat(self.step_count)
+        due, stop = self._save_due()
+        if stop is not None:
+            preempt.finish(stop, self)  # final snapshot of this step, then exit 75
+        if due:
             return self.save()
         return None
 
-    def _save_due(self) -> bool:
+    def _save_due(self) -> tuple[bool, preempt.StopRequest | None]:
         every = self.config.every_steps
         due = every is not None and self.step_count % every == 0
-        if self.config.every_seconds is not None and not due:
-            elapsed = time.monotonic() - self._last_save_time >= self.config.every_seconds
-            due = self.ctx.agree_any(elapsed)  # rank clocks differ: agree on one decision
-        return due
+        timed = self.config.every_seconds is not None and not due
+        if not timed and self._preempt is None:
+            return due, None
+        elapsed = timed and time.monotonic() - self._last_save_time >= (
+            self.config.every_seconds or 0)
+        # Rank clocks differ and a notice may reach one rank only: ONE small all-reduce
+        # per step makes both decisions the same everywhere.
+        notice = self._preempt.flags() if self._preempt is not None else []
+        agreed = self.ctx.all_reduce_max([int(elapsed), *notice])
+        stop = self._preempt.agreed(agreed[1:]) if self._preempt is not None else None
+        return due or bool(agreed[0]), stop
 
+    @watchdog.busy("snapshot.save")
     def save(self) -> SaveHandle:
         """Snapshot the current step now (all ranks must call it at the same step)."""
         started = time.perf_counter()
@@ -245,6 +260,7 @@ class SnapshotManager:
             self._persister = SyncPersister(self.store, self.config.keep)
         return self._persister
 
+    @watchdog.busy("snapshot.wait")
     def wait(self) -> None:
         """Block until the last save is durable (re-raises its failure)."""
         if self._last_handle is not None:
