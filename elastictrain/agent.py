@@ -32,6 +32,7 @@ the run (torchrun has no hook for the agent class).
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -90,6 +91,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._world_size: int | None = None
         self._restart_stop = False
         self._killed: set[int] = set()  # survivors this agent SIGKILLed after a failure
+        self._detected = False  # a failure of the current attempt was reported
+        self._rendezvous_s: float | None = None
         ElasticTrainAgent.latest = self
 
     def restart_count(self) -> int:
@@ -99,7 +102,9 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     # -- events around torchrun's steps --------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        started = time.monotonic()
         super()._rendezvous(worker_group)
+        self._rendezvous_s = time.monotonic() - started
         world = worker_group.workers[0].world_size if worker_group.workers else None
         if self._world_size is not None and world != self._world_size:
             log.warning("agent.membership_changed", old_world_size=self._world_size,
@@ -108,6 +113,7 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         super()._initialize_workers(worker_group)
+        self._detected = False
         restart_count = self.restart_count()
         bind(restart_count=restart_count, world_size=self._world_size,
              group_rank=worker_group.group_rank)
@@ -117,7 +123,8 @@ class ElasticTrainAgent(LocalElasticAgent):
                  local_world_size=worker_group.spec.local_world_size,
                  pids={str(w.local_rank): w.id for w in worker_group.workers},
                  ranks=[w.global_rank for w in worker_group.workers],
-                 master=f"{worker_group.master_addr}:{worker_group.master_port}")
+                 master=f"{worker_group.master_addr}:{worker_group.master_port}",
+                 rendezvous_s=None if self._rendezvous_s is None else round(self._rendezvous_s, 4))
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
         self._kill_survivors_of_a_failure()
@@ -163,6 +170,9 @@ class ElasticTrainAgent(LocalElasticAgent):
         codes = self._worker_codes()
         failed = {c for c in codes.values() if c not in (None, 0)}
         live = [pid for pid, c in codes.items() if c is None]
+        if failed and not self._detected:
+            self._detected = True  # the moment the agent saw it: recovery's "detection"
+            log.warning("agent.failure_detected", exit_codes=sorted(failed), running=live)
         if failed and live and EXIT_PREEMPTED not in failed and self._pcontext is not None:
             self._killed.update(live)
             self._pcontext.close(death_sig=signal.SIGKILL, timeout=30)

@@ -32,6 +32,7 @@ the logger); the ``preempt.notice`` event is written at the step boundary.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
 import signal
@@ -114,8 +115,9 @@ class PreemptionWatcher:
         """Install the signal handlers and start the poller thread (if any)."""
         self._install_signals()
         if self._poll:
-            self._thread = threading.Thread(target=self._poll_loop, name="elastictrain-preempt",
-                                            daemon=True)
+            context = contextvars.copy_context()  # events keep run_id, rank, ...
+            self._thread = threading.Thread(target=context.run, args=(self._poll_loop,),
+                                            name="elastictrain-preempt", daemon=True)
             self._thread.start()
         return self
 

@@ -39,6 +39,7 @@ that takes the GIL there and keeps it leaves no timer running.
 
 from __future__ import annotations
 
+import contextvars
 import faulthandler
 import os
 import sys
@@ -81,8 +82,10 @@ class Watchdog:
     def start(self) -> Watchdog:
         self._last = time.monotonic()
         self._arm_backstop()
-        self._thread = threading.Thread(target=self._loop, name="elastictrain-watchdog",
-                                        daemon=True)
+        # A copy of the caller's context: events keep the bound run_id, rank, world size.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._loop,),
+                                        name="elastictrain-watchdog", daemon=True)
         self._thread.start()
         return self
 
@@ -154,6 +157,7 @@ class Watchdog:
         stacks = thread_stacks()
         log.error("watchdog.fired", idle_s=round(idle_s, 3), timeout_s=self.limit_s,
                   phase="startup" if self._step is None else "step", last_step=self._step,
+                  step=self._step,
                   exit_code=EXIT_HANG, threads=len(stacks), stacks=stacks)
         try:  # the same stacks, human-readable, in torchrun's per-rank log
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

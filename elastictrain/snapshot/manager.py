@@ -11,8 +11,9 @@ Call order (every rank runs the same calls)::
     manager.close()                 # wait for the save in flight
 
 Snapshots are taken at step boundaries only, so every rank decides the same:
-step triggers are deterministic and time triggers are agreed with one small
-all-reduce.
+step triggers are deterministic; time triggers and preemption notices
+(``elastictrain.preempt``) are agreed with one small all-reduce per step. On an
+agreed notice ``step()`` takes a final snapshot of that step and exits 75.
 """
 
 from __future__ import annotations
