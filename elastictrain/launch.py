@@ -11,23 +11,16 @@ A thin layer over ``torch.distributed.run``, never a fork of it:
    and SIGUSR1 among the signals the launcher forwards. The launcher's
    environment carries ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
    (:func:`elastictrain.env.launcher_environ`).
-2. **The agent.** :class:`ElasticTrainAgent` subclasses torchrun's
-   ``LocalElasticAgent`` and is the agent torchrun's ``launch_agent`` builds in
-   this process. It writes agent events (``agent.attempt_started``,
-   ``agent.worker_failed`` with exit code or signal, ``agent.restart``,
-   ``agent.membership_changed``, ``agent.signal_forwarded``, ``agent.finished``)
-   to ``<events dir>/agent-<host>-<pid>.jsonl`` beside the workers' logs, and
-   it does not restart a group whose workers exited 75 (preempted after a
-   final snapshot) or 78 (fatal): restarting on a node that is going away, or
-   with a config that cannot work, only burns the grace period.
+2. **The agent.** :class:`~elastictrain.agent.ElasticTrainAgent` subclasses
+   torchrun's ``LocalElasticAgent`` and is the agent torchrun's ``launch_agent``
+   builds in this process. It writes agent events to
+   ``<events dir>/agent-<host>-<pid>.jsonl`` beside the workers' logs, does not
+   restart a group whose workers exited 75 (preempted after a final snapshot)
+   or 78 (fatal), and stops the rest of a failed group with SIGKILL because our
+   workers read SIGTERM as a preemption notice (details in ``agent.py``).
 3. **Exit codes** (README "Exit codes"): 0 finished; 75 preempted, resume me;
    78 fatal, do not retry; 2 usage error; 1 restarts used up; 128+N the
    launcher was killed by signal N without a final snapshot.
-
-Why the restarts of a group stop workers with SIGINT: torchrun stops workers
-for a restart or a membership change with SIGTERM, which our workers read as a
-preemption notice (they would save and exit 75). SIGINT stops them the way a
-plain script expects; SIGTERM and SIGUSR1 stay reserved for real notices.
 """
 
 from __future__ import annotations
@@ -44,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from elastictrain.config import LaunchDefaults
+from elastictrain.config import LaunchDefaults, Settings
 from elastictrain.env import launcher_environ
 from elastictrain.errors import (
     EXIT_FATAL,
@@ -222,13 +215,11 @@ def run_torchrun(argv: Sequence[str]) -> int:
             return 1
 
 
-def _configure_agent_log(run_id: str) -> str | None:
+def _configure_agent_log(settings: Settings, run_id: str) -> str | None:
     """Agent events go to ``<events dir>/agent-<host>-<pid>.jsonl`` beside the workers'."""
     from elastictrain import log as et_log
-    from elastictrain.config import load_settings
     from elastictrain.runtime import default_events_dir
 
-    settings = load_settings()
     events_dir = default_events_dir(settings)
     host = socket.gethostname()
     events_file = (str(Path(events_dir) / f"agent-{host}-{os.getpid()}.jsonl")
@@ -257,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     args = torchrun_parser().parse_args(full)
     os.environ.update(launcher_environ())
-    _configure_agent_log(str(args.rdzv_id))
+    _configure_agent_log(settings, str(args.rdzv_id))
     log = get_logger("elastictrain.agent")
     started = time.monotonic()
     log.info("agent.start", pid=os.getpid(), nnodes=args.nnodes,
