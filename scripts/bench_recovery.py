@@ -93,7 +93,7 @@ def worker_bare(args: argparse.Namespace) -> None:
     t_imported = time.time()
     dist.init_process_group("gloo")
     t_joined = time.time()
-    ddp, opt, data, torch = _build(args.size_mb)
+    ddp, opt, data, torch = _build(args.ballast_mb)
     t_model = time.time()
     _step(ddp, opt, data, torch, 0)
     t_step = time.time()
@@ -109,7 +109,7 @@ def worker_et(args: argparse.Namespace) -> None:
     t_imported = time.time()
     rt = et.init(et.load_settings(storage={"url": args.storage}))
     t_joined = time.time()
-    ddp, opt, data, torch = _build(args.size_mb)
+    ddp, opt, data, torch = _build(args.ballast_mb)
     t_model = time.time()
     snap = et.SnapshotManager(args.storage, model=ddp, optimizer=opt, ctx=rt.ctx,
                               every_steps=10**9)  # saves only where this script asks
@@ -206,12 +206,17 @@ def kill_if_ours(pid: int, needle: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _poll(predicate: Any, timeout: float, what: str) -> Any:
+def _poll(predicate: Any, timeout: float, what: str,
+          proc: subprocess.Popen[bytes] | None = None) -> Any:
+    """Poll a condition every 10 ms (fails fast if ``proc`` ended first)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the launcher exited {proc.returncode} before {what}; "
+                               "see the logs in the work directory (--keep)")
         time.sleep(0.01)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
@@ -243,7 +248,7 @@ def _first(evs: list[dict[str, Any]], name: str, **match: Any) -> dict[str, Any]
 
 def _worker_cmd(mode: str, out: Path, size_mb: int, storage: Path) -> list[str]:
     return [str(Path(__file__).resolve()), "--worker-mode", mode, "--out", str(out),
-            "--size-mb", str(size_mb), "--storage", str(storage)]
+            "--ballast-mb", str(size_mb), "--storage", str(storage)]
 
 
 def bench_bare(work: Path, size_mb: int, nproc: int) -> dict[str, float]:
@@ -256,7 +261,7 @@ def bench_bare(work: Path, size_mb: int, nproc: int) -> dict[str, float]:
     proc = _start(cmd, work, "bare.log")
     try:
         _poll(lambda: all((out / f"bare-rank{r}.json").exists() for r in range(nproc)), 600,
-              "the bare first step")
+              "the bare first step", proc)
         proc.wait(timeout=300)
     finally:
         _stop(proc)
@@ -279,18 +284,19 @@ def bench_elastic(work: Path, size_mb: int, nproc: int) -> dict[str, Any]:
     proc = _start(cmd, work, "launcher.log", ELASTICTRAIN_LOG__EVENTS_DIR=str(ev))
     try:
         _poll(lambda: all((out / f"attempt0-rank{r}.json").exists() for r in range(nproc)),
-              600, "attempt 0's first step")
+              600, "attempt 0's first step", proc)
         manifest = storage / "snapshots" / f"step_{SAVE_AT:012d}" / "MANIFEST.json"
-        _poll(manifest.exists, 600, "the snapshot of step 2")
+        _poll(manifest.exists, 600, "the snapshot of step 2", proc)
         _poll(lambda: all((out / f"paused-rank{r}.json").exists() for r in range(nproc)),
-              600, "attempt 0 to idle at step 3")
+              600, "attempt 0 to idle at step 3", proc)
         victim = _poll(lambda: _first(_events(ev), "worker.start", rank=1), 60, "rank 1's pid")
         t_kill = time.time()
         os.kill(int(victim["pid"]), signal.SIGKILL)
         _poll(lambda: all(_json(out / f"attempt1-rank{r}.json") for r in range(nproc)),
-              600, "the first step after the resume")
+              600, "the first step after the resume", proc)
         resumed = _json(out / "attempt1-rank0.json") or {}
-        _poll(lambda: _json(out / "steps-attempt1-rank0.json"), 600, "20 steps after resume")
+        _poll(lambda: _json(out / "steps-attempt1-rank0.json"), 600, "20 steps after resume",
+              proc)
         t_notice = time.time()
         os.kill(proc.pid, signal.SIGTERM)
         code = proc.wait(timeout=600)
@@ -441,6 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker-mode", choices=["bare", "et"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--storage", help=argparse.SUPPRESS)
+    p.add_argument("--ballast-mb", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker_mode == "bare":
         return worker_bare(args)
