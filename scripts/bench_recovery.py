@@ -112,7 +112,8 @@ def worker_et(args: argparse.Namespace) -> None:
     ddp, opt, data, torch = _build(args.ballast_mb)
     t_model = time.time()
     snap = et.SnapshotManager(args.storage, model=ddp, optimizer=opt, ctx=rt.ctx,
-                              every_steps=10**9)  # saves only where this script asks
+                              every_steps=10**9,  # saves only where this script asks
+                              progress_dir=Path(args.out) / "progress")
     info = snap.restore()
     t_restored = time.time()
     out, attempt, rank = Path(args.out), rt.env.restart_count, rt.rank
