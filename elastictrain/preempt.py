@@ -179,11 +179,11 @@ class PreemptionWatcher:
     def _poll_loop(self) -> None:
         while not self._stop.is_set() and self._notice is None:
             found = self.poll_once()
-            if found is not None:
+            if found is not None and self._notice is None:
+                self._logged = True  # logged here, now, rather than at the step boundary
                 self.notify(*found)
                 log.warning("preempt.notice", source=found[0], detail=found[1], age_s=0.0,
                             grace_period_s=self.config.grace_period_s)
-                self._logged = True
                 return
             self._stop.wait(self.config.poll_interval_s)
 

@@ -117,18 +117,21 @@ def assert_resumes_without_loss(job: Job, step: int) -> None:
     assert job.of("run.finished")[-1]["final_step"] == step + 3
 
 
-def test_sigterm_to_the_launcher_saves_the_step_in_progress(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_to_the_launcher_saves_the_step_in_progress(tmp_path: Path,
+                                                           sig: signal.Signals) -> None:
     job = Job(tmp_path)
     with job.start() as launcher:
         wait_for(lambda: job.committed(10), 180, "the first periodic snapshot")
-        os.kill(launcher.pid, signal.SIGTERM)
+        os.kill(launcher.pid, sig)
         code = launcher.wait(timeout=LAUNCH_TIMEOUT)
     step = assert_preempted(job, code)
     assert step > 10
     forwarded = job.of("agent.signal_forwarded")
-    assert forwarded and forwarded[0]["signal"] == "SIGTERM" and forwarded[0]["grace_s"] == 90
+    assert forwarded and forwarded[0]["signal"] == sig.name and forwarded[0]["grace_s"] == 90
     notices = job.of("preempt.notice")
-    assert {e["source"] for e in notices} == {"signal"}
+    assert {(e["source"], e["detail"]) for e in notices} == {("signal", sig.name)}
+    assert {e["rank"] for e in notices} == {0, 1}  # the launcher forwarded it to both
     assert_resumes_without_loss(job, step)
 
 
