@@ -137,9 +137,7 @@ class SnapshotManager:
     def restore(self) -> ResumeInfo:
         """Load the newest verified snapshot on every rank (or start fresh)."""
         started = time.perf_counter()
-        stream = self.config.restore_mode == "each"  # local files: verify streaming, mmap
-        found = find_latest_verified(self.store, stream_local=stream) if self.ctx.is_writer \
-            else None
+        found = find_latest_verified(self.store) if self.ctx.is_writer else None
         step = self.ctx.broadcast_object(found.step if found else None)
         previous_high = self._progress.read() if self._progress else None
         if step is None:
@@ -148,15 +146,14 @@ class SnapshotManager:
             return info
         if self.config.restore_mode == "broadcast":
             data = self.ctx.broadcast_bytes(found.payload if found else None)
-            payload, size = load_payload(data), len(data)
         else:
-            verified = found or read_verified(self.store, step, stream_local=True)
-            payload, size = verified.load(), verified.manifest.total_bytes
+            data = found.payload if found else read_verified(self.store, step).payload
+        payload = load_payload(data)
         self._apply(payload)
         lost = None if previous_high is None else max(0, previous_high - step)
         info = ResumeInfo(step, self.epoch, int(payload["world_size"]), self.ctx.world_size, lost)
         bind_step(step)
-        log.info("snapshot.loaded", snapshot_step=step, size_bytes=size,
+        log.info("snapshot.loaded", snapshot_step=step, size_bytes=len(data),
                  duration_s=round(time.perf_counter() - started, 4))
         log.info("resume", from_step=step, lost_steps=lost, epoch=info.epoch,
                  saved_world_size=info.saved_world_size, world_size=info.world_size,

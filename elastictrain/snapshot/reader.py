@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
-from elastictrain.config import ChecksumAlgorithm
 from elastictrain.errors import SnapshotCorrupt, SnapshotNotFound, StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
-from elastictrain.snapshot.checksum import checksum_bytes, new_hasher
+from elastictrain.snapshot.checksum import checksum_bytes
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.storage.api import Store
 
@@ -28,22 +27,14 @@ log = get_logger("elastictrain.snapshot")
 
 @dataclass(frozen=True)
 class VerifiedSnapshot:
-    """A snapshot whose payload matched its manifest: its bytes, or (local storage,
-    ``stream_local``) the path of the verified file, to be memory-mapped."""
+    """A snapshot whose payload bytes matched its manifest."""
 
     manifest: Manifest
     payload: bytes
-    local_path: str | None = None
 
     @property
     def step(self) -> int:
         return self.manifest.step
-
-    def load(self) -> dict[str, Any]:
-        """The deserialized payload (weights_only; a local file is memory-mapped)."""
-        if self.local_path is not None:
-            return load_payload_file(self.local_path)
-        return load_payload(self.payload)
 
 
 def list_snapshot_dirs(store: Store, names: list[str] | None = None) -> list[int]:
@@ -71,12 +62,8 @@ def read_manifest(store: Store, step: int) -> Manifest:
     return manifest
 
 
-def read_verified(store: Store, step: int, stream_local: bool = False) -> VerifiedSnapshot:
+def read_verified(store: Store, step: int) -> VerifiedSnapshot:
     """Read the payload of ``step`` and check it against the manifest.
-
-    With ``stream_local`` and a local store the file is checked in 8 MiB chunks and not
-    kept in memory: restoring 1 GiB then allocates no 1 GiB buffer for the bytes and
-    another for the tensors (first-touch page faults made that ~10 s on 2 busy cores).
 
     Raises:
         SnapshotCorrupt: missing manifest, missing object, wrong size or checksum.
@@ -84,11 +71,6 @@ def read_verified(store: Store, step: int, stream_local: bool = False) -> Verifi
     manifest = read_manifest(store, step)
     where = f"{store.url}/{layout.step_dir(step)}"
     (entry,) = [o for o in manifest.objects if o.name == layout.PAYLOAD]
-    local = store.local_path(f"{layout.step_dir(step)}/{entry.name}") if stream_local else None
-    if local is not None:
-        _verify_file(local, entry.size_bytes, entry.checksum, manifest.checksum_algorithm,
-                     f"{where}/{entry.name}")
-        return VerifiedSnapshot(manifest, b"", local)
     try:
         data = store.read_bytes(f"{layout.step_dir(step)}/{entry.name}")
     except StorageError as exc:
@@ -103,41 +85,20 @@ def read_verified(store: Store, step: int, stream_local: bool = False) -> Verifi
     return VerifiedSnapshot(manifest, data)
 
 
-def _verify_file(path: str, size: int, checksum: str, algorithm: ChecksumAlgorithm,
-                 where: str) -> None:
-    hasher = new_hasher(algorithm)
-    buf = bytearray(8 << 20)
-    view = memoryview(buf)
-    total = 0
-    try:
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                hasher.update(view[:n])
-                total += n
-    except OSError as exc:
-        raise SnapshotCorrupt(f"{where}: unreadable: {exc}") from exc
-    if total != size:
-        raise SnapshotCorrupt(f"{where}: {total} bytes, manifest says {size} (truncated?)")
-    if hasher.hexdigest() != checksum:
-        raise SnapshotCorrupt(f"{where}: {algorithm} {hasher.hexdigest()} != manifest {checksum}")
-
-
 def verify_snapshot(store: Store, step: int) -> Manifest:
     """Verify ``step`` fully; return its manifest (raises SnapshotCorrupt)."""
     return read_verified(store, step).manifest
 
 
-def find_latest_verified(store: Store, max_step: int | None = None,
-                         stream_local: bool = False) -> VerifiedSnapshot | None:
+def find_latest_verified(store: Store, max_step: int | None = None) -> VerifiedSnapshot | None:
     """The newest snapshot that verifies, logging ``snapshot.corrupt`` for each one
-    skipped on the way; None when there is none at all (``stream_local``: see
-    :func:`read_verified`)."""
+    skipped on the way; None when there is none at all."""
     for step in list_snapshot_dirs(store):
         if max_step is not None and step > max_step:
             continue
         started = time.perf_counter()
         try:
-            found = read_verified(store, step, stream_local)
+            found = read_verified(store, step)
         except SnapshotCorrupt as exc:
             log.warning("snapshot.corrupt", snapshot_step=step, reason=str(exc),
                         action="skipped, trying the previous snapshot")
@@ -155,30 +116,6 @@ def load_payload(data: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise SnapshotCorrupt(f"payload is a {type(obj).__name__}, expected a dict")
     return obj
-
-
-def load_payload_file(path: str) -> dict[str, Any]:
-    """Deserialize a verified local payload, memory-mapped. Never unpickles arbitrary objects.
-
-    Model tensors stay mapped: ``load_state_dict`` copies them into the parameters, so
-    no second copy is made. Everything else is copied now, because optimizers keep the
-    tensors they are given: a mapping held for the whole run would keep the file open
-    (NFS then cannot delete the snapshot directory when retention removes it).
-    """
-    obj = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
-    if not isinstance(obj, dict):
-        raise SnapshotCorrupt(f"payload is a {type(obj).__name__}, expected a dict")
-    return {k: v if k == "model" else _cloned(v) for k, v in obj.items()}
-
-
-def _cloned(node: Any) -> Any:
-    if isinstance(node, torch.Tensor):
-        return node.clone()
-    if isinstance(node, dict):  # OrderedDict stays OrderedDict
-        return type(node)((k, _cloned(v)) for k, v in node.items())
-    if isinstance(node, (list, tuple)):
-        return type(node)(_cloned(v) for v in node)
-    return node
 
 
 def load_step(store: Store, step: int) -> dict[str, Any]:
