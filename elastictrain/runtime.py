@@ -67,14 +67,13 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
     et_log.configure(settings.log.level, settings.log.json_output, events_file)
     et_log.bind(run_id=run_id, rank=env.rank, world_size=env.world_size,
                 restart_count=env.restart_count, step=0, **env.scheduler_attempts)
-    et_log.get_logger("elastictrain").info("worker.start", pid=os.getpid(),
-                                           local_rank=env.local_rank)
-    # Before joining the group: a notice during a long start is acted on at the first
-    # step, and a hung init_process_group is caught. One poller per node is enough.
-    preempt.install(settings.preempt, poll=env.local_rank == 0)
-    watchdog.install(settings.watchdog)
+    et_log.get_logger("elastictrain").info("worker.start", pid=os.getpid(), local_rank=env.local_rank)
     ctx = init_process_group(settings.dist, env)
     et_log.bind(rank=ctx.rank, world_size=ctx.world_size)
+    # A notice from here on is acted on at the first step boundary; until that first
+    # step the watchdog allows startup_timeout_s. One file/URL poller per node is enough.
+    preempt.install(settings.preempt, poll=env.local_rank == 0)
+    watchdog.install(settings.watchdog)
     return Runtime(settings, env, ctx, events_dir)
 
 
