@@ -206,17 +206,22 @@ class SnapshotManager:
     def _save_due(self) -> tuple[bool, preempt.StopRequest | None]:
         every = self.config.every_steps
         due = every is not None and self.step_count % every == 0
-        timed = self.config.every_seconds is not None and not due
-        if not timed and self._preempt is None:
-            return due, None
-        elapsed = timed and time.monotonic() - self._last_save_time >= (
-            self.config.every_seconds or 0)
-        # Rank clocks differ and a notice may reach one rank only: ONE small all-reduce
-        # per step makes both decisions the same everywhere.
-        notice = self._preempt.flags() if self._preempt is not None else []
-        agreed = self.ctx.all_reduce_max([int(elapsed), *notice])
-        stop = self._preempt.agreed(agreed[1:]) if self._preempt is not None else None
-        return due or bool(agreed[0]), stop
+        if self._preempt is not None:
+            return self._due_or_stop(due)
+        if self.config.every_seconds is not None and not due:
+            elapsed = time.monotonic() - self._last_save_time >= self.config.every_seconds
+            due = self.ctx.agree_any(elapsed)  # rank clocks differ: agree on one decision
+        return due, None
+
+    def _due_or_stop(self, due: bool) -> tuple[bool, preempt.StopRequest | None]:
+        """With preemption on, a notice may reach one rank only: it rides on the same
+        single small all-reduce as the time trigger, every step."""
+        assert self._preempt is not None
+        seconds = self.config.every_seconds
+        elapsed = (seconds is not None and not due
+                   and time.monotonic() - self._last_save_time >= seconds)
+        agreed = self.ctx.all_reduce_max([int(elapsed), *self._preempt.flags()])
+        return due or bool(agreed[0]), self._preempt.agreed(agreed[1:])
 
     @watchdog.busy("snapshot.save")
     def save(self) -> SaveHandle:
