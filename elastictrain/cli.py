@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastictrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
+    # `run` hands its whole command line to torchrun's parser (see main); listed for --help.
+    sub.add_parser("run", add_help=False, help="torchrun with elastictrain's defaults: "
+                   "elastictrain run [torchrun options] SCRIPT [ARGS] (exit 75: preempted)")
+
     demo = sub.add_parser("demo", help="train a small GPT under torchrun, kill it, resume it")
     demo.add_argument("--storage", default="./elastictrain-demo",
                       help="snapshot location: a directory, file://, memory-less URL (s3://…)")
@@ -103,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        from elastictrain.launch import cli_main
+
+        sys.exit(cli_main(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -24,6 +24,7 @@ from elastictrain.env import getenv
 from elastictrain.errors import ConfigError
 
 ChecksumAlgorithm = Literal["crc32", "sha256"]
+NoticeSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"]
 
 
 class _Model(BaseModel):
@@ -69,6 +70,47 @@ class DistConfig(_Model):
     collective_timeout_s: float = Field(default=600.0, gt=0)
 
 
+class PreemptConfig(_Model):
+    """Spot preemption notices (``elastictrain.preempt``): where they come from and
+    how long the final snapshot may take."""
+
+    enabled: bool = True
+    signals: list[NoticeSignal] = Field(default=["SIGTERM", "SIGUSR1"])
+    file: str | None = Field(default=None, description="a notice when this path exists")
+    url: str | None = Field(default=None, description="metadata endpoint polled for a notice")
+    url_style: Literal["aws", "gcp", "azure", "plain"] = "plain"
+    poll_interval_s: float = Field(default=1.0, gt=0, le=60)
+    # GCP and Azure give about 30 s, AWS about 120 s: the smallest is the safe budget.
+    grace_period_s: float = Field(default=30.0, gt=0)
+
+
+class WatchdogConfig(_Model):
+    """Hang detection (``elastictrain.watchdog``): no step progress for ``timeout_s``
+    (``startup_timeout_s`` before the first step) dumps stacks and exits."""
+
+    enabled: bool = True
+    timeout_s: float = Field(default=300.0, gt=0)
+    startup_timeout_s: float = Field(default=900.0, gt=0)
+    check_interval_s: float = Field(default=1.0, gt=0, le=60)
+    backstop: bool = Field(default=True, description="faulthandler exit if the GIL is stuck")
+
+
+class LaunchDefaults(_Model):
+    """What ``elastictrain run`` adds to torchrun's options when neither the command
+    line nor a ``PET_*`` variable sets them."""
+
+    max_restarts: int = Field(default=3, ge=0)
+    monitor_interval_s: float = Field(default=0.1, gt=0)
+    rdzv_backend: str = Field(default="c10d", min_length=1)
+    # Tuned on this kind of machine: scale-down took 46 s with torch's defaults and
+    # 9 s with these; keep-alive 1 s x 2 caused a split brain.
+    rdzv_conf: str = "last_call_timeout=1,keep_alive_interval=2,keep_alive_max_attempt=3"
+    # SIGTERM -> SIGKILL grace for workers when the launcher is signalled: the final
+    # snapshot needs it (torchrun's default is 30 s).
+    shutdown_timeout_s: int = Field(default=90, ge=1)
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
 class LogConfig(_Model):
     """Structured logging."""
 
@@ -92,6 +134,9 @@ class Settings(BaseSettings):
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     dist: DistConfig = Field(default_factory=DistConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    preempt: PreemptConfig = Field(default_factory=PreemptConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    launch: LaunchDefaults = Field(default_factory=LaunchDefaults)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

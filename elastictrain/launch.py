@@ -1,25 +1,60 @@
-"""Launching workers under torchrun (``torch.distributed.run``) with our defaults.
+"""``elastictrain run``: torchrun with elastictrain's defaults, exit codes and agent events.
 
-We never fork torchrun: we build its argument list and call its public
-``main`` in a launcher process whose environment carries the store fix
-(see :func:`elastictrain.env.launcher_environ`).
+A thin layer over ``torch.distributed.run``, never a fork of it:
+
+1. **Options.** The command line is torchrun's and is parsed by torchrun's own
+   parser (``torch.distributed.run.get_args_parser``), ``PET_*`` variables
+   included. For the options neither sets, we add elastictrain's defaults from
+   config (``[launch]`` / ``ELASTICTRAIN_LAUNCH__*``): restarts, monitor
+   interval, c10d rendezvous with tuned keep-alive, a SIGTERM→SIGKILL grace
+   for workers above torchrun's 30 s (torchrun's own ``--shutdown-timeout``),
+   and SIGUSR1 among the signals the launcher forwards. The launcher's
+   environment carries ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+   (:func:`elastictrain.env.launcher_environ`).
+2. **The agent.** :class:`~elastictrain.agent.ElasticTrainAgent` subclasses
+   torchrun's ``LocalElasticAgent`` and is the agent torchrun's ``launch_agent``
+   builds in this process. It writes agent events to
+   ``<events dir>/agent-<host>-<pid>.jsonl`` beside the workers' logs, does not
+   restart a group whose workers exited 75 (preempted after a final snapshot)
+   or 78 (fatal), and stops the rest of a failed group with SIGKILL because our
+   workers read SIGTERM as a preemption notice (details in ``agent.py``).
+3. **Exit codes** (README "Exit codes"): 0 finished; 75 preempted, resume me;
+   78 fatal, do not retry; 2 usage error; 1 restarts used up; 128+N the
+   launcher was killed by signal N without a final snapshot.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
+from elastictrain.config import LaunchDefaults, Settings
 from elastictrain.env import launcher_environ
+from elastictrain.errors import (
+    EXIT_FATAL,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    ConfigError,
+    ElasticTrainError,
+)
 
-# Rendezvous keep-alive/last-call tuned on this kind of machine: scale-down took
-# 46 s with torch's defaults and 9 s with these. 1 s x 2 caused a split brain.
-DEFAULT_RDZV_CONF = "last_call_timeout=1,keep_alive_interval=2,keep_alive_max_attempt=3"
+# Kept importable for callers of the walking skeleton; the value lives in config.
+DEFAULT_RDZV_CONF = LaunchDefaults().rdzv_conf
+EVENTS_DIR_VAR = "ELASTICTRAIN_LOG__EVENTS_DIR"
+_UNSET = object()
 
 
+# -- launching a torchrun agent process (the demo, tests, benchmarks) ----------------------
 @dataclass
 class LaunchSpec:
     """One torchrun invocation: workers per node, nodes, restarts and rendezvous."""
@@ -36,6 +71,8 @@ class LaunchSpec:
     rdzv_id: str = "elastictrain"
     rdzv_conf: str = DEFAULT_RDZV_CONF
     log_dir: str | None = None
+    shutdown_timeout_s: int | None = None
+    events_dir: str | None = None
     extra_torchrun_args: list[str] = field(default_factory=list)
 
     def argv(self) -> list[str]:
@@ -52,6 +89,8 @@ class LaunchSpec:
         ]
         if self.log_dir:
             args.append(f"--log-dir={self.log_dir}")
+        if self.shutdown_timeout_s is not None:
+            args.append(f"--shutdown-timeout={self.shutdown_timeout_s}")
         args += self.extra_torchrun_args
         if self.module:
             args += ["-m", self.module]
@@ -64,26 +103,178 @@ class LaunchSpec:
 
 def start_torchrun(spec: LaunchSpec, stdout: IO[str] | int | None = None,
                    extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start a torchrun agent process (in its own session, so it can be killed as a
-    unit) and return it; the caller waits for it."""
+    """Start an ``elastictrain run`` launcher process (in its own session, so it can be
+    killed as a unit) and return it; the caller waits for it."""
+    env = dict(extra_env or {})
+    if spec.events_dir:
+        env[EVENTS_DIR_VAR] = spec.events_dir
     return subprocess.Popen(
         [sys.executable, "-m", "elastictrain.launch", *spec.argv()],
-        env=launcher_environ(extra_env),
+        env=launcher_environ(env),
         stdout=stdout,
         stderr=subprocess.STDOUT if stdout is not None else None,
         start_new_session=True,
     )
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Run torchrun's own main with our environment fix applied in this process."""
-    import os
+# -- torchrun's command line with our defaults ----------------------------------------------
+def torchrun_parser() -> argparse.ArgumentParser:
+    """torchrun's own argument parser, named for our command."""
+    from torch.distributed.run import get_args_parser
 
-    os.environ.update(launcher_environ())
+    parser = get_args_parser()
+    parser.prog = "elastictrain run"
+    return parser
+
+
+def _given(parser: argparse.ArgumentParser, argv: Sequence[str],
+           environ: Mapping[str, str]) -> tuple[argparse.Namespace, set[str]]:
+    """Parse ``argv`` and return it with the option names set on the command line or
+    through torchrun's ``PET_<NAME>`` variables."""
+    parsed_args = parser.parse_args(list(argv))
+    dests = set(vars(parsed_args)) - {"training_script", "training_script_args"}
+    probe = argparse.Namespace(**dict.fromkeys(dests, _UNSET))
+    # argparse applies a default only where the namespace has no value yet, so
+    # whatever is no longer _UNSET came from the command line.
+    parsed = parser.parse_args(list(argv), namespace=probe)
+    given = {d for d in dests if getattr(parsed, d) is not _UNSET}
+    given |= {d for d in dests if f"PET_{d.upper()}" in environ}
+    return parsed_args, given
+
+
+def torchrun_argv(argv: Sequence[str], defaults: LaunchDefaults,
+                  environ: Mapping[str, str] | None = None,
+                  run_id: str | None = None) -> list[str]:
+    """``argv`` with elastictrain's defaults added for the options the user left unset.
+
+    Raises:
+        ConfigError: a multi-node c10d rendezvous without an endpoint.
+    """
+    environ = os.environ if environ is None else environ
+    args, given = _given(torchrun_parser(), argv, environ)
+    added: list[str] = []
+
+    def add(dest: str, option: str, value: object) -> None:
+        if dest not in given:
+            added.append(f"{option}={value}")
+
+    add("max_restarts", "--max-restarts", defaults.max_restarts)
+    add("monitor_interval", "--monitor-interval", defaults.monitor_interval_s)
+    if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in environ:
+        add("shutdown_timeout", "--shutdown-timeout", defaults.shutdown_timeout_s)
+    add("signals_to_handle", "--signals-to-handle", defaults.signals_to_handle)
+    if not args.standalone:  # --standalone picks its own c10d rendezvous
+        backend = args.rdzv_backend if "rdzv_backend" in given else defaults.rdzv_backend
+        add("rdzv_backend", "--rdzv-backend", backend)
+        single_node = _max_nodes(args.nnodes) == 1
+        if backend == "c10d":
+            if "rdzv_endpoint" not in given and not single_node:
+                raise ConfigError(
+                    f"--nnodes={args.nnodes} needs --rdzv-endpoint (or PET_RDZV_ENDPOINT); "
+                    "fix: pass HOST:PORT of the node that hosts the c10d store, the same on "
+                    "every node")
+            add("rdzv_endpoint", "--rdzv-endpoint", "127.0.0.1:0")
+            add("rdzv_conf", "--rdzv-conf", defaults.rdzv_conf)
+        if run_id or single_node:
+            add("rdzv_id", "--rdzv-id", run_id or _generated_run_id())
+    return added + list(argv)
+
+
+def _max_nodes(nnodes: str) -> int:
+    try:
+        return int(str(nnodes).split(":")[-1])
+    except ValueError as exc:
+        raise ConfigError(f"--nnodes={nnodes!r} is not N or MIN:MAX; fix: e.g. --nnodes=1:2"
+                          ) from exc
+
+
+def _generated_run_id() -> str:
+    return f"et-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def run_torchrun(argv: Sequence[str]) -> int:
+    """Run torchrun's ``main`` with our agent in this process; return our exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    torchrun_main(list(sys.argv[1:] if argv is None else argv))
+    from elastictrain.agent import ElasticTrainAgent, WorkersFatal, installed
+
+    with installed():
+        try:
+            torchrun_main(list(argv))
+            return EXIT_OK
+        except SignalException as exc:
+            agent = ElasticTrainAgent.latest
+            if agent is not None and agent.outcome == "preempted":
+                return EXIT_PREEMPTED
+            return 128 + int(exc.sigval)
+        except WorkersFatal:
+            return EXIT_FATAL
+        except ChildFailedError:
+            return 1
+
+
+def _configure_agent_log(settings: Settings, run_id: str) -> str | None:
+    """Agent events go to ``<events dir>/agent-<host>-<pid>.jsonl`` beside the workers'."""
+    from elastictrain import log as et_log
+    from elastictrain.runtime import default_events_dir
+
+    events_dir = default_events_dir(settings)
+    host = socket.gethostname()
+    events_file = (str(Path(events_dir) / f"agent-{host}-{os.getpid()}.jsonl")
+                   if events_dir else None)
+    et_log.configure(settings.log.level, settings.log.json_output, events_file)
+    et_log.bind(run_id=run_id, role="agent", host=host, rank=None, world_size=None,
+                restart_count=0, step=None)
+    return events_file
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``elastictrain run [torchrun options] SCRIPT [ARGS]``: returns the exit code.
+
+    Raises:
+        ConfigError: bad settings or an unusable combination of options.
+    """
+    from elastictrain.config import load_settings
+    from elastictrain.log import get_logger
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    settings = load_settings()  # validated before any worker starts (ConfigError: 78)
+    try:
+        full = torchrun_argv(argv, settings.launch, os.environ, settings.run_id)
+    except ConfigError as exc:  # a command-line problem, not a config file one
+        print(f"elastictrain run: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    args = torchrun_parser().parse_args(full)
+    os.environ.update(launcher_environ())
+    _configure_agent_log(settings, str(args.rdzv_id))
+    log = get_logger("elastictrain.agent")
+    started = time.monotonic()
+    log.info("agent.start", pid=os.getpid(), nnodes=args.nnodes,
+             nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
+             monitor_interval_s=args.monitor_interval, rdzv_backend=args.rdzv_backend,
+             rdzv_endpoint=args.rdzv_endpoint, shutdown_timeout_s=args.shutdown_timeout,
+             signals_to_handle=args.signals_to_handle, entrypoint=args.training_script)
+    code = run_torchrun(full)
+    log.info("agent.finished", exit_code=code, outcome=_outcome(code),
+             wall_s=round(time.monotonic() - started, 3))
+    return code
+
+
+def _outcome(code: int) -> str:
+    return {EXIT_OK: "finished", EXIT_PREEMPTED: "preempted", EXIT_FATAL: "fatal",
+            1: "failed"}.get(code, "signalled")
+
+
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    """``main`` with elastictrain errors as one line on stderr and their exit code."""
+    try:
+        return main(argv)
+    except ElasticTrainError as exc:
+        print(f"elastictrain run: error: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli_main())

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain import log as et_log
+from elastictrain import preempt, watchdog
 from elastictrain.config import Settings, load_settings
 from elastictrain.dist import DistContext, destroy_process_group, init_process_group
 from elastictrain.env import WorkerEnv
@@ -71,10 +72,17 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
     log.info("worker.start", pid=os.getpid(), local_rank=env.local_rank)
     ctx = init_process_group(settings.dist, env)
     et_log.bind(rank=ctx.rank, world_size=ctx.world_size)
+    # A notice from here on is acted on at the first step boundary; until that first
+    # step the watchdog allows startup_timeout_s. One file/URL poller per node is enough.
+    preempt.install(settings.preempt, poll=env.local_rank == 0)
+    watchdog.install(settings.watchdog)
     return Runtime(settings, env, ctx, events_dir)
 
 
 def shutdown() -> None:
     """Leave the process group (call at the end of training, also on errors)."""
+    watchdog.uninstall()  # teardown is not a hang
+    # Handlers stay: a late SIGTERM from the agent must not turn exit 75 into a kill.
+    preempt.uninstall(restore_signals=False)
     destroy_process_group()
 

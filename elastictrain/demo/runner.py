@@ -104,7 +104,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         return run_multinode_demo(opts, run_id, events_dir, worker_args)
     spec = LaunchSpec(nproc_per_node=opts.nproc, module="elastictrain.demo.worker",
                       script_args=worker_args, max_restarts=len(opts.kill_at) + 2,
-                      rdzv_id=run_id, log_dir=str(Path(events_dir) / "torchelastic"))
+                      rdzv_id=run_id, log_dir=str(Path(events_dir) / "torchelastic"),
+                      events_dir=events_dir)
     started = time.monotonic()
     with open(Path(events_dir) / "launcher.log", "w") as agent_log:
         proc = start_torchrun(spec, stdout=agent_log, extra_env=_worker_env(opts))

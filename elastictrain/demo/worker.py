@@ -39,6 +39,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--snapshot-every", type=int, default=25)
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--kill-at", type=int, action="append", default=[])
+    p.add_argument("--hang-at", type=int, default=None,
+                   help="on the first attempt, rank 1 hangs in a collective at this step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--global-batch-size", type=int, default=None)
@@ -67,6 +69,20 @@ def kill_if_scheduled(kills: list[int], step: int, rt: et.Runtime) -> None:
     if attempt < len(kills) and kills[attempt] == step and rt.rank == (attempt + 1) % rt.world_size:
         log.warning("demo.kill", signal="SIGKILL", pid=os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang_if_scheduled(hang_at: int | None, step: int, rt: et.Runtime) -> None:
+    """First attempt only: every rank makes a fresh group, then rank 1 all-reduces on it
+    alone (it waits for peers that never come) while rank 0 goes on into the next
+    step's gradient all-reduce, which waits for rank 1: both hang inside collectives."""
+    if hang_at != step or rt.env.restart_count != 0 or not rt.ctx.initialized:
+        return
+    import torch.distributed as torch_dist
+
+    group = torch_dist.new_group(backend="gloo")
+    if rt.rank == 1:
+        log.warning("demo.hang", pid=os.getpid())
+        torch_dist.all_reduce(torch.zeros(1), group=group)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -119,6 +135,7 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
                 log.info("demo.first_step")
             kill_if_scheduled(kills, snap.step_count, rt)
             gate(snap.step_count)
+            hang_if_scheduled(args.hang_at, snap.step_count, rt)
             if snap.step_count >= args.steps:
                 break
         else:

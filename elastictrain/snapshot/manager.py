@@ -11,8 +11,9 @@ Call order (every rank runs the same calls)::
     manager.close()                 # wait for the save in flight
 
 Snapshots are taken at step boundaries only, so every rank decides the same:
-step triggers are deterministic and time triggers are agreed with one small
-all-reduce.
+step triggers are deterministic; time triggers and preemption notices
+(``elastictrain.preempt``) are agreed with one small all-reduce per step. On an
+agreed notice ``step()`` takes a final snapshot of that step and exits 75.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from elastictrain import preempt, watchdog
 from elastictrain.config import SnapshotConfig, StorageConfig, validated
 from elastictrain.data import ElasticSampler, check_dataset_len
 from elastictrain.dist import DistContext
@@ -124,6 +126,7 @@ class SnapshotManager:
         self._last_save_time = clock()
         self._progress = _ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
         self._rng_rule = "none"
+        self._preempt = preempt.current()
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -137,6 +140,7 @@ class SnapshotManager:
         self._epoch = value
 
     # -- restore ----------------------------------------------------------------------
+    @watchdog.busy("snapshot.restore")
     def restore(self) -> ResumeInfo:
         """Load the newest verified snapshot on every rank (or start fresh)."""
         started = time.perf_counter()
@@ -213,18 +217,35 @@ class SnapshotManager:
         bind_step(self.step_count)
         if self._progress is not None:
             self._progress.write(self.step_count)
-        if self._save_due():
+        watchdog.beat(self.step_count)
+        due, stop = self._save_due()
+        if stop is not None:
+            preempt.finish(stop, self)  # final snapshot of this step, then exit 75
+        if due:
             return self.save()
         return None
 
-    def _save_due(self) -> bool:
+    def _save_due(self) -> tuple[bool, preempt.StopRequest | None]:
         every = self.config.every_steps
         due = every is not None and self.step_count % every == 0
+        if self._preempt is not None:
+            return self._due_or_stop(due)
         if self.config.every_seconds is not None and not due:
             elapsed = self._clock() - self._last_save_time >= self.config.every_seconds
             due = self.ctx.agree_any(elapsed)  # rank clocks differ: agree on one decision
-        return due
+        return due, None
 
+    def _due_or_stop(self, due: bool) -> tuple[bool, preempt.StopRequest | None]:
+        """With preemption on, a notice may reach one rank only: it rides on the same
+        single small all-reduce as the time trigger, every step."""
+        assert self._preempt is not None
+        seconds = self.config.every_seconds
+        elapsed = (seconds is not None and not due
+                   and self._clock() - self._last_save_time >= seconds)
+        agreed = self.ctx.all_reduce_max([int(elapsed), *self._preempt.flags()])
+        return due or bool(agreed[0]), self._preempt.agreed(agreed[1:])
+
+    @watchdog.busy("snapshot.save")
     def save(self) -> SaveHandle:
         """Snapshot the current step now (all ranks must call it at the same step)."""
         started = time.perf_counter()
@@ -259,6 +280,7 @@ class SnapshotManager:
             "extras": dict(self.extras),
         }
 
+    @watchdog.busy("snapshot.wait")
     def wait(self) -> None:
         """Block until the last save is durable (re-raises its failure)."""
         self._saver.wait()

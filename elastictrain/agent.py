@@ -1,0 +1,233 @@
+"""ElasticTrainAgent: torchrun's ``LocalElasticAgent`` with events and an exit-code policy.
+
+What it adds, each by overriding one of the agent's documented steps
+(``_rendezvous``, ``_initialize_workers``, ``_monitor_workers``,
+``_restart_workers``, ``_stop_workers``, ``_shutdown``):
+
+* **events** in the run's event log, beside the workers':
+  ``agent.attempt_started`` (restart count, ranks, pids), ``agent.worker_failed``
+  (exit code or signal, and what the code means), ``agent.restart`` (reason:
+  failure or membership change), ``agent.membership_changed`` (old/new world
+  size), ``agent.signal_forwarded`` / ``agent.workers_stopped`` (a notice to the
+  launcher and how the workers ended), ``agent.preempted``, ``agent.fatal``;
+* **no restart** of a group whose workers exited 75 (preempted after a final
+  snapshot: the node is going away) or 78 (fatal: a restart cannot fix it);
+* **SIGKILL, not SIGTERM,** to stop the remaining workers for a restart (after a
+  failure or on a membership change). Our workers read SIGTERM as a preemption
+  notice: they would not die on it but try to save and exit 75 (which another
+  node's agent could take for a real preemption), or, blocked in a collective
+  with a dead peer, not run the handler at all until torchrun's 30 s grace ends.
+  A group being restarted has nothing worth saving, and even a clean Python
+  exit after ``import torch`` costs 1.5-2.7 s here, which every recovery would
+  pay. Survivors of a preemption (a peer exited 75) are left to finish;
+* **repeated notices ignored** while workers save after the launcher was
+  signalled (a second SIGTERM would abort torchrun's graceful wait and orphan
+  workers mid-snapshot), and the workers' exit codes recorded afterwards.
+
+torchrun's ``launch_agent`` builds ``LocalElasticAgent`` by name; :func:`installed`
+points that name at this class in the launcher process for the duration of
+the run (torchrun has no hook for the agent class).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from elastictrain.errors import EXIT_FATAL, EXIT_HANG, EXIT_PREEMPTED, ElasticTrainError
+from elastictrain.log import bind, get_logger
+
+log = get_logger("elastictrain.agent")
+
+NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class WorkersPreempted(SignalException):
+    """Workers exited 75: the group stops and the launcher exits 75.
+
+    A ``SignalException`` on purpose: torchrun then leaves the rendezvous open,
+    as when the agent itself is signalled, so the resumed job can reuse its id;
+    any other exception closes it for good (etcd keeps that state).
+    """
+
+
+class WorkersFatal(Exception):
+    """A worker exited 78 (fatal): do not restart."""
+
+
+def describe_exit(exitcode: int) -> str:
+    """What a worker's exit code means to the launcher."""
+    if exitcode == EXIT_PREEMPTED:
+        return "preempted"
+    if exitcode == EXIT_FATAL:
+        return "fatal"
+    if exitcode == EXIT_HANG:
+        return "hang"
+    return "signal" if exitcode < 0 else "error"
+
+
+class ElasticTrainAgent(LocalElasticAgent):
+    """torchrun's local agent plus events, exit-code policy and notice forwarding.
+
+    ``outcome`` is ``"preempted"`` or ``"fatal"`` once the agent decided to stop
+    for that reason (None otherwise); the launcher maps it to its exit code.
+    """
+
+    latest: ElasticTrainAgent | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.outcome: str | None = None
+        self.worker_exit_codes: dict[int, int | None] = {}
+        self._world_size: int | None = None
+        self._restart_stop = False
+        self._killed: set[int] = set()  # survivors this agent SIGKILLed after a failure
+        self._detected = False  # a failure of the current attempt was reported
+        self._rendezvous_s: float | None = None
+        ElasticTrainAgent.latest = self
+
+    def restart_count(self) -> int:
+        """The attempt number torchrun gives workers (TORCHELASTIC_RESTART_COUNT)."""
+        spec = self._worker_group.spec
+        return int(spec.max_restarts - self._remaining_restarts)
+
+    # -- events around torchrun's steps --------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        started = time.monotonic()
+        super()._rendezvous(worker_group)
+        self._rendezvous_s = time.monotonic() - started
+        world = worker_group.workers[0].world_size if worker_group.workers else None
+        if self._world_size is not None and world != self._world_size:
+            log.warning("agent.membership_changed", old_world_size=self._world_size,
+                        new_world_size=world, group_world_size=worker_group.group_world_size)
+        self._world_size = world
+
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        super()._initialize_workers(worker_group)
+        self._detected = False
+        restart_count = self.restart_count()
+        bind(restart_count=restart_count, world_size=self._world_size,
+             group_rank=worker_group.group_rank)
+        log.info("agent.attempt_started", restart_count=restart_count,
+                 group_rank=worker_group.group_rank,
+                 group_world_size=worker_group.group_world_size,
+                 local_world_size=worker_group.spec.local_world_size,
+                 pids={str(w.local_rank): w.id for w in worker_group.workers},
+                 ranks=[w.global_rank for w in worker_group.workers],
+                 master=f"{worker_group.master_addr}:{worker_group.master_port}",
+                 rendezvous_s=None if self._rendezvous_s is None else round(self._rendezvous_s, 4))
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
+        self._kill_survivors_of_a_failure()
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED and result.failures:
+            self._on_failures(result.failures)
+        return result
+
+    def _on_failures(self, failures: dict[int, ProcessFailure]) -> None:
+        for global_rank, failure in sorted(failures.items()):
+            code = int(failure.exitcode)
+            stopped = failure.pid in self._killed
+            log.warning("agent.worker_stopped" if stopped else "agent.worker_failed",
+                        worker_rank=global_rank, local_rank=failure.local_rank,
+                        pid=failure.pid, exit_code=code,
+                        signal=failure.signal_name() if code < 0 else None,
+                        meaning="stopped by the agent" if stopped else describe_exit(code),
+                        message=str(failure.message)[:300])
+        self._killed.clear()
+        codes = sorted({int(f.exitcode) for f in failures.values()})
+        # A 75 means the whole world agreed and the writer committed before any rank
+        # exited (workers pass a barrier first); a 78 cannot be healed by a restart.
+        if EXIT_PREEMPTED in codes:
+            self.outcome = "preempted"
+            log.warning("agent.preempted", exit_codes=codes)
+            raise WorkersPreempted("workers exited 75 (preempted)", signal.SIGTERM)
+        if EXIT_FATAL in codes:
+            self.outcome = "fatal"
+            log.error("agent.fatal", exit_codes=codes)
+            raise WorkersFatal("a worker exited 78 (fatal, not restarted)")
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        healthy = worker_group.state == WorkerState.HEALTHY
+        log.info("agent.restart", reason="membership_change" if healthy else "failure",
+                 from_restart_count=self.restart_count(),
+                 remaining_restarts=self._remaining_restarts)
+        super()._restart_workers(worker_group)
+
+    # -- stopping workers ----------------------------------------------------------------
+    def _kill_survivors_of_a_failure(self) -> None:
+        """Once a worker failed, SIGKILL the rest before torchrun's poll would SIGTERM them
+        (see the module docstring); a 75 means the others are finishing a final save."""
+        codes = self._worker_codes()
+        failed = {c for c in codes.values() if c not in (None, 0)}
+        live = [pid for pid, c in codes.items() if c is None]
+        if failed and not self._detected:
+            self._detected = True  # the moment the agent saw it: recovery's "detection"
+            log.warning("agent.failure_detected", exit_codes=sorted(failed), running=live)
+        if failed and live and EXIT_PREEMPTED not in failed and self._pcontext is not None:
+            self._killed.update(live)
+            self._pcontext.close(death_sig=signal.SIGKILL, timeout=30)
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._restart_stop = True
+        try:
+            self._shutdown(death_sig=signal.SIGKILL)
+        finally:
+            self._restart_stop = False
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        live = [pid for pid, code in self._worker_codes().items() if code is None]
+        forwarding = bool(live) and not self._restart_stop
+        if forwarding:
+            log.warning("agent.signal_forwarded", signal=death_sig.name, pids=live,
+                        grace_s=timeout)
+        notice = forwarding and death_sig in NOTICE_SIGNALS
+        with _ignoring(NOTICE_SIGNALS) if notice else nullcontext():
+            super()._shutdown(death_sig, timeout)
+        if forwarding:
+            self.worker_exit_codes = self._worker_codes()
+            if EXIT_PREEMPTED in self.worker_exit_codes.values():
+                self.outcome = "preempted"
+            log.warning("agent.workers_stopped", outcome=self.outcome,
+                        exit_codes={str(pid): code for pid, code in
+                                    self.worker_exit_codes.items()})
+
+    def _worker_codes(self) -> dict[int, int | None]:
+        """pid -> exit code (None while running) of the current workers."""
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        return {h.proc.pid: h.proc.poll() for h in handlers.values()}
+
+
+@contextmanager
+def _ignoring(signals: Sequence[signal.Signals]) -> Iterator[None]:
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextmanager
+def installed() -> Iterator[type[ElasticTrainAgent]]:
+    """Make torchrun's ``launch_agent`` build :class:`ElasticTrainAgent` (this process)."""
+    original = getattr(launcher_api, "LocalElasticAgent", None)
+    if original is not LocalElasticAgent:
+        raise ElasticTrainError(
+            "torch.distributed.launcher.api no longer builds LocalElasticAgent by name; "
+            "fix: run plain torchrun (no agent events; exit 1 instead of 75 on preemption) "
+            "and report the torch version")
+    launcher_api.LocalElasticAgent = ElasticTrainAgent  # type: ignore[misc]
+    try:
+        yield ElasticTrainAgent
+    finally:
+        launcher_api.LocalElasticAgent = original  # type: ignore[misc]

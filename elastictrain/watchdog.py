@@ -1,0 +1,232 @@
+"""Hang watchdog: no step progress for too long → dump every thread's stack → exit 71.
+
+A rank stuck in a collective (a peer that never joins, a wedged NCCL
+communicator, a deadlocked data loader) otherwise waits for the collective
+timeout, often 10-30 minutes, while torchrun's agent sees a live process. The
+watchdog turns "no progress" into an exit (:data:`~elastictrain.errors.EXIT_HANG`),
+so torchrun restarts the group and training resumes from the newest snapshot.
+
+Lifecycle::
+
+    armed(startup_timeout_s) ──first beat()──▶ armed(timeout_s) ──beat()──▶ …
+    any state ──busy() section──▶ suspended ──section ends──▶ armed, clock reset
+    armed ──no beat for the limit──▶ fired: ``watchdog.fired`` with every thread's
+                                     stack, then os._exit(71)
+
+``SnapshotManager.step()`` beats; ``restore``, ``save``, ``wait`` and the
+preemption stop run inside :class:`busy` sections (a persist in progress is
+not a hang). Wrap long work between steps (evaluation) in
+``with elastictrain.watchdog.busy("eval"):``.
+
+Why not ``torch.distributed.elastic.timer``: its timers are scopes
+(``with expires(after=60)``) enforced from outside the worker: the agent's
+``FileTimerServer`` (enabled by ``TORCHELASTIC_ENABLE_FILE_TIMER=1``) reads
+acquire/release requests from a named pipe and SIGKILLs the worker when a
+scope expires. That would cost two pipe writes per step, needs the server in
+the agent (plain torchrun users would not have it), and a SIGKILL from outside
+leaves no record of where the rank was stuck. A thread inside the worker
+costs one float store per step, can see every thread's stack, and exits with
+our own code. The one thing an in-process thread cannot do is run while
+another thread holds the GIL forever; for that, the training thread re-arms
+``faulthandler.dump_traceback_later`` as a backstop (at most once per check
+interval, from ``beat``, so a thread that holds the GIL cannot be the one that
+re-arms it): a C-level timer that dumps all Python stacks to stderr and exits
+(code 1) without needing the GIL. Busy sections cancel it and re-arm it on exit.
+Re-arming from the watchdog thread would not work: re-arming releases the GIL
+between cancelling the old timer and starting the new one, and a main thread
+that takes the GIL there and keeps it leaves no timer running.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import faulthandler
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import ContextDecorator
+from typing import Any
+
+from elastictrain.config import WatchdogConfig
+from elastictrain.errors import EXIT_HANG
+from elastictrain.log import get_logger
+
+log = get_logger("elastictrain.watchdog")
+
+
+class Watchdog:
+    """Fires when neither a step nor a busy section has ended within the limit.
+
+    Args:
+        config: limits and check interval.
+        exit_fn: how to leave once fired (``os._exit``; replaced in unit tests).
+    """
+
+    def __init__(self, config: WatchdogConfig, exit_fn: Callable[[int], Any] = os._exit) -> None:
+        self.config = config
+        self._exit_fn = exit_fn
+        self._last = time.monotonic()
+        self._step: int | None = None
+        self._busy = 0
+        self._busy_reason: str | None = None
+        self._lock = threading.Lock()
+        self._armed_at = -1e9
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fired = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> Watchdog:
+        self._last = time.monotonic()
+        self._arm_backstop()
+        # A copy of the caller's context: events keep the bound run_id, rank, world size.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._loop,),
+                                        name="elastictrain-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.config.check_interval_s + 1)
+        self._thread = None
+        if self.config.backstop:
+            faulthandler.cancel_dump_traceback_later()
+
+    # -- progress ----------------------------------------------------------------------
+    def beat(self, step: int) -> None:
+        """A step completed (called by ``SnapshotManager.step`` in the training thread)."""
+        first = self._step is None  # the limit drops from startup to step: re-arm now
+        self._step = step
+        self._last = now = time.monotonic()
+        if first or now - self._armed_at >= self.config.check_interval_s:
+            self._arm_backstop()
+
+    def enter_busy(self, reason: str) -> None:
+        """Start a section that may take long (training thread)."""
+        with self._lock:
+            self._busy += 1
+            self._busy_reason = reason
+            if self._busy == 1 and self.config.backstop:
+                faulthandler.cancel_dump_traceback_later()
+
+    def exit_busy(self) -> None:
+        with self._lock:
+            self._busy = max(0, self._busy - 1)
+            # The limit counts from the end of the section: a long save is followed
+            # by a normal step, not by an instant fire.
+            self._last = time.monotonic()
+            if self._busy == 0:
+                self._arm_backstop()
+
+    @property
+    def limit_s(self) -> float:
+        """The current limit: startup until the first step, then the step limit."""
+        return self.config.startup_timeout_s if self._step is None else self.config.timeout_s
+
+    def idle_s(self, now: float | None = None) -> float | None:
+        """Seconds without progress if over the limit (and not busy), else None."""
+        if self._busy:
+            return None
+        idle = (time.monotonic() if now is None else now) - self._last
+        return idle if idle > self.limit_s else None
+
+    # -- firing ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        interval = self.config.check_interval_s
+        while not self._stop.wait(interval):
+            idle = self.idle_s()
+            if idle is not None:
+                self.fire(idle)
+                return
+
+    def _arm_backstop(self) -> None:
+        # Fires only if nothing re-arms it: a little after this watchdog would have fired.
+        if self.config.backstop and not self._stop.is_set():
+            self._armed_at = time.monotonic()
+            delay = self.limit_s + 3 * self.config.check_interval_s + 5
+            faulthandler.dump_traceback_later(delay, exit=True)
+
+    def fire(self, idle_s: float) -> None:
+        """Log every thread's stack (``watchdog.fired``), then exit with EXIT_HANG."""
+        self.fired = True
+        stacks = thread_stacks()
+        log.error("watchdog.fired", idle_s=round(idle_s, 3), timeout_s=self.limit_s,
+                  phase="startup" if self._step is None else "step", last_step=self._step,
+                  step=self._step,
+                  exit_code=EXIT_HANG, threads=len(stacks), stacks=stacks)
+        try:  # the same stacks, human-readable, in torchrun's per-rank log
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        if self.config.backstop:
+            faulthandler.cancel_dump_traceback_later()
+        self._exit_fn(EXIT_HANG)
+
+
+def thread_stacks() -> dict[str, list[str]]:
+    """Every other thread's current Python stack, innermost frame last, keyed by name."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    stacks: dict[str, list[str]] = {}
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue  # the caller (the watchdog itself) is not what is stuck
+        lines = [line.rstrip("\n") for line in traceback.format_stack(frame)]
+        stacks[f"{names.get(ident, 'thread')}:{ident}"] = lines
+    return stacks
+
+
+class busy(ContextDecorator):
+    """A section that may take long without being a hang (snapshot I/O, evaluation).
+
+    A no-op when no watchdog is installed; usable as a decorator.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __enter__(self) -> busy:
+        if _current is not None:
+            _current.enter_busy(self.reason)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if _current is not None:
+            _current.exit_busy()
+
+
+# -- the process-wide watchdog -----------------------------------------------------------
+_current: Watchdog | None = None
+
+
+def install(config: WatchdogConfig) -> Watchdog | None:
+    """Start the process-wide watchdog (``elastictrain.init`` calls this)."""
+    global _current
+    uninstall()
+    if not config.enabled:
+        return None
+    _current = Watchdog(config).start()
+    return _current
+
+
+def uninstall() -> None:
+    """Stop the process-wide watchdog (``elastictrain.shutdown`` calls this)."""
+    global _current
+    if _current is not None:
+        _current.stop()
+        _current = None
+
+
+def current() -> Watchdog | None:
+    return _current
+
+
+def beat(step: int) -> None:
+    """Report a completed step to the process-wide watchdog, if any."""
+    if _current is not None:
+        _current.beat(step)

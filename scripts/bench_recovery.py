@@ -1,0 +1,466 @@
+"""Recovery and preemption timings under real torchrun, against a bare torchrun cold start.
+
+For each state size (``--size-mb``, 0 = the demo model alone, ~1.4 MB with AdamW):
+
+1. **bare**: plain ``torchrun`` (no elastictrain) starts 2 workers that build the same
+   model (demo CharGPT plus a ``size_mb`` ballast buffer) under DDP and take one step:
+   launch → first completed step.
+2. **recovery**: ``elastictrain run`` starts the same job using elastictrain; it snapshots
+   step 2 and idles at step 3; we SIGKILL rank 1 by PID and time kill → first completed
+   step after the resume, broken down from the agent's and workers' events:
+   detection, stopping survivors, restart (agent rendezvous + spawn), process start,
+   imports, worker rendezvous (process group), model build, snapshot load, first step.
+3. **preemption**: with the resumed job training, SIGTERM to the launcher; time notice →
+   final snapshot committed (and → launcher exit 75), against a 30 s grace period.
+
+Also measured: the cost of the one small all-reduce per step that carries the time
+trigger and the preemption flag (gloo, 2 ranks), and the snapshot's raw read time
+(``read()`` of the payload: warm, then cold after ``posix_fadvise(DONTNEED)``).
+
+Goals: recovery <= 1.3 x (bare cold start + raw read); final snapshot well inside 30 s.
+Other jobs on the machine make every figure noisy; compare ratios from one run.
+
+    python scripts/bench_recovery.py                       # demo model, table
+    python scripts/bench_recovery.py --size-mb 0 1024 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+T_START = time.time()  # first thing: a worker's process start as seen by itself
+
+REPO = Path(__file__).resolve().parents[1]
+GRACE_S = 30.0
+GOAL_RATIO = 1.3
+SAVE_AT, PAUSE_AT = 2, 3  # attempt 0 commits step 2, then idles after step 3
+
+
+# ---------------------------------------------------------------------------------------
+# worker side (run by torchrun): imports happen here, inside the timed region
+# ---------------------------------------------------------------------------------------
+def _build(size_mb: int) -> tuple[Any, Any, Any, Any]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from elastictrain.demo.corpus import CharDataset, CharVocab, encode_tensor, load_corpus_text
+    from elastictrain.demo.model import CharGPT, GPTConfig
+
+    torch.set_num_threads(1)
+    text = load_corpus_text()
+    vocab = CharVocab(text)
+    config = GPTConfig(vocab_size=len(vocab))
+    data = CharDataset(encode_tensor(vocab, text), config.block_size)
+    torch.manual_seed(0)
+    model = CharGPT(config)
+    if size_mb:
+        # Ballast: state to save and load, not to train; DDP leaves it alone.
+        model.register_buffer("ballast", torch.full((size_mb << 20,), 7, dtype=torch.uint8))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["ballast"])
+    ddp = DistributedDataParallel(model, broadcast_buffers=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return ddp, opt, data, torch
+
+
+def _step(ddp: Any, opt: Any, data: Any, torch: Any, i: int) -> None:
+    x, y = zip(*(data[(i * 8 + k) % len(data)] for k in range(8)), strict=True)
+    _, loss = ddp(torch.stack(x), torch.stack(y))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def _write(out: Path, name: str, record: dict[str, Any]) -> None:
+    tmp = out / f".{name}.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(out / name)  # atomic: the harness polls for the file
+
+
+def worker_bare(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    t_imported = time.time()
+    dist.init_process_group("gloo")
+    t_joined = time.time()
+    ddp, opt, data, torch = _build(args.ballast_mb)
+    t_model = time.time()
+    _step(ddp, opt, data, torch, 0)
+    t_step = time.time()
+    _write(Path(args.out), f"bare-rank{dist.get_rank()}.json",
+           {"t_start": T_START, "t_imported": t_imported, "t_joined": t_joined,
+            "t_model": t_model, "t_first_step": t_step})
+    dist.destroy_process_group()
+
+
+def worker_et(args: argparse.Namespace) -> None:
+    import elastictrain as et
+
+    t_imported = time.time()
+    rt = et.init(et.load_settings(storage={"url": args.storage}))
+    t_joined = time.time()
+    ddp, opt, data, torch = _build(args.ballast_mb)
+    t_model = time.time()
+    snap = et.SnapshotManager(args.storage, model=ddp, optimizer=opt, ctx=rt.ctx,
+                              every_steps=10**9,  # saves only where this script asks
+                              progress_dir=Path(args.out) / "progress")
+    info = snap.restore()
+    t_restored = time.time()
+    out, attempt, rank = Path(args.out), rt.env.restart_count, rt.rank
+    if attempt == 0 and rank == 0:
+        _write(out, "allreduce.json", _time_allreduce(rt.ctx))
+    elif attempt == 0:
+        _time_allreduce(rt.ctx)
+    try:
+        _train(snap, ddp, opt, data, torch, out, attempt, rank,
+               {"t_start": T_START, "t_imported": t_imported, "t_joined": t_joined,
+                "t_model": t_model, "t_restored": t_restored,
+                "from_step": info.from_step, "lost_steps": info.lost_steps})
+    finally:
+        et.shutdown()
+
+
+def _time_allreduce(ctx: Any, n: int = 300) -> dict[str, Any]:
+    """The per-step agreement: one all-reduce of 3 int64 (time due, notice, notice age)."""
+    for _ in range(20):
+        ctx.all_reduce_max([0, 0, 0])
+    samples = []
+    for _ in range(n):
+        t = time.perf_counter()
+        ctx.all_reduce_max([0, 0, 0])
+        samples.append(time.perf_counter() - t)
+    return {"mean_us": round(statistics.mean(samples) * 1e6, 1),
+            "p50_us": round(statistics.median(samples) * 1e6, 1),
+            "p90_us": round(sorted(samples)[int(n * 0.9)] * 1e6, 1)}
+
+
+def _train(snap: Any, ddp: Any, opt: Any, data: Any, torch: Any, out: Path, attempt: int,
+           rank: int, timing: dict[str, Any]) -> None:
+    durations: list[float] = []
+    while True:
+        t = time.perf_counter()
+        _step(ddp, opt, data, torch, snap.step_count)
+        snap.step()  # the final snapshot and exit 75 happen in here on a notice
+        durations.append(time.perf_counter() - t)
+        if len(durations) == 1:
+            _write(out, f"attempt{attempt}-rank{rank}.json",
+                   {**timing, "t_first_step": time.time(), "first_step": snap.step_count})
+        if len(durations) == 21:
+            _write(out, f"steps-attempt{attempt}-rank{rank}.json",
+                   {"step_ms": round(statistics.median(durations[1:]) * 1e3, 2)})
+        if attempt == 0 and snap.step_count == SAVE_AT:
+            snap.save().wait()
+        if attempt == 0 and snap.step_count == PAUSE_AT:
+            _write(out, f"paused-rank{rank}.json", {"step": snap.step_count})
+            while True:  # idle until the harness kills rank 1 (the agent then kills us)
+                time.sleep(1)
+
+
+# ---------------------------------------------------------------------------------------
+# harness side
+# ---------------------------------------------------------------------------------------
+def _env(work: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"TMPDIR": str(work), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    env.update(extra)
+    return env
+
+
+def _start(cmd: list[str], work: Path, log: str, **env: str) -> subprocess.Popen[bytes]:
+    with open(work / log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=work,
+                                env=_env(work, **env), start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen[bytes], events_dir: Path | None = None) -> None:
+    """Kill the launcher's session, then any worker it left (workers have their own
+    sessions), by the PIDs their ``worker.start`` events recorded."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    for event in _events(events_dir) if events_dir else []:
+        if event.get("event") == "worker.start":
+            kill_if_ours(int(event["pid"]), str(Path(__file__).name))
+
+
+def kill_if_ours(pid: int, needle: str) -> None:
+    """SIGKILL ``pid`` if it is still one of our workers (its command line has ``needle``)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return
+    if needle in cmdline:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _poll(predicate: Any, timeout: float, what: str,
+          proc: subprocess.Popen[bytes] | None = None) -> Any:
+    """Poll a condition every 10 ms (fails fast if ``proc`` ended first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the launcher exited {proc.returncode} before {what}; "
+                               "see the logs in the work directory (--keep)")
+        time.sleep(0.01)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _events(directory: Path) -> list[dict[str, Any]]:
+    found = []
+    for file in sorted(directory.glob("*.jsonl")):
+        for line in file.read_text().splitlines():
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return found
+
+
+def _first(evs: list[dict[str, Any]], name: str, **match: Any) -> dict[str, Any] | None:
+    for e in evs:
+        if e.get("event") == name and all(e.get(k) == v for k, v in match.items()):
+            return e
+    return None
+
+
+def _worker_cmd(mode: str, out: Path, size_mb: int, storage: Path) -> list[str]:
+    return [str(Path(__file__).resolve()), "--worker-mode", mode, "--out", str(out),
+            "--ballast-mb", str(size_mb), "--storage", str(storage)]
+
+
+def bench_bare(work: Path, size_mb: int, nproc: int) -> dict[str, float]:
+    out = work / "bare"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--monitor-interval=0.1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+           f"--log-dir={work / 'bare-logs'}", *_worker_cmd("bare", out, size_mb, work / "x")]
+    t0 = time.time()
+    proc = _start(cmd, work, "bare.log")
+    try:
+        _poll(lambda: all((out / f"bare-rank{r}.json").exists() for r in range(nproc)), 600,
+              "the bare first step", proc)
+        proc.wait(timeout=300)
+    finally:
+        _stop(proc)
+    recs = [_json(out / f"bare-rank{r}.json") or {} for r in range(nproc)]
+    last = max(recs, key=lambda r: r["t_first_step"])
+    return {"total_s": last["t_first_step"] - t0,
+            "launch_to_process_s": last["t_start"] - t0,
+            "imports_s": last["t_imported"] - last["t_start"],
+            "rendezvous_s": last["t_joined"] - last["t_imported"],
+            "model_build_s": last["t_model"] - last["t_joined"],
+            "first_step_s": last["t_first_step"] - last["t_model"]}
+
+
+def bench_elastic(work: Path, size_mb: int, nproc: int) -> dict[str, Any]:
+    out, storage, ev = work / "et", work / "storage", work / "events"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "elastictrain.cli", "run", f"--nproc-per-node={nproc}",
+           "--max-restarts=2", f"--log-dir={work / 'et-logs'}",
+           *_worker_cmd("et", out, size_mb, storage)]
+    proc = _start(cmd, work, "launcher.log", ELASTICTRAIN_LOG__EVENTS_DIR=str(ev))
+    try:
+        _poll(lambda: all((out / f"attempt0-rank{r}.json").exists() for r in range(nproc)),
+              600, "attempt 0's first step", proc)
+        manifest = storage / "snapshots" / f"step_{SAVE_AT:012d}" / "MANIFEST.json"
+        _poll(manifest.exists, 600, "the snapshot of step 2", proc)
+        _poll(lambda: all((out / f"paused-rank{r}.json").exists() for r in range(nproc)),
+              600, "attempt 0 to idle at step 3", proc)
+        victim = _poll(lambda: _first(_events(ev), "worker.start", rank=1), 60, "rank 1's pid")
+        t_kill = time.time()
+        os.kill(int(victim["pid"]), signal.SIGKILL)
+        _poll(lambda: all(_json(out / f"attempt1-rank{r}.json") for r in range(nproc)),
+              600, "the first step after the resume", proc)
+        resumed = _json(out / "attempt1-rank0.json") or {}
+        _poll(lambda: _json(out / "steps-attempt1-rank0.json"), 600, "20 steps after resume",
+              proc)
+        t_notice = time.time()
+        os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=600)
+        t_exit = time.time()
+    finally:
+        _stop(proc, ev)
+    evs = _events(ev)
+    recovery = _recovery(evs, out, nproc, t_kill)
+    recovery["resumed_from"] = resumed.get("from_step")
+    saved = [e for e in evs if e.get("event") == "preempt.saved"]
+    final_step = saved[0]["snapshot_step"] if saved else None
+    committed = _first(evs, "snapshot.committed", snapshot_step=final_step)
+    payload = storage / "snapshots" / f"step_{SAVE_AT:012d}" / "state.pt"
+    return {
+        "recovery": recovery,
+        "preemption": {
+            "launcher_exit_code": code,
+            "final_step": final_step,
+            "notice_to_committed_s": committed["ts"] - t_notice if committed else None,
+            "notice_to_saved_all_ranks_s": max(e["ts"] for e in saved) - t_notice
+            if saved else None,
+            "notice_to_launcher_exit_s": t_exit - t_notice,
+            "final_save_s": max(e["save_s"] for e in saved) if saved else None,
+            "grace_period_s": GRACE_S,
+        },
+        "allreduce_per_step": _json(out / "allreduce.json"),
+        "step_ms": (_json(out / "steps-attempt1-rank0.json") or {}).get("step_ms"),
+        "snapshot_bytes": payload.stat().st_size if payload.exists() else None,
+        "raw_read": _raw_read(payload) if payload.exists() else None,
+    }
+
+
+def _recovery(evs: list[dict[str, Any]], out: Path, nproc: int, t_kill: float
+              ) -> dict[str, Any]:
+    detected = _first(evs, "agent.failure_detected")
+    failed = _first(evs, "agent.worker_failed")
+    started = _first(evs, "agent.attempt_started", restart_count=1)
+    assert detected and failed and started, "agent events missing"
+    recs = [_json(out / f"attempt1-rank{r}.json") or {} for r in range(nproc)]
+    last = max(recs, key=lambda r: r["t_first_step"])
+    loaded = [e for e in evs if e.get("event") == "snapshot.loaded"
+              and e.get("restart_count") == 1]
+    load_s = max((e["duration_s"] for e in loaded), default=None)
+    return {
+        "total_s": last["t_first_step"] - t_kill,
+        "detection_s": detected["ts"] - t_kill,
+        "stop_survivors_s": failed["ts"] - detected["ts"],
+        "restart_s": started["ts"] - failed["ts"],
+        "agent_rendezvous_s": started.get("rendezvous_s"),
+        "process_start_s": min(r["t_start"] for r in recs) - started["ts"],
+        "imports_s": last["t_imported"] - last["t_start"],
+        "worker_rendezvous_s": last["t_joined"] - last["t_imported"],
+        "model_build_s": last["t_model"] - last["t_joined"],
+        "snapshot_load_s": load_s,
+        "restore_total_s": last["t_restored"] - last["t_model"],
+        "first_step_s": last["t_first_step"] - last["t_restored"],
+        "lost_steps": last.get("lost_steps"),
+    }
+
+
+def _raw_read(path: Path) -> dict[str, float]:
+    """read() of the payload: warm (page cache, as the restore just saw it), then cold."""
+    def read() -> float:
+        t = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
+        return time.perf_counter() - t
+
+    warm = read()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # evict: a cold read
+    finally:
+        os.close(fd)
+    return {"warm_s": warm, "cold_s": read()}
+
+
+def run_size(size_mb: int, nproc: int, keep: bool) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix=f"bench-recovery-{size_mb}mb-"))
+    try:
+        bare = bench_bare(work, size_mb, nproc)
+        elastic = bench_elastic(work, size_mb, nproc)
+    finally:
+        if not keep:
+            subprocess.run(["rm", "-rf", str(work)], check=False)
+    raw = elastic["raw_read"] or {"warm_s": 0.0}
+    budget = bare["total_s"] + raw["warm_s"]
+    ratio = elastic["recovery"]["total_s"] / budget
+    final = elastic["preemption"]["notice_to_committed_s"]
+    return {"size_mb": size_mb, "bare_cold_start": bare, **elastic,
+            "recovery_ratio": ratio,
+            "goals": {"recovery_within_1_3x": ratio <= GOAL_RATIO,
+                      "final_snapshot_within_grace": final is not None and final <= GRACE_S,
+                      "exit_75": elastic["preemption"]["launcher_exit_code"] == 75},
+            "workdir": str(work) if keep else None}
+
+
+def _round(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return round(obj, 3)
+    if isinstance(obj, dict):
+        return {k: _round(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_round(v) for v in obj]
+    return obj
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows: list[tuple[str, ...]] = []
+    for r in results:
+        rec, bare, pre = r["recovery"], r["bare_cold_start"], r["preemption"]
+        rows += [
+            (f"state {r['size_mb']} MB (+demo model)", "", ""),
+            ("bare torchrun cold start → first step", f"{bare['total_s']:.2f} s", ""),
+            ("snapshot raw read (warm / cold)",
+             f"{r['raw_read']['warm_s']:.3f} / {r['raw_read']['cold_s']:.3f} s",
+             f"{(r['snapshot_bytes'] or 0) / 1e6:.0f} MB"),
+            ("SIGKILL → first step after resume", f"{rec['total_s']:.2f} s",
+             f"ratio {r['recovery_ratio']:.2f} (goal ≤ {GOAL_RATIO})"),
+        ]
+        for key in ("detection_s", "stop_survivors_s", "restart_s", "process_start_s",
+                    "imports_s", "worker_rendezvous_s", "model_build_s", "snapshot_load_s",
+                    "first_step_s"):
+            value = rec.get(key)
+            rows.append((f"  {key[:-2].replace('_', ' ')}",
+                         "-" if value is None else f"{value:.3f} s", ""))
+        rows += [
+            ("notice → final snapshot committed",
+             f"{pre['notice_to_committed_s']:.2f} s" if pre["notice_to_committed_s"] else "-",
+             f"grace {GRACE_S:.0f} s, exit {pre['launcher_exit_code']}"),
+            ("notice → launcher exit", f"{pre['notice_to_launcher_exit_s']:.2f} s", ""),
+            ("agreement all-reduce per step (p50)",
+             f"{r['allreduce_per_step']['p50_us']:.0f} µs",
+             f"step {r['step_ms']} ms"),
+        ]
+    width = max(len(r[0]) for r in rows) + 2
+    return "\n".join(f"{a:<{width}}{b:<18}{c}" for a, b, c in rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-mb", type=int, nargs="+", default=[0],
+                   help="ballast state sizes to run (0: the demo model alone)")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--keep", action="store_true", help="keep the work directories")
+    p.add_argument("--worker-mode", choices=["bare", "et"], help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--storage", help=argparse.SUPPRESS)
+    p.add_argument("--ballast-mb", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker_mode == "bare":
+        return worker_bare(args)
+    if args.worker_mode == "et":
+        return worker_et(args)
+    results = [_round(run_size(size, args.nproc, args.keep)) for size in args.size_mb]
+    if args.json:
+        print(json.dumps({"bench": "recovery", "nproc": args.nproc, "cpus": os.cpu_count(),
+                          "load_avg_1m": round(os.getloadavg()[0], 2), "results": results}))
+    else:
+        print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""`elastictrain run` without starting workers: which torchrun options get our defaults,
+usage errors, the exit-code meanings, and the agent hook into torchrun."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastictrain.config import LaunchDefaults
+from elastictrain.errors import ConfigError
+from elastictrain.launch import torchrun_argv
+from tests.helpers import run_cli
+
+DEFAULTS = LaunchDefaults()
+
+
+def added(user: list[str], environ: dict[str, str] | None = None,
+          run_id: str | None = None) -> dict[str, str]:
+    """The --name=value options elastictrain adds in front of the user's argv."""
+    argv = torchrun_argv(user, DEFAULTS, environ or {}, run_id)
+    assert argv[len(argv) - len(user):] == user  # the user's argv is kept, last
+    return dict(a.partition("=")[::2] for a in argv[:len(argv) - len(user)])
+
+
+def test_defaults_fill_what_the_user_left_unset() -> None:
+    o = added(["--nproc-per-node=2", "train.py", "--lr=1"])
+    assert o["--max-restarts"] == "3" and o["--monitor-interval"] == "0.1"
+    assert o["--shutdown-timeout"] == "90"  # above torchrun's 30 s: time for a final snapshot
+    assert "SIGUSR1" in o["--signals-to-handle"] and "SIGTERM" in o["--signals-to-handle"]
+    assert o["--rdzv-backend"] == "c10d" and o["--rdzv-endpoint"] == "127.0.0.1:0"
+    assert o["--rdzv-conf"] == DEFAULTS.rdzv_conf and o["--rdzv-id"].startswith("et-")
+
+
+def test_command_line_and_pet_variables_win() -> None:
+    o = added(["--max-restarts", "7", "--shutdown_timeout=5", "--rdzv-id=job", "train.py"],
+              {"PET_MONITOR_INTERVAL": "2", "PET_RDZV_CONF": "timeout=60"})
+    assert "--max-restarts" not in o and "--shutdown-timeout" not in o
+    assert "--monitor-interval" not in o and "--rdzv-conf" not in o
+    assert "--rdzv-id" not in o
+
+
+def test_torch_shutdown_timeout_variable_is_respected() -> None:
+    assert "--shutdown-timeout" not in added(["train.py"],
+                                             {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"})
+
+
+def test_standalone_keeps_torchruns_rendezvous_and_config_run_id_is_used() -> None:
+    o = added(["--standalone", "train.py"])
+    assert not {"--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"} & set(o)
+    assert added(["train.py"], run_id="exp7")["--rdzv-id"] == "exp7"
+
+
+def test_multi_node_needs_an_endpoint() -> None:
+    with pytest.raises(ConfigError, match=r"--nnodes=1:2 needs --rdzv-endpoint.*fix"):
+        torchrun_argv(["--nnodes=1:2", "train.py"], DEFAULTS, {})
+    o = added(["--nnodes=1:2", "train.py"], {"PET_RDZV_ENDPOINT": "node0:29400"})
+    assert "--rdzv-endpoint" not in o and "--rdzv-id" not in o  # same id on every node: theirs
+    assert o["--rdzv-conf"] == DEFAULTS.rdzv_conf
+
+
+def test_usage_errors_exit_2_with_one_clear_line(tmp_path: Path) -> None:
+    result = run_cli(["run", "--nnodes=1:2", "train.py"], tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert "--rdzv-endpoint" in result.stderr and "fix" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = run_cli(["run", "--no-such-option", "train.py"], tmp_path, timeout=120)
+    assert result.returncode == 2 and "elastictrain run" in result.stderr
+
+
+def test_bad_settings_are_fatal_78(tmp_path: Path) -> None:
+    result = run_cli(["run", "train.py"], tmp_path, timeout=120,
+                     ELASTICTRAIN_LAUNCH__SHUTDOWN_TIMEOUT_S="0")
+    assert result.returncode == 78
+    assert "launch.shutdown_timeout_s" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_agent_hook_is_installed_only_while_running() -> None:
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from elastictrain.agent import ElasticTrainAgent, describe_exit, installed
+
+    with installed() as cls:
+        assert launcher_api.LocalElasticAgent is cls is ElasticTrainAgent
+    assert launcher_api.LocalElasticAgent is LocalElasticAgent
+    assert [describe_exit(c) for c in (75, 78, 71, -9, 1)] == \
+        ["preempted", "fatal", "hang", "signal", "error"]

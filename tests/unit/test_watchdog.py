@@ -1,0 +1,116 @@
+"""The hang watchdog: limits, busy sections, the stack dump, and real exits in a child
+process (exit 71 from the watchdog; the faulthandler backstop when the GIL is held)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from structlog.testing import capture_logs
+
+from elastictrain import watchdog
+from elastictrain.config import WatchdogConfig
+from elastictrain.errors import EXIT_HANG
+from tests.helpers import REPO, child_env, wait_for
+
+
+def config(**kw: float) -> WatchdogConfig:
+    base = {"timeout_s": 10.0, "startup_timeout_s": 100.0, "check_interval_s": 0.05,
+            "backstop": False}
+    return WatchdogConfig(**{**base, **kw})
+
+
+def test_limits_startup_then_step_and_busy_suspends() -> None:
+    dog = watchdog.Watchdog(config())
+    start = time.monotonic()
+    assert dog.limit_s == 100.0 and dog.idle_s(start + 50) is None  # startup limit
+    assert dog.idle_s(start + 101) is not None
+    dog.beat(1)
+    assert dog.limit_s == 10.0
+    beat = time.monotonic()
+    assert dog.idle_s(beat + 5) is None and dog.idle_s(beat + 11) is not None
+    dog.enter_busy("snapshot.save")
+    assert dog.idle_s(beat + 1000) is None  # a persist in progress is not a hang
+    dog.exit_busy()
+    ended = time.monotonic()
+    assert dog.idle_s(ended + 5) is None  # the limit counts from the end of the section
+
+
+def test_busy_is_a_no_op_without_a_watchdog_and_nests() -> None:
+    assert watchdog.current() is None
+    with watchdog.busy("eval"):
+        pass
+    dog = watchdog.install(config())
+    assert dog is not None
+    try:
+        with watchdog.busy("a"), watchdog.busy("b"):
+            assert dog.idle_s(time.monotonic() + 1e6) is None
+        assert dog.idle_s(time.monotonic() + 1e6) is not None
+    finally:
+        watchdog.uninstall()
+    assert watchdog.current() is None
+
+
+def test_fires_with_every_threads_stack() -> None:
+    exits: list[int] = []
+    release = threading.Event()
+
+    def stuck_in_a_collective() -> None:
+        release.wait(60)
+
+    worker = threading.Thread(target=stuck_in_a_collective, name="trainer", daemon=True)
+    worker.start()
+    dog = watchdog.Watchdog(config(timeout_s=0.2), exit_fn=exits.append)
+    with capture_logs() as logs:
+        dog.start()
+        dog.beat(7)
+        try:
+            wait_for(lambda: bool(exits), 30, "the watchdog to fire")
+        finally:
+            dog.stop()
+            release.set()
+    assert exits == [EXIT_HANG]
+    fired = [e for e in logs if e["event"] == "watchdog.fired"]
+    assert len(fired) == 1 and fired[0]["last_step"] == 7 and fired[0]["phase"] == "step"
+    stacks = fired[0]["stacks"]
+    trainer = [lines for name, lines in stacks.items() if name.startswith("trainer:")]
+    assert trainer and any("stuck_in_a_collective" in line for line in trainer[0])
+    assert not any(name.startswith("elastictrain-watchdog") for name in stacks)
+
+
+CHILD = """
+import re, sys, threading
+from elastictrain import log, watchdog
+from elastictrain.config import WatchdogConfig
+log.configure("info", True, {events!r})
+dog = watchdog.install(WatchdogConfig(timeout_s=0.5, check_interval_s=0.1, backstop=True))
+dog.beat(3)
+def blocked_forever():
+    {block}
+blocked_forever()
+"""
+
+
+def run_child(tmp_path: Path, block: str) -> tuple[int, str]:
+    script = CHILD.format(events=str(tmp_path / "ev.jsonl"), block=block)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=child_env(tmp_path, PYTHONPATH=str(REPO)))
+    return proc.returncode, proc.stderr
+
+
+def test_child_exits_71_and_logs_where_it_hung(tmp_path: Path) -> None:
+    code, stderr = run_child(tmp_path, "threading.Event().wait()")
+    assert code == EXIT_HANG, stderr[-2000:]
+    fired = (tmp_path / "ev.jsonl").read_text()
+    assert '"watchdog.fired"' in fired and "blocked_forever" in fired
+
+
+def test_backstop_exits_when_the_gil_is_held(tmp_path: Path) -> None:
+    # The regex engine holds the GIL for (practically) ever: the watchdog thread
+    # cannot run, faulthandler's C timer still dumps the stacks and exits.
+    code, stderr = run_child(tmp_path, "re.match(r'(a+)+$', 'a' * 60 + 'b')")
+    assert code == 1, stderr[-2000:]
+    assert "Timeout" in stderr and "blocked_forever" in stderr
