@@ -7,6 +7,7 @@ Exit codes: 0 finished; 2 usage error; 75 preempted after a final snapshot
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -44,6 +45,20 @@ def _snapshots(args: argparse.Namespace) -> int:
         rows = ops.prune_snapshots(store, args.keep)
     ops.print_rows(rows, args.json)
     return 1 if any(r.get("status") == "corrupt" for r in rows) and args.snap_cmd == "verify" else 0
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    from elastictrain.goodput import compute_goodput, format_report
+
+    try:
+        report = compute_goodput(args.events_dir)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(format_report(report))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "prune":
             cmd.add_argument("--keep", type=int, required=True)
     snaps.set_defaults(func=_snapshots)
+
+    goodput = sub.add_parser("goodput", help="how much of a run's wall time was training")
+    goodput.add_argument("events_dir", help="a run's events directory "
+                         "(<storage>/events/<run id>)")
+    goodput.add_argument("--json", action="store_true")
+    goodput.set_defaults(func=_goodput)
     return parser
 
 

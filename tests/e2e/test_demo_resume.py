@@ -27,6 +27,13 @@ def test_kill_resumes_from_last_committed_step(tmp_path: Path) -> None:
     assert 30 in out["committed_steps"] and 60 in out["committed_steps"]
     kills = events(Path(out["events_dir"]), "demo.kill")
     assert len(kills) == 1 and kills[0]["restart_count"] == 0 and kills[0]["step"] == 34
+    # The operator's view of the same run: `elastictrain goodput` on its event log.
+    report = run_cli(["goodput", out["events_dir"], "--json"], tmp_path)
+    assert report.returncode == 0, report.stderr
+    goodput = json.loads(report.stdout)
+    assert (goodput["attempts"], goodput["final_step"], goodput["steps_lost"]) == (2, 60, 4)
+    assert 0 < goodput["goodput"] < 1 and goodput["restart_s"] > 0
+    assert goodput["lost_work_s"] == pytest.approx(4 * goodput["step_time_s"], abs=1e-3)
 
 
 def test_kills_do_not_change_the_result(tmp_path: Path) -> None:
