@@ -106,3 +106,12 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) 
             return
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie or a reaped process does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")

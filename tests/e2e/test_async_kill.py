@@ -19,17 +19,9 @@ from elastictrain.snapshot import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
 from tests.fault_stores import read_journal
-from tests.helpers import REPO, events, started, wait_for
+from tests.helpers import REPO, events, pid_alive, started, wait_for
 
 pytestmark = pytest.mark.distributed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _one(events_dir: Path, name: str, **match: object) -> dict[str, object]:
@@ -53,9 +45,9 @@ def test_kill_during_background_persist_commits_nothing(tmp_path: Path) -> None:
                  60, "the persist of step 20 to start writing")
         helper = int(_one(ev, "snapshot.persister_started", restart_count=0)["pid"])
         worker = int(_one(ev, "worker.start", restart_count=0, rank=0)["pid"])
-        assert f"pid={helper}" in read_journal(journal)[-1] and _alive(helper)
+        assert f"pid={helper}" in read_journal(journal)[-1] and pid_alive(helper)
         os.kill(worker, signal.SIGKILL)
-        wait_for(lambda: not _alive(helper), 30, "the persister to die with its worker")
+        wait_for(lambda: not pid_alive(helper), 30, "the persister to die with its worker")
         assert proc.wait(timeout=240) == 0, (tmp_path / "proc.log").read_text()[-3000:]
     assert "end 20" not in read_journal(journal)  # the stalled write never finished
     resumes = [e for e in events(ev, "resume") if e["restart_count"] == 1]

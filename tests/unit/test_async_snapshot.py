@@ -26,7 +26,7 @@ from elastictrain.snapshot.staging import StagingBuffers
 from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot
 from elastictrain.storage import open_store
 from tests.fault_stores import FailingStore, GatedStore, read_journal
-from tests.helpers import REPO, child_env, events, kill_session, wait_for
+from tests.helpers import REPO, child_env, events, kill_session, pid_alive, wait_for
 
 ASYNC = ["thread", "process"]
 
@@ -293,14 +293,6 @@ snap.step().wait()  # stalls mid-payload until the gate opens, which never happe
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
 def test_persister_process_dies_with_its_worker(tmp_path: Path) -> None:
     root, journal, gate = tmp_path / "run", tmp_path / "journal", tmp_path / "gate"
@@ -312,10 +304,10 @@ def test_persister_process_dies_with_its_worker(tmp_path: Path) -> None:
         wait_for(lambda: read_journal(journal), 120, "the persist to start")
         (started,) = events(tmp_path, "snapshot.persister_started")
         helper = int(started["pid"])
-        assert _alive(helper) and f"pid={helper}" in read_journal(journal)[0]
+        assert pid_alive(helper) and f"pid={helper}" in read_journal(journal)[0]
         os.kill(proc.pid, signal.SIGKILL)  # the worker only: the helper is not signalled
         proc.wait(timeout=30)
-        wait_for(lambda: not _alive(helper), 30, "the helper to die with its worker")
+        wait_for(lambda: not pid_alive(helper), 30, "the helper to die with its worker")
         partial = [n for n in os.listdir(root / layout.SNAPSHOTS) if layout.is_partial(n)]
         assert len(partial) == 1 and list_snapshot_dirs(open_store(str(root))) == []
     finally:
