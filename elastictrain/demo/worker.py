@@ -62,11 +62,22 @@ def param_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def kill_if_scheduled(kills: list[int], step: int, rt: et.Runtime) -> None:
+def kill_if_scheduled(kills: list[int], step: int, rt: et.Runtime,
+                      snap: et.SnapshotManager) -> None:
     """Kill i (sorted) fires on attempt i, at its step, on rank (i + 1) % world: the
-    first kill hits a non-writer, the second the writer; each fires exactly once."""
+    first kill hits a non-writer, the second the writer; each fires exactly once.
+
+    Every rank first waits for the save in flight and meets at a barrier, so the demo
+    always resumes from the newest snapshot taken before the kill step: its outcome
+    does not depend on how fast the background persist was. (A kill *during* a
+    persist is tested on its own: tests/e2e/test_async_kill.py.)
+    """
     attempt = rt.env.restart_count
-    if attempt < len(kills) and kills[attempt] == step and rt.rank == (attempt + 1) % rt.world_size:
+    if attempt >= len(kills) or kills[attempt] != step:
+        return
+    snap.wait()
+    rt.ctx.barrier()
+    if rt.rank == (attempt + 1) % rt.world_size:
         log.warning("demo.kill", signal="SIGKILL", pid=os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -133,7 +144,7 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
             snap.step()
             if snap.step_count == resumed_at + 1:  # time to first step, for the summary
                 log.info("demo.first_step")
-            kill_if_scheduled(kills, snap.step_count, rt)
+            kill_if_scheduled(kills, snap.step_count, rt, snap)
             gate(snap.step_count)
             hang_if_scheduled(args.hang_at, snap.step_count, rt)
             if snap.step_count >= args.steps:
