@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from elastictrain.errors import SnapshotCorrupt, SnapshotNotFound, StorageError
+from elastictrain.errors import SnapshotCorrupt, StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import checksum_bytes, new_hasher
@@ -246,9 +246,3 @@ class _VerifyingReader(io.RawIOBase):
         return self._hasher.hexdigest()
 
 
-def load_step(store: Store, step: int) -> dict[str, Any]:
-    """Verify and load one snapshot by step (operator tooling, tests)."""
-    if layout.step_dir(step).rsplit("/", 1)[1] not in store.list_dir(layout.SNAPSHOTS):
-        raise SnapshotNotFound(f"{store.url}: no snapshot for step {step}; fix: "
-                               "`elastictrain snapshots list` shows the committed steps")
-    return load_payload(read_verified(store, step).payload)
