@@ -1,7 +1,7 @@
-"""Persisting a staged snapshot: serialise, checksum, write, commit, prune.
+"""Persisting a staged snapshot: serialise, checksum, write, commit.
 
 Call order and roles: (all ranks) stage → (rank 0) ``persist_snapshot`` →
-commit → ``prune``. The commit is one object written last:
+commit → ``retention.prune``. The commit is one object written last:
 
 * local file systems: everything is written into a unique
   ``snapshots/.partial-…`` directory, fsynced, and the directory is renamed
@@ -21,7 +21,6 @@ import contextlib
 import ctypes
 import io
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import HashingWriter
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry
+from elastictrain.snapshot.reader import read_manifest, verify_snapshot
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
@@ -118,8 +118,6 @@ def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta,
 
     ``before_commit`` runs after the payload is durable and before the commit
     marker: raising there leaves an uncommitted (ignored, later pruned) write."""
-    from elastictrain.snapshot.reader import verify_snapshot  # reader imports writer's peers
-
     final = layout.step_dir(meta.step)
     if store.exists(f"{final}/{layout.MANIFEST}"):
         try:
@@ -192,8 +190,6 @@ def _after_lost_race(store: Store, meta: SnapshotMeta, final: str,
                      ours: Manifest) -> Manifest | None:
     """The manifest already existed: ours if a retried PUT's first response was lost,
     else another writer's, which must verify; our payload is then an orphan."""
-    from elastictrain.snapshot.reader import read_manifest, verify_snapshot
-
     theirs = read_manifest(store, meta.step)
     if theirs.objects == ours.objects:  # the names carry our unique token
         return ours
@@ -207,49 +203,3 @@ def _after_lost_race(store: Store, meta: SnapshotMeta, final: str,
 def _best_effort_delete(store: Store, path: str) -> None:
     with contextlib.suppress(StorageError):  # retention clears it later
         store.delete(path, recursive=True)
-
-
-def prune(store: Store, keep: int, newest_step: int) -> list[int]:
-    """Retention, run only after ``newest_step`` committed: keep the newest ``keep``
-    committed snapshots (always ``newest_step``), delete older ones and abandoned
-    partial writes. Returns the pruned steps."""
-    from elastictrain.snapshot.reader import list_snapshot_dirs
-
-    names = store.list_dir(layout.SNAPSHOTS)
-    committed: list[int] = []
-    for step in list_snapshot_dirs(store, names):
-        if store.exists(f"{layout.step_dir(step)}/{layout.MANIFEST}"):
-            committed.append(step)
-        elif step < newest_step:
-            _prune_one(store, layout.step_dir(step), step, "partial")
-    keep_steps = set(sorted(committed, reverse=True)[:keep]) | {newest_step}
-    pruned = [s for s in committed if s not in keep_steps and s < newest_step]
-    for step in pruned:
-        _prune_one(store, layout.step_dir(step), step, "retention")
-    for name in names:
-        if layout.is_partial(name):
-            _prune_one(store, f"{layout.SNAPSHOTS}/{name}", None, "partial")
-    for step in sorted(keep_steps & set(committed)):
-        _prune_orphans(store, step)
-    return pruned
-
-
-def _prune_orphans(store: Store, step: int) -> None:
-    """Delete payload objects the committed manifest does not name (a writer that
-    lost the commit race, or an attempt that crashed before committing this step)."""
-    from elastictrain.snapshot.reader import read_manifest
-
-    try:
-        named = {o.name for o in read_manifest(store, step).objects}
-    except SnapshotCorrupt:
-        return  # discovery reports it; retention never guesses
-    for name in store.list_dir(layout.step_dir(step)):
-        if layout.is_payload(name) and name not in named:
-            _prune_one(store, f"{layout.step_dir(step)}/{name}", step, "orphan")
-
-
-def _prune_one(store: Store, path: str, step: int | None, reason: str) -> None:
-    started = time.perf_counter()
-    store.delete(path, recursive=True)
-    log.info("snapshot.pruned", snapshot_step=step, path=path, reason=reason,
-             duration_s=round(time.perf_counter() - started, 4))
