@@ -32,6 +32,10 @@ class ResumeMismatchError(ConfigError):
     """The snapshot cannot be resumed with the current job (dataset length, batch sizes)."""
 
 
+class UnsafeStateError(ConfigError):
+    """The state holds a value ``torch.load(weights_only=True)`` would refuse to load."""
+
+
 class DistError(ElasticTrainError):
     """The process group could not be formed or used."""
 
