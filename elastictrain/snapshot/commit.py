@@ -31,7 +31,12 @@ from torch.utils.serialization import config as serialization_config
 
 import elastictrain
 from elastictrain.config import ChecksumAlgorithm
-from elastictrain.errors import SnapshotCorrupt, StorageConflictError, StorageError
+from elastictrain.errors import (
+    SnapshotCorrupt,
+    StorageConflictError,
+    StorageError,
+    StorageNotFoundError,
+)
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import HashingWriter
@@ -116,22 +121,41 @@ def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta,
     """Write and commit one snapshot. Returns its manifest, or None if the same step
     was already committed (by an earlier attempt or another writer) and verifies.
 
+    A committed step is replaced only when it verifiably does not match its
+    manifest; a read that fails raises (the persister retries the attempt), so
+    nothing committed is ever deleted because a read failed.
+
     ``before_commit`` runs after the payload is durable and before the commit
     marker: raising there leaves an uncommitted (ignored, later pruned) write."""
     final = layout.step_dir(meta.step)
     if store.exists(f"{final}/{layout.MANIFEST}"):
-        try:
-            verify_snapshot(store, meta.step)
+        if _committed_copy_verifies(store, meta.step):
             log.info("snapshot.exists", snapshot_step=meta.step, action="kept")
             return None
-        except SnapshotCorrupt as exc:
-            log.warning("snapshot.corrupt", snapshot_step=meta.step, reason=str(exc),
-                        action="replaced")
-            store.delete(final, recursive=True)
+        store.delete(final, recursive=True)
     check = before_commit or _no_check
     if store.supports_rename:
         return _persist_by_rename(store, payload, meta, final, check)
     return _persist_manifest_last(store, payload, meta, final, check)
+
+
+def _committed_copy_verifies(store: Store, step: int) -> bool:
+    """True when the committed ``step`` verifies, False on a verified mismatch.
+
+    Raises:
+        StorageError: the check could not read the snapshot (throttled, timed out,
+            denied): that says nothing about the snapshot, so it is kept.
+    """
+    try:
+        verify_snapshot(store, step)
+    except SnapshotCorrupt as exc:
+        cause = exc.__cause__
+        if isinstance(cause, StorageError) and not isinstance(cause, StorageNotFoundError):
+            raise cause from exc  # a failed read, reported as corruption by the reader
+        log.warning("snapshot.corrupt", snapshot_step=step, reason=str(exc),
+                    action="replaced")
+        return False
+    return True
 
 
 def _no_check() -> None:
@@ -155,7 +179,7 @@ def _manifest(meta: SnapshotMeta, size: int, checksum: str,
 
 
 def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: str,
-                       before_commit: Callable[[], None]) -> Manifest:
+                       before_commit: Callable[[], None]) -> Manifest | None:
     partial = layout.partial_dir(meta.step, uuid.uuid4().hex[:12])
     try:
         with store.open_write(f"{partial}/{layout.PAYLOAD}") as sink:
@@ -163,6 +187,10 @@ def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: st
         manifest = _manifest(meta, size, checksum)
         store.write_bytes(f"{partial}/{layout.MANIFEST}", manifest.to_json())
         before_commit()
+        if store.exists(f"{final}/{layout.MANIFEST}"):  # committed since we checked
+            _best_effort_delete(store, partial)
+            _kept_theirs(store, meta.step)
+            return None
         if store.exists(final):  # a manifest-less leftover of an earlier crash
             store.delete(final, recursive=True)
         store.rename(partial, final)
@@ -194,10 +222,15 @@ def _after_lost_race(store: Store, meta: SnapshotMeta, final: str,
     if theirs.objects == ours.objects:  # the names carry our unique token
         return ours
     _best_effort_delete(store, f"{final}/{ours.objects[0].name}")
-    verify_snapshot(store, meta.step)
-    log.info("snapshot.exists", snapshot_step=meta.step, action="kept",
-             reason="another writer committed this step first")
+    _kept_theirs(store, meta.step)
     return None
+
+
+def _kept_theirs(store: Store, step: int) -> None:
+    """Another writer committed ``step`` first: theirs must verify (else raise)."""
+    verify_snapshot(store, step)
+    log.info("snapshot.exists", snapshot_step=step, action="kept",
+             reason="another writer committed this step first")
 
 
 def _best_effort_delete(store: Store, path: str) -> None:

@@ -289,8 +289,17 @@ class FsspecStore:
         return self._call("list", path, ls)
 
     def _exists(self, full: str) -> bool:
+        # Not ``fs.exists``: fsspec's default answers False for *any* error, and a
+        # throttled or denied check must not read as "absent" (retention would
+        # then delete a committed snapshot as a partial write).
         self.fs.invalidate_cache(full)
-        return bool(self.fs.exists(full))
+        try:
+            self.fs.info(full)
+        except FileNotFoundError as exc:
+            if s3.is_missing_bucket(exc):
+                raise  # not "absent": the location itself is wrong
+            return False
+        return True
 
     def exists(self, path: str) -> bool:
         full = self._full(path)
