@@ -70,5 +70,10 @@ class SnapshotCorrupt(StorageError):
     """A snapshot's manifest or payload failed verification."""
 
 
+class SnapshotUntrusted(SnapshotCorrupt):
+    """With a signing key set, a manifest is unsigned or its signature does not verify:
+    the snapshot is not ours and is never deserialized."""
+
+
 class SnapshotWriteFailed(StorageError):
     """Too many consecutive background persists failed."""

@@ -38,7 +38,7 @@ from elastictrain.errors import (
     StorageNotFoundError,
 )
 from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.snapshot import layout, signing
 from elastictrain.snapshot.checksum import HashingWriter
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry
 from elastictrain.snapshot.reader import read_manifest, verify_snapshot
@@ -164,7 +164,7 @@ def _no_check() -> None:
 
 def _manifest(meta: SnapshotMeta, size: int, checksum: str,
               name: str = layout.PAYLOAD) -> Manifest:
-    return Manifest(
+    return signing.sign(Manifest(
         run_id=meta.run_id,
         step=meta.step,
         epoch=meta.epoch,
@@ -175,7 +175,7 @@ def _manifest(meta: SnapshotMeta, size: int, checksum: str,
         objects=[ObjectEntry(name=name, size_bytes=size, checksum=checksum)],
         dataset_len=meta.dataset_len,
         global_batch_size=meta.global_batch_size,
-    )
+    ))
 
 
 def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: str,
