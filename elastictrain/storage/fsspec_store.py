@@ -29,6 +29,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from elastictrain.errors import (
+    ConfigError,
     StorageConflictError,
     StorageError,
     StorageNotFoundError,
@@ -59,6 +60,19 @@ def redact_url(url: str) -> str:
     return _CREDENTIALS_IN_URL.sub("", url)
 
 
+def refuse_credentials_in_url(url: str) -> None:
+    """Raise ConfigError for ``scheme://user:secret@…``: fsspec backends do not take
+    credentials from a URL (s3fs would send them as part of the bucket name, and the
+    backend's errors would echo them), so they are refused before any request."""
+    if _CREDENTIALS_IN_URL.search(url):
+        raise ConfigError(
+            f"storage URL {redact_url(url)!r} has credentials in it (user:secret@, removed "
+            "here); fix: remove them from the URL and pass them as storage_options "
+            "key/secret (--storage-options or ELASTICTRAIN_STORAGE__STORAGE_OPTIONS) or "
+            "through the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE)"
+        )
+
+
 class FsspecStore:
     """A Store over any fsspec file system. See the module docstring for the guarantees.
 
@@ -84,7 +98,8 @@ class FsspecStore:
         upload_concurrency: int = DEFAULT_UPLOAD_CONCURRENCY,
         multipart_threshold_bytes: int | None = None,
     ) -> None:
-        self._url = redact_url(url)
+        refuse_credentials_in_url(url)
+        self._url = url
         self._policy = RetryPolicy(retries=retries, backoff_s=retry_backoff_s)
         self._part_size = part_size_bytes
         self._threshold = (DEFAULT_MULTIPART_THRESHOLD if multipart_threshold_bytes is None
