@@ -63,8 +63,8 @@ class SnapshotMeta:
 def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm) -> tuple[int, str]:
     """``torch.save`` into ``sink`` while hashing; returns (bytes, checksum).
 
-    torch's own zip CRC32 is switched off: it cost ~4x the write itself here,
-    and our checksum already covers every byte. On a local file the disk starts
+    torch's own zip CRC32 is switched off: it cost several times the write
+    itself (docs/storage.md), and our checksum already covers every byte. On a local file the disk starts
     writing back while later bytes are still being hashed and copied
     (``EarlyWriteback``), instead of idling until the final fsync.
     """

@@ -2,8 +2,9 @@
 
 This is the only part of a save that blocks training. Buffers are allocated
 on the first save and reused by every later one (a fresh allocation per save
-measured ~7x slower here, and memory would grow), so staging memory stays
-at the state's size.
+is several times slower, docs/storage.md, and memory would grow), so staging
+memory stays at the state's size. The same walk checks that every value will
+load back under ``weights_only=True`` (:mod:`.loadable`).
 
 Buffers are views into a few large slabs, one per top-level key of the state
 and dtype (``model``/float32, ``optimizer``/float32, ``rng``/uint8, …):
