@@ -64,9 +64,10 @@ def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm) -> 
     """``torch.save`` into ``sink`` while hashing; returns (bytes, checksum).
 
     torch's own zip CRC32 is switched off: it cost several times the write
-    itself (docs/storage.md), and our checksum already covers every byte. On a local file the disk starts
-    writing back while later bytes are still being hashed and copied
-    (``EarlyWriteback``), instead of idling until the final fsync.
+    itself (docs/storage.md), and our checksum already covers every byte. On
+    a local file the disk starts writing back while later bytes are still
+    being hashed and copied (``EarlyWriteback``), instead of idling until the
+    final fsync.
     """
     writer = HashingWriter(EarlyWriteback.wrap(sink), algorithm)
     with serialization_config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
