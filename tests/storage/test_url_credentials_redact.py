@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,9 +46,10 @@ def test_store_refuses_credentials_in_url_without_echoing_them(url: str) -> None
 def test_failing_commands_never_show_a_url_credential(
         s3: S3Bucket, tmp_path: Path, command: list[str], code: int) -> None:
     options = json.dumps({"client_kwargs": {"endpoint_url": s3.server.endpoint}})
+    env: dict[str, Any] = dict(s3.env)  # valid credentials: only the URL is wrong
     for bucket in ("nobucket", s3.name):  # a missing bucket, and one that exists
         url = _with_credentials(f"s3://{bucket}/x")
-        result = run_cli([*command, url, "--storage-options", options], tmp_path, **s3.env)
+        result = run_cli([*command, url, "--storage-options", options], tmp_path, **env)
         assert result.returncode == code, result.stderr[-3000:]
         assert "has credentials in it" in result.stderr and f"s3://{bucket}/x" in result.stderr
         assert_no_secret(result.stdout, result.stderr, where=f"{command[0]} output")
