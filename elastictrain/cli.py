@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from elastictrain import log as et_log
 from elastictrain.errors import EXIT_USAGE, ConfigError, ElasticTrainError
 
 
@@ -135,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(cli_main(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
+    et_log.configure()  # events this process logs go to stderr: stdout is for --json
     try:
         code = args.func(args)
     except ConfigError as exc:

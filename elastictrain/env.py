@@ -116,3 +116,27 @@ def launcher_environ(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def getenv(name: str, default: str | None = None) -> str | None:
     """The one sanctioned raw environment read, for the few knobs outside Settings."""
     return os.environ.get(name, default)
+
+
+SIGNING_KEY_VAR = "ELASTICTRAIN_SIGNING_KEY"
+_MIN_SIGNING_KEY_CHARS = 16
+
+
+def signing_key() -> bytes | None:
+    """The manifest signing key from ``ELASTICTRAIN_SIGNING_KEY``, or None when unset.
+
+    Raises:
+        ConfigError: the key is too short to be a secret (the message never quotes it).
+    """
+    raw = os.environ.get(SIGNING_KEY_VAR)
+    if not raw:
+        return None
+    if len(raw) < _MIN_SIGNING_KEY_CHARS:
+        from elastictrain.errors import ConfigError
+
+        raise ConfigError(
+            f"{SIGNING_KEY_VAR} is {len(raw)} characters, fewer than "
+            f"{_MIN_SIGNING_KEY_CHARS}; fix: use a random secret, e.g. the output of "
+            "`python -c 'import secrets; print(secrets.token_hex(32))'`"
+        )
+    return raw.encode()

@@ -32,6 +32,10 @@ class ResumeMismatchError(ConfigError):
     """The snapshot cannot be resumed with the current job (dataset length, batch sizes)."""
 
 
+class UnsafeStateError(ConfigError):
+    """The state holds a value ``torch.load(weights_only=True)`` would refuse to load."""
+
+
 class DistError(ElasticTrainError):
     """The process group could not be formed or used."""
 
@@ -64,6 +68,11 @@ class SnapshotNotFound(StorageError):
 
 class SnapshotCorrupt(StorageError):
     """A snapshot's manifest or payload failed verification."""
+
+
+class SnapshotUntrusted(SnapshotCorrupt):
+    """With a signing key set, a manifest is unsigned or its signature does not verify:
+    the snapshot is not ours and is never deserialized."""
 
 
 class SnapshotWriteFailed(StorageError):

@@ -9,7 +9,7 @@ from typing import Any
 from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError, SnapshotCorrupt
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, read_verified
-from elastictrain.snapshot.writer import prune
+from elastictrain.snapshot.retention import prune
 from elastictrain.storage import Store, open_store
 
 

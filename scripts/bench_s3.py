@@ -46,8 +46,9 @@ import torch
 
 from elastictrain import log as et_log
 from elastictrain.config import StorageConfig
+from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot, serialize_payload
 from elastictrain.snapshot.reader import find_latest_verified, load_payload
-from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot, prune, serialize_payload
+from elastictrain.snapshot.retention import prune
 from elastictrain.storage import open_store
 
 MB = 1e6

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from elastictrain.errors import StorageError
+from elastictrain.errors import StorageError, StorageTransientError
 from elastictrain.snapshot import layout
 from elastictrain.storage.api import Store
 
@@ -129,3 +129,33 @@ def _step_of(path: str) -> int:
 def read_journal(path: str | Path) -> list[str]:
     p = Path(path)
     return p.read_text().splitlines() if p.exists() else []
+
+
+class FailingReads(_Wrapper):
+    """Reads (``read_bytes``, ``open_read``) of paths containing ``match`` raise a
+    StorageTransientError, as a throttled or timed-out read that outlived the store's
+    retries does; the first ``failures`` of them, or all while ``failures`` is None."""
+
+    def __init__(self, inner: Store, match: str = layout.SNAPSHOTS,
+                 failures: int | None = None) -> None:
+        super().__init__(inner)
+        self.match, self.failures_left = match, failures
+        self.failed = 0
+
+    def _maybe_fail(self, path: str) -> None:
+        if self.match in path and (self.failures_left is None or self.failures_left > 0):
+            if self.failures_left is not None:
+                self.failures_left -= 1
+            self.failed += 1
+            raise StorageTransientError(f"read {self.inner.url}/{path}: injected throttling "
+                                        "(SlowDown) after retries")
+
+    def read_bytes(self, path: str) -> bytes:
+        self._maybe_fail(path)
+        return self.inner.read_bytes(path)
+
+    @contextmanager
+    def open_read(self, path: str) -> Iterator[BinaryIO]:
+        self._maybe_fail(path)
+        with self.inner.open_read(path) as f:
+            yield f

@@ -35,11 +35,11 @@ from elastictrain.dist import DistContext
 from elastictrain.env import WorkerEnv
 from elastictrain.errors import ConfigError
 from elastictrain.log import bind_step, get_logger
+from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import SaveHandle
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world, restore_rng
 from elastictrain.snapshot.saver import Saver
-from elastictrain.snapshot.writer import SnapshotMeta
 from elastictrain.storage import Store, open_store
 
 log = get_logger("elastictrain.snapshot")

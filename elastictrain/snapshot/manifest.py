@@ -40,10 +40,16 @@ class Manifest(BaseModel):
     objects: list[ObjectEntry]
     dataset_len: int | None = None
     global_batch_size: int | None = None
+    signature: str | None = None  # HMAC over canonical_json() when a key is set (signing.py)
 
     @property
     def total_bytes(self) -> int:
         return sum(o.size_bytes for o in self.objects)
+
+    def canonical_json(self) -> bytes:
+        """Every field but ``signature``, in one fixed byte form: what is signed."""
+        fields = self.model_dump(exclude={"signature"})
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     def to_json(self) -> bytes:
         return json.dumps(self.model_dump(), indent=2, sort_keys=True).encode()

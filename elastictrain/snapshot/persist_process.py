@@ -39,6 +39,7 @@ import torch.multiprocessing as torch_mp
 
 from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import configure_forwarding, get_logger, log_forwarded
+from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
     PersistOutcome,
     RetryPolicy,
@@ -48,7 +49,6 @@ from elastictrain.snapshot.persister import (
     prune_after,
 )
 from elastictrain.snapshot.views import as_bytes, from_views, to_views
-from elastictrain.snapshot.writer import SnapshotMeta
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")

@@ -15,6 +15,7 @@ import queue
 import threading
 from typing import Any
 
+from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
     PersistOutcome,
     RetryPolicy,
@@ -23,7 +24,6 @@ from elastictrain.snapshot.persister import (
     persist_with_retries,
     prune_after,
 )
-from elastictrain.snapshot.writer import SnapshotMeta
 from elastictrain.storage.api import Store
 
 _Job = tuple[Any, SnapshotMeta, SaveHandle, contextvars.Context]

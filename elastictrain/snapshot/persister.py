@@ -28,8 +28,9 @@ from typing import Any, Protocol
 
 from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import get_logger
+from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.manifest import Manifest
-from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot, prune
+from elastictrain.snapshot.retention import prune
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")

@@ -18,7 +18,7 @@ import torch
 
 from elastictrain.errors import SnapshotCorrupt, StorageError
 from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.snapshot import layout, signing
 from elastictrain.snapshot.checksum import checksum_bytes, new_hasher
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry
 from elastictrain.storage.api import Store
@@ -58,6 +58,7 @@ def read_manifest(store: Store, step: int) -> Manifest:
         raise SnapshotCorrupt(f"{where}: no readable {layout.MANIFEST} (partial write?): "
                               f"{exc}") from exc
     manifest = Manifest.from_json(raw, where)
+    signing.check(manifest, where)
     if manifest.step != step:
         raise SnapshotCorrupt(f"{where}: manifest says step {manifest.step}")
     return manifest

@@ -47,6 +47,7 @@ from typing import Any
 
 from elastictrain.config import SnapshotConfig
 from elastictrain.log import get_logger
+from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
     Persister,
     RetryPolicy,
@@ -55,7 +56,6 @@ from elastictrain.snapshot.persister import (
     SyncPersister,
 )
 from elastictrain.snapshot.staging import StagingBuffers
-from elastictrain.snapshot.writer import SnapshotMeta
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")

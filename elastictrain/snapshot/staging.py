@@ -2,8 +2,9 @@
 
 This is the only part of a save that blocks training. Buffers are allocated
 on the first save and reused by every later one (a fresh allocation per save
-measured ~7x slower here, and memory would grow), so staging memory stays
-at the state's size.
+is several times slower, docs/storage.md, and memory would grow), so staging
+memory stays at the state's size. The same walk checks that every value will
+load back under ``weights_only=True`` (:mod:`.loadable`).
 
 Buffers are views into a few large slabs, one per top-level key of the state
 and dtype (``model``/float32, ``optimizer``/float32, ``rng``/uint8, …):
@@ -26,6 +27,8 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+
+from elastictrain.snapshot.loadable import check_key, check_leaf, registered_types
 
 _ALIGN = 64  # bytes; keeps every view aligned for vectorised copies and dtype views
 
@@ -63,9 +66,13 @@ class StagingBuffers:
         they are; containers are rebuilt so later mutation of the live state
         does not leak into the staged one. Buffers of paths that are no longer
         in ``state`` are released, so memory follows the state.
+
+        Raises:
+            UnsafeStateError: a value or dict key that ``torch.load(weights_only=True)``
+                would refuse (checked before anything is copied).
         """
         leaves: dict[tuple[Any, ...], torch.Tensor] = {}
-        _collect(state, (), leaves)
+        _collect(state, (), leaves, registered_types())
         for path in set(self._buffers) - set(leaves):
             del self._buffers[path]
         self._allocate_missing(leaves)
@@ -121,13 +128,18 @@ def _aligned(nbytes: int) -> int:
     return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _collect(node: Any, path: tuple[Any, ...], out: dict[tuple[Any, ...], torch.Tensor]) -> None:
-    """Every tensor leaf of ``node`` by path (the same paths ``_walk`` visits)."""
+def _collect(node: Any, path: tuple[Any, ...], out: dict[tuple[Any, ...], torch.Tensor],
+             registered: frozenset[type]) -> None:
+    """Every tensor leaf of ``node`` by path (the same paths ``_walk`` visits); every
+    other leaf and dict key must load back under ``weights_only=True``."""
     if isinstance(node, torch.Tensor):
         out[path] = node
     elif isinstance(node, dict):
         for k, v in node.items():
-            _collect(v, (*path, k), out)
+            check_key(k, path)
+            _collect(v, (*path, k), out, registered)
     elif isinstance(node, (list, tuple)):
         for i, v in enumerate(node):
-            _collect(v, (*path, i), out)
+            _collect(v, (*path, i), out, registered)
+    else:
+        check_leaf(node, path, registered)

@@ -29,6 +29,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from elastictrain.errors import (
+    ConfigError,
     StorageConflictError,
     StorageError,
     StorageNotFoundError,
@@ -59,6 +60,19 @@ def redact_url(url: str) -> str:
     return _CREDENTIALS_IN_URL.sub("", url)
 
 
+def refuse_credentials_in_url(url: str) -> None:
+    """Raise ConfigError for ``scheme://user:secret@…``: fsspec backends do not take
+    credentials from a URL (s3fs would send them as part of the bucket name, and the
+    backend's errors would echo them), so they are refused before any request."""
+    if _CREDENTIALS_IN_URL.search(url):
+        raise ConfigError(
+            f"storage URL {redact_url(url)!r} has credentials in it (user:secret@, removed "
+            "here); fix: remove them from the URL and pass them as storage_options "
+            "key/secret (--storage-options or ELASTICTRAIN_STORAGE__STORAGE_OPTIONS) or "
+            "through the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE)"
+        )
+
+
 class FsspecStore:
     """A Store over any fsspec file system. See the module docstring for the guarantees.
 
@@ -84,7 +98,8 @@ class FsspecStore:
         upload_concurrency: int = DEFAULT_UPLOAD_CONCURRENCY,
         multipart_threshold_bytes: int | None = None,
     ) -> None:
-        self._url = redact_url(url)
+        refuse_credentials_in_url(url)
+        self._url = url
         self._policy = RetryPolicy(retries=retries, backoff_s=retry_backoff_s)
         self._part_size = part_size_bytes
         self._threshold = (DEFAULT_MULTIPART_THRESHOLD if multipart_threshold_bytes is None
@@ -289,8 +304,17 @@ class FsspecStore:
         return self._call("list", path, ls)
 
     def _exists(self, full: str) -> bool:
+        # Not ``fs.exists``: fsspec's default answers False for *any* error, and a
+        # throttled or denied check must not read as "absent" (retention would
+        # then delete a committed snapshot as a partial write).
         self.fs.invalidate_cache(full)
-        return bool(self.fs.exists(full))
+        try:
+            self.fs.info(full)
+        except FileNotFoundError as exc:
+            if s3.is_missing_bucket(exc):
+                raise  # not "absent": the location itself is wrong
+            return False
+        return True
 
     def exists(self, path: str) -> bool:
         full = self._full(path)

@@ -25,6 +25,10 @@ T = TypeVar("T")
 
 log = get_logger("elastictrain.storage")
 
+# Jitter has its own generator: drawing from the process-global ``random`` would
+# shift the user's Python RNG stream on every retry and break bit-exact resume.
+_JITTER = random.Random()
+
 _TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET,
                                errno.ECONNREFUSED, errno.EBUSY, errno.EREMOTEIO})
 _PERMANENT = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
@@ -55,7 +59,7 @@ class RetryPolicy:
     def delay(self, attempt: int) -> float:
         ceiling = min(self.backoff_s * (2**attempt), self.max_backoff_s)
         # Jitter spreads retries of many ranks/parts so they do not throttle in lockstep.
-        return ceiling * random.uniform(0.5, 1.0)
+        return ceiling * _JITTER.uniform(0.5, 1.0)
 
     def run(self, fn: Callable[[], T], *, op: str, where: str) -> tuple[T, int]:
         """Call ``fn`` until it succeeds or fails permanently; return (result, retries).

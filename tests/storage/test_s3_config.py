@@ -12,7 +12,7 @@ import pytest
 
 from elastictrain.config import StorageConfig, load_settings
 from elastictrain.errors import EXIT_FATAL, ConfigError, StorageError
-from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.storage import FsspecStore, open_store
 from tests.helpers import run_cli
 from tests.s3server import FAKE_KEY, FAKE_SECRET, S3Bucket, assert_no_secret

@@ -11,9 +11,10 @@ import torch
 from structlog.testing import capture_logs
 
 from elastictrain.snapshot import layout
+from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.reader import find_latest_verified, load_payload, read_manifest
-from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot, prune
+from elastictrain.snapshot.retention import prune
 from elastictrain.storage import FsspecStore
 from tests.helpers import wait_for
 from tests.s3server import S3Bucket

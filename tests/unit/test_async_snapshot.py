@@ -19,11 +19,11 @@ from structlog.testing import capture_logs
 from elastictrain.dist import DistContext
 from elastictrain.errors import SnapshotCorrupt, SnapshotWriteFailed
 from elastictrain.snapshot import layout
+from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.reader import list_snapshot_dirs, load_verified
 from elastictrain.snapshot.rng import capture_rng, restore_rng
 from elastictrain.snapshot.staging import StagingBuffers
-from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot
 from elastictrain.storage import open_store
 from tests.fault_stores import FailingStore, GatedStore, read_journal
 from tests.helpers import REPO, child_env, events, kill_session, pid_alive, wait_for

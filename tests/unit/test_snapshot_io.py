@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 
 from elastictrain.errors import SnapshotCorrupt
 from elastictrain.snapshot import layout
+from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.reader import (
     find_latest_verified,
     list_snapshot_dirs,
@@ -18,8 +19,8 @@ from elastictrain.snapshot.reader import (
     read_manifest,
     read_verified,
 )
+from elastictrain.snapshot.retention import prune
 from elastictrain.snapshot.staging import StagingBuffers
-from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot, prune
 from elastictrain.storage import open_store
 
 

@@ -1,7 +1,7 @@
-"""Persisting a staged snapshot: serialise, checksum, write, commit, prune.
+"""Persisting a staged snapshot: serialise, checksum, write, commit.
 
 Call order and roles: (all ranks) stage → (rank 0) ``persist_snapshot`` →
-commit → ``prune``. The commit is one object written last:
+commit → ``retention.prune``. The commit is one object written last:
 
 * local file systems: everything is written into a unique
   ``snapshots/.partial-…`` directory, fsynced, and the directory is renamed
@@ -21,7 +21,6 @@ import contextlib
 import ctypes
 import io
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,11 +31,17 @@ from torch.utils.serialization import config as serialization_config
 
 import elastictrain
 from elastictrain.config import ChecksumAlgorithm
-from elastictrain.errors import SnapshotCorrupt, StorageConflictError, StorageError
+from elastictrain.errors import (
+    SnapshotCorrupt,
+    StorageConflictError,
+    StorageError,
+    StorageNotFoundError,
+)
 from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.snapshot import layout, signing
 from elastictrain.snapshot.checksum import HashingWriter
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry
+from elastictrain.snapshot.reader import read_manifest, verify_snapshot
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
@@ -58,10 +63,11 @@ class SnapshotMeta:
 def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm) -> tuple[int, str]:
     """``torch.save`` into ``sink`` while hashing; returns (bytes, checksum).
 
-    torch's own zip CRC32 is switched off: it cost ~4x the write itself here,
-    and our checksum already covers every byte. On a local file the disk starts
-    writing back while later bytes are still being hashed and copied
-    (``EarlyWriteback``), instead of idling until the final fsync.
+    torch's own zip CRC32 is switched off: it cost several times the write
+    itself (docs/storage.md), and our checksum already covers every byte. On
+    a local file the disk starts writing back while later bytes are still
+    being hashed and copied (``EarlyWriteback``), instead of idling until the
+    final fsync.
     """
     writer = HashingWriter(EarlyWriteback.wrap(sink), algorithm)
     with serialization_config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
@@ -116,24 +122,41 @@ def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta,
     """Write and commit one snapshot. Returns its manifest, or None if the same step
     was already committed (by an earlier attempt or another writer) and verifies.
 
+    A committed step is replaced only when it verifiably does not match its
+    manifest; a read that fails raises (the persister retries the attempt), so
+    nothing committed is ever deleted because a read failed.
+
     ``before_commit`` runs after the payload is durable and before the commit
     marker: raising there leaves an uncommitted (ignored, later pruned) write."""
-    from elastictrain.snapshot.reader import verify_snapshot  # reader imports writer's peers
-
     final = layout.step_dir(meta.step)
     if store.exists(f"{final}/{layout.MANIFEST}"):
-        try:
-            verify_snapshot(store, meta.step)
+        if _committed_copy_verifies(store, meta.step):
             log.info("snapshot.exists", snapshot_step=meta.step, action="kept")
             return None
-        except SnapshotCorrupt as exc:
-            log.warning("snapshot.corrupt", snapshot_step=meta.step, reason=str(exc),
-                        action="replaced")
-            store.delete(final, recursive=True)
+        store.delete(final, recursive=True)
     check = before_commit or _no_check
     if store.supports_rename:
         return _persist_by_rename(store, payload, meta, final, check)
     return _persist_manifest_last(store, payload, meta, final, check)
+
+
+def _committed_copy_verifies(store: Store, step: int) -> bool:
+    """True when the committed ``step`` verifies, False on a verified mismatch.
+
+    Raises:
+        StorageError: the check could not read the snapshot (throttled, timed out,
+            denied): that says nothing about the snapshot, so it is kept.
+    """
+    try:
+        verify_snapshot(store, step)
+    except SnapshotCorrupt as exc:
+        cause = exc.__cause__
+        if isinstance(cause, StorageError) and not isinstance(cause, StorageNotFoundError):
+            raise cause from exc  # a failed read, reported as corruption by the reader
+        log.warning("snapshot.corrupt", snapshot_step=step, reason=str(exc),
+                    action="replaced")
+        return False
+    return True
 
 
 def _no_check() -> None:
@@ -142,7 +165,7 @@ def _no_check() -> None:
 
 def _manifest(meta: SnapshotMeta, size: int, checksum: str,
               name: str = layout.PAYLOAD) -> Manifest:
-    return Manifest(
+    return signing.sign(Manifest(
         run_id=meta.run_id,
         step=meta.step,
         epoch=meta.epoch,
@@ -153,11 +176,11 @@ def _manifest(meta: SnapshotMeta, size: int, checksum: str,
         objects=[ObjectEntry(name=name, size_bytes=size, checksum=checksum)],
         dataset_len=meta.dataset_len,
         global_batch_size=meta.global_batch_size,
-    )
+    ))
 
 
 def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: str,
-                       before_commit: Callable[[], None]) -> Manifest:
+                       before_commit: Callable[[], None]) -> Manifest | None:
     partial = layout.partial_dir(meta.step, uuid.uuid4().hex[:12])
     try:
         with store.open_write(f"{partial}/{layout.PAYLOAD}") as sink:
@@ -165,6 +188,10 @@ def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: st
         manifest = _manifest(meta, size, checksum)
         store.write_bytes(f"{partial}/{layout.MANIFEST}", manifest.to_json())
         before_commit()
+        if store.exists(f"{final}/{layout.MANIFEST}"):  # committed since we checked
+            _best_effort_delete(store, partial)
+            _kept_theirs(store, meta.step)
+            return None
         if store.exists(final):  # a manifest-less leftover of an earlier crash
             store.delete(final, recursive=True)
         store.rename(partial, final)
@@ -192,64 +219,21 @@ def _after_lost_race(store: Store, meta: SnapshotMeta, final: str,
                      ours: Manifest) -> Manifest | None:
     """The manifest already existed: ours if a retried PUT's first response was lost,
     else another writer's, which must verify; our payload is then an orphan."""
-    from elastictrain.snapshot.reader import read_manifest, verify_snapshot
-
     theirs = read_manifest(store, meta.step)
     if theirs.objects == ours.objects:  # the names carry our unique token
         return ours
     _best_effort_delete(store, f"{final}/{ours.objects[0].name}")
-    verify_snapshot(store, meta.step)
-    log.info("snapshot.exists", snapshot_step=meta.step, action="kept",
-             reason="another writer committed this step first")
+    _kept_theirs(store, meta.step)
     return None
+
+
+def _kept_theirs(store: Store, step: int) -> None:
+    """Another writer committed ``step`` first: theirs must verify (else raise)."""
+    verify_snapshot(store, step)
+    log.info("snapshot.exists", snapshot_step=step, action="kept",
+             reason="another writer committed this step first")
 
 
 def _best_effort_delete(store: Store, path: str) -> None:
     with contextlib.suppress(StorageError):  # retention clears it later
         store.delete(path, recursive=True)
-
-
-def prune(store: Store, keep: int, newest_step: int) -> list[int]:
-    """Retention, run only after ``newest_step`` committed: keep the newest ``keep``
-    committed snapshots (always ``newest_step``), delete older ones and abandoned
-    partial writes. Returns the pruned steps."""
-    from elastictrain.snapshot.reader import list_snapshot_dirs
-
-    names = store.list_dir(layout.SNAPSHOTS)
-    committed: list[int] = []
-    for step in list_snapshot_dirs(store, names):
-        if store.exists(f"{layout.step_dir(step)}/{layout.MANIFEST}"):
-            committed.append(step)
-        elif step < newest_step:
-            _prune_one(store, layout.step_dir(step), step, "partial")
-    keep_steps = set(sorted(committed, reverse=True)[:keep]) | {newest_step}
-    pruned = [s for s in committed if s not in keep_steps and s < newest_step]
-    for step in pruned:
-        _prune_one(store, layout.step_dir(step), step, "retention")
-    for name in names:
-        if layout.is_partial(name):
-            _prune_one(store, f"{layout.SNAPSHOTS}/{name}", None, "partial")
-    for step in sorted(keep_steps & set(committed)):
-        _prune_orphans(store, step)
-    return pruned
-
-
-def _prune_orphans(store: Store, step: int) -> None:
-    """Delete payload objects the committed manifest does not name (a writer that
-    lost the commit race, or an attempt that crashed before committing this step)."""
-    from elastictrain.snapshot.reader import read_manifest
-
-    try:
-        named = {o.name for o in read_manifest(store, step).objects}
-    except SnapshotCorrupt:
-        return  # discovery reports it; retention never guesses
-    for name in store.list_dir(layout.step_dir(step)):
-        if layout.is_payload(name) and name not in named:
-            _prune_one(store, f"{layout.step_dir(step)}/{name}", step, "orphan")
-
-
-def _prune_one(store: Store, path: str, step: int | None, reason: str) -> None:
-    started = time.perf_counter()
-    store.delete(path, recursive=True)
-    log.info("snapshot.pruned", snapshot_step=step, path=path, reason=reason,
-             duration_s=round(time.perf_counter() - started, 4))

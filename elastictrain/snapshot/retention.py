@@ -1,0 +1,61 @@
+"""Retention: after a commit, delete older snapshots, abandoned partial writes and
+payload objects no manifest names.
+
+Nothing is deleted on the strength of a failed read: a step counts as committed
+when its manifest exists (a failed existence check fails the prune), and
+orphans are looked for only under a manifest that was read successfully.
+"""
+
+from __future__ import annotations
+
+import time
+
+from elastictrain.errors import SnapshotCorrupt
+from elastictrain.log import get_logger
+from elastictrain.snapshot import layout
+from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
+from elastictrain.storage.api import Store
+
+log = get_logger("elastictrain.snapshot")
+
+
+def prune(store: Store, keep: int, newest_step: int) -> list[int]:
+    """Retention, run only after ``newest_step`` committed: keep the newest ``keep``
+    committed snapshots (always ``newest_step``), delete older ones and abandoned
+    partial writes. Returns the pruned steps."""
+    names = store.list_dir(layout.SNAPSHOTS)
+    committed: list[int] = []
+    for step in list_snapshot_dirs(store, names):
+        if store.exists(f"{layout.step_dir(step)}/{layout.MANIFEST}"):
+            committed.append(step)
+        elif step < newest_step:
+            _prune_one(store, layout.step_dir(step), step, "partial")
+    keep_steps = set(sorted(committed, reverse=True)[:keep]) | {newest_step}
+    pruned = [s for s in committed if s not in keep_steps and s < newest_step]
+    for step in pruned:
+        _prune_one(store, layout.step_dir(step), step, "retention")
+    for name in names:
+        if layout.is_partial(name):
+            _prune_one(store, f"{layout.SNAPSHOTS}/{name}", None, "partial")
+    for step in sorted(keep_steps & set(committed)):
+        _prune_orphans(store, step)
+    return pruned
+
+
+def _prune_orphans(store: Store, step: int) -> None:
+    """Delete payload objects the committed manifest does not name (a writer that
+    lost the commit race, or an attempt that crashed before committing this step)."""
+    try:
+        named = {o.name for o in read_manifest(store, step).objects}
+    except SnapshotCorrupt:
+        return  # discovery reports it; retention never guesses
+    for name in store.list_dir(layout.step_dir(step)):
+        if layout.is_payload(name) and name not in named:
+            _prune_one(store, f"{layout.step_dir(step)}/{name}", step, "orphan")
+
+
+def _prune_one(store: Store, path: str, step: int | None, reason: str) -> None:
+    started = time.perf_counter()
+    store.delete(path, recursive=True)
+    log.info("snapshot.pruned", snapshot_step=step, path=path, reason=reason,
+             duration_s=round(time.perf_counter() - started, 4))

@@ -1,0 +1,57 @@
+"""Case 14: credentials inside a storage URL are refused before any request, with one
+line that says where credentials go instead; no output and no file of any failing
+command contains them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastictrain.errors import EXIT_FATAL, EXIT_USAGE, ConfigError
+from elastictrain.storage import FsspecStore
+from tests.helpers import run_cli
+from tests.s3server import FAKE_KEY, FAKE_SECRET, S3Bucket, assert_no_secret
+
+
+def _with_credentials(url: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{FAKE_KEY}:{FAKE_SECRET}@{rest}"
+
+
+def _assert_no_secret_in_files(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            assert_no_secret(path.read_bytes(), where=str(path))
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run", "memory://run", "gs://bucket/run"])
+def test_store_refuses_credentials_in_url_without_echoing_them(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        FsspecStore(_with_credentials(url))
+    message = str(info.value)
+    assert_no_secret(message, where="the error")
+    assert "\n" not in message and url in message and "storage_options" in message
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(("command", "code"), [
+    (["snapshots", "list"], EXIT_FATAL),
+    (["snapshots", "verify"], EXIT_FATAL),
+    (["snapshots", "prune", "--keep", "1"], EXIT_FATAL),
+    (["demo", "--steps", "4", "--storage"], EXIT_USAGE),
+], ids=["list", "verify", "prune", "demo"])
+def test_failing_commands_never_show_a_url_credential(
+        s3: S3Bucket, tmp_path: Path, command: list[str], code: int) -> None:
+    options = json.dumps({"client_kwargs": {"endpoint_url": s3.server.endpoint}})
+    env: dict[str, Any] = dict(s3.env)  # valid credentials: only the URL is wrong
+    for bucket in ("nobucket", s3.name):  # a missing bucket, and one that exists
+        url = _with_credentials(f"s3://{bucket}/x")
+        result = run_cli([*command, url, "--storage-options", options], tmp_path, **env)
+        assert result.returncode == code, result.stderr[-3000:]
+        assert "has credentials in it" in result.stderr and f"s3://{bucket}/x" in result.stderr
+        assert_no_secret(result.stdout, result.stderr, where=f"{command[0]} output")
+    _assert_no_secret_in_files(tmp_path)
+    assert s3.server.keys(s3.name) == []  # refused before any request wrote anything
