@@ -100,7 +100,12 @@ def test_forged_crc32_manifest_is_never_unpickled_with_a_key(
 
     calls: list[str] = []
     real = torch.load
-    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append("load") or real(*a, **k))
+
+    def counting_load(*args: Any, **kwargs: Any) -> Any:
+        calls.append("load")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
     again = _manager(url)
     with capture_logs() as logs:
         resumed = again.restore()
