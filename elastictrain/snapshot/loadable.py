@@ -25,8 +25,9 @@ _PRIMITIVES: frozenset[type] = frozenset({
     type(None), bool, int, float, complex, str, bytes, bytearray,
     torch.dtype, torch.device, torch.layout,
 })
-# Dict keys are pickled too: these are the ones a state dict can sensibly use.
-_KEYS: frozenset[type] = frozenset({type(None), bool, int, float, str, bytes})
+# Dict keys are pickled too: the hashable primitives (tuples of them are checked item by item).
+_KEYS: frozenset[type] = frozenset({type(None), bool, int, float, complex, str, bytes,
+                                    torch.dtype, torch.device, torch.layout})
 
 
 def registered_types() -> frozenset[type]:
@@ -58,7 +59,10 @@ def check_leaf(value: Any, path: tuple[Any, ...], registered: frozenset[type]) -
 
 def check_key(key: Any, path: tuple[Any, ...]) -> None:
     """Raise UnsafeStateError unless dict key ``key`` (under ``path``) loads back."""
-    if type(key) not in _KEYS:
+    if type(key) is tuple:
+        for item in key:
+            check_key(item, path)
+    elif type(key) not in _KEYS:
         raise _unsafe(f"dict key under {format_path(path)}", type(key))
 
 

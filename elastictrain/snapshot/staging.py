@@ -136,7 +136,8 @@ def _collect(node: Any, path: tuple[Any, ...], out: dict[tuple[Any, ...], torch.
         out[path] = node
     elif isinstance(node, dict):
         for k, v in node.items():
-            check_key(k, path)
+            if type(k) is not str:  # the common key type, checked inline: this walk is hot
+                check_key(k, path)
             _collect(v, (*path, k), out, registered)
     elif isinstance(node, (list, tuple)):
         for i, v in enumerate(node):

@@ -65,6 +65,19 @@ def test_unloadable_value_inside_a_user_state_dict_names_its_path(tmp_path: Path
     assert list_snapshot_dirs(open_store(str(tmp_path / "run"))) == []
 
 
+def test_every_loadable_kind_of_value_and_key_is_accepted(tmp_path: Path) -> None:
+    _, _, snap = _manager(str(tmp_path / "run"))
+    snap.extras.update(values=[None, True, 3, 0.5, 1j, "s", b"b", bytearray(b"x"), {1, 2},
+                               torch.float16, torch.device("cpu"), torch.strided, (1, "t")],
+                       keys={(0, "a"): 1, 2.5: 2, None: 3, b"k": 4, torch.int8: 5})
+    _steps(snap, 2)
+    snap.close()
+    _, _, again = _manager(str(tmp_path / "run"))
+    assert again.restore().from_step == 2
+    again.close()
+    assert again.extras == snap.extras
+
+
 def test_type_registered_with_add_safe_globals_is_saved_and_restored(tmp_path: Path) -> None:
     with torch.serialization.safe_globals([BestSoFar]):
         _, _, snap = _manager(str(tmp_path / "run"))
