@@ -179,7 +179,7 @@ def _load(reader: VerifyingReader) -> tuple[dict[str, Any] | None, Exception | N
     that exception means corruption is decided by the checksum, afterwards; a failed
     read is a read error whatever torch made of it."""
     try:
-        obj = torch.load(reader, weights_only=True, map_location="cpu")
+        obj = torch.load(reader, weights_only=True, map_location="cpu")  # type: ignore[arg-type]
     except Exception as exc:
         if reader.failure is not None:
             raise reader.failure from exc
