@@ -33,12 +33,11 @@ from elastictrain.errors import (
     StorageTransientError,
 )
 from elastictrain.snapshot import layout
-from elastictrain.snapshot.checksum import checksum_bytes
-from elastictrain.snapshot.manifest import Manifest, ObjectEntry
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot
 from elastictrain.storage import FsspecStore, open_store
+from tests.fault_stores import plant_snapshot
 
 SINGLE = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
 
@@ -184,24 +183,9 @@ def test_a_corrupt_newest_snapshot_still_falls_back(store: FsspecStore) -> None:
     assert [e["snapshot_step"] for e in logs if e["event"] == "snapshot.corrupt"] == [20]
 
 
-def commit_raw(store: FsspecStore, step: int, state: Any) -> None:
-    """Commit ``state`` as written by ``torch.save`` alone: a valid manifest and
-    checksum, bypassing any check the writer makes at save time."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    data = buf.getvalue()
-    name = layout.PAYLOAD if store.supports_rename else layout.payload_name("00ff")
-    store.write_bytes(f"{layout.step_dir(step)}/{name}", data)
-    manifest = Manifest(run_id="t", step=step, epoch=0, world_size=1, torch_version="x",
-                        elastictrain_version="x", checksum_algorithm="crc32",
-                        objects=[ObjectEntry(name=name, size_bytes=len(data),
-                                             checksum=checksum_bytes(data, "crc32"))])
-    store.write_bytes(f"{layout.step_dir(step)}/{layout.MANIFEST}", manifest.to_json())
-
-
 def test_a_payload_that_verifies_but_does_not_load_stops_the_run(store: FsspecStore) -> None:
     save(store, 10)
-    commit_raw(store, 20, {"step": 20, "extras": {"data_dir": pathlib.Path("/data")}})
+    plant_snapshot(store, 20, {"step": 20, "extras": {"data_dir": pathlib.Path("/data")}})
     with capture_logs() as logs, pytest.raises(SnapshotUnloadable) as info:
         load_newest(store, SINGLE)
     message = str(info.value)
@@ -215,7 +199,7 @@ def test_a_payload_that_verifies_but_does_not_load_stops_the_run(store: FsspecSt
 
 def test_an_unloadable_payload_with_a_wrong_checksum_is_corruption(store: FsspecStore) -> None:
     save(store, 10)
-    commit_raw(store, 20, {"p": pathlib.Path("/data")})
+    plant_snapshot(store, 20, {"p": pathlib.Path("/data")})
     path = payload_path(store, 20)
     data = bytearray(store.read_bytes(path))
     data[len(data) // 2] ^= 0x01
