@@ -7,7 +7,6 @@ started and ended) goes to a journal file, appended line by line.
 
 from __future__ import annotations
 
-import io
 import os
 import time
 from collections.abc import Iterator
@@ -15,12 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
-
-from elastictrain.errors import StorageError
+from elastictrain.errors import StorageError, StorageTransientError
 from elastictrain.snapshot import layout
-from elastictrain.snapshot.checksum import checksum_bytes
-from elastictrain.snapshot.manifest import Manifest, ObjectEntry
 from elastictrain.storage.api import Store
 
 
@@ -136,45 +131,31 @@ def read_journal(path: str | Path) -> list[str]:
     return p.read_text().splitlines() if p.exists() else []
 
 
-class ReadFailingStore(_Wrapper):
-    """Every read of a payload object raises ``error`` (a StorageError subclass), as a
-    store does once its retries are spent: a throttled, timed-out or denied read.
-    Payloads have no local path here, so every read goes through the failing calls."""
+class FailingReads(_Wrapper):
+    """Reads (``read_bytes``, ``open_read``) of paths containing ``match`` raise a
+    StorageTransientError, as a throttled or timed-out read that outlived the store's
+    retries does; the first ``failures`` of them, or all while ``failures`` is None."""
 
-    def __init__(self, inner: Store, error: type[StorageError]) -> None:
+    def __init__(self, inner: Store, match: str = layout.SNAPSHOTS,
+                 failures: int | None = None) -> None:
         super().__init__(inner)
-        self.error = error
+        self.match, self.failures_left = match, failures
+        self.failed = 0
 
-    def _fail(self, path: str) -> None:
-        if layout.is_payload(path.rsplit("/", 1)[-1]):
-            raise self.error(f"read {self.inner.url}/{path}: injected failure")
+    def _maybe_fail(self, path: str) -> None:
+        if self.match in path and (self.failures_left is None or self.failures_left > 0):
+            if self.failures_left is not None:
+                self.failures_left -= 1
+            self.failed += 1
+            raise StorageTransientError(f"read {self.inner.url}/{path}: injected throttling "
+                                        "(SlowDown) after retries")
 
     def read_bytes(self, path: str) -> bytes:
-        self._fail(path)
+        self._maybe_fail(path)
         return self.inner.read_bytes(path)
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
-        self._fail(path)
+        self._maybe_fail(path)
         with self.inner.open_read(path) as f:
             yield f
-
-    def local_path(self, path: str) -> str | None:
-        is_payload = layout.is_payload(path.rsplit("/", 1)[-1])
-        return None if is_payload else self.inner.local_path(path)
-
-
-def plant_snapshot(store: Store, step: int, state: Any, world_size: int = 1) -> None:
-    """Commit ``state`` as ``torch.save`` alone writes it, under a valid manifest and
-    checksum: a snapshot that bypasses every check the writer makes at save time."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    data = buf.getvalue()
-    name = layout.PAYLOAD if store.supports_rename else layout.payload_name("00ff")
-    store.write_bytes(f"{layout.step_dir(step)}/{name}", data)
-    manifest = Manifest(run_id="planted", step=step, epoch=0, world_size=world_size,
-                        torch_version=torch.__version__, elastictrain_version="planted",
-                        checksum_algorithm="crc32",
-                        objects=[ObjectEntry(name=name, size_bytes=len(data),
-                                             checksum=checksum_bytes(data, "crc32"))])
-    store.write_bytes(f"{layout.step_dir(step)}/{layout.MANIFEST}", manifest.to_json())

@@ -14,19 +14,18 @@ import torch
 import torch.distributed as dist
 from structlog.testing import capture_logs
 
-from elastictrain.errors import StorageTransientError
+from elastictrain.snapshot import layout
 from elastictrain.snapshot.restore import load_newest
-from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot
 from elastictrain.storage import Store, open_store
 from tests.distributed.test_snapshot_collectives import _group, _join
-from tests.fault_stores import ReadFailingStore
+from tests.fault_stores import FailingReads
+from tests.planted import plant_snapshot
 
 pytestmark = pytest.mark.distributed
 
 
 def _save(store: Store, step: int) -> None:
-    persist_snapshot(store, {"step": step, "w": torch.full((8,), float(step))},
-                     SnapshotMeta("t", step, 0, 2, "crc32"))
+    plant_snapshot(store, step, {"step": step, "w": torch.full((8,), float(step))}, 2)
 
 
 def _attempt(store: Store, ctx: Any, mode: str) -> dict[str, Any]:
@@ -50,7 +49,7 @@ def _read_error_rank(rank: int, tmp: str, port: int) -> None:
     # The reader that fails: rank 1 where every rank reads, rank 0 (the only reader)
     # in broadcast mode.
     failing = {"each": 1, "broadcast": 0}
-    results = {mode: _attempt(ReadFailingStore(store, StorageTransientError)
+    results = {mode: _attempt(FailingReads(store, match=layout.PAYLOAD)
                               if rank == failing[mode] else store, ctx, mode)
                for mode in ("each", "broadcast")}
     Path(f"{tmp}/read-error-{rank}.json").write_text(json.dumps(results))

@@ -16,8 +16,8 @@ import pytest
 from elastictrain.errors import EXIT_FATAL
 from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
-from tests.fault_stores import plant_snapshot
 from tests.helpers import REPO, events, started
+from tests.planted import plant_snapshot
 
 pytestmark = pytest.mark.distributed
 

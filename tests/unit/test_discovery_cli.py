@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot
 from elastictrain.storage import open_store
 from tests.helpers import run_cli
+from tests.planted import plant_snapshot
 
 
 @pytest.mark.parametrize("where", ["empty", "missing"])
@@ -31,8 +31,7 @@ def test_verify_and_list_say_when_there_are_no_snapshots(tmp_path: Path, where: 
 def test_verify_exits_0_when_every_snapshot_verifies_and_1_for_a_missing_step(
         tmp_path: Path) -> None:
     root = tmp_path / "run"
-    persist_snapshot(open_store(str(root)), {"w": torch.ones(4)},
-                     SnapshotMeta("t", 5, 0, 1, "crc32"))
+    plant_snapshot(open_store(str(root)), 5, {"w": torch.ones(4)})
     ok = run_cli(["snapshots", "verify", str(root)], tmp_path)
     assert ok.returncode == 0 and "step=5  status=ok" in ok.stdout, ok.stderr
     missing = run_cli(["snapshots", "verify", str(root), "--step", "7"], tmp_path)

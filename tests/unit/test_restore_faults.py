@@ -35,9 +35,8 @@ from elastictrain.errors import (
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.restore import load_newest
-from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot
 from elastictrain.storage import FsspecStore, open_store
-from tests.fault_stores import plant_snapshot
+from tests.planted import plant_snapshot
 
 SINGLE = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
 
@@ -54,8 +53,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FsspecStor
 
 
 def save(store: FsspecStore, step: int) -> None:
-    payload = {"step": step, "w": torch.full((64,), float(step))}
-    persist_snapshot(store, payload, SnapshotMeta("t", step, 0, 1, "crc32"))
+    plant_snapshot(store, step, {"step": step, "w": torch.full((64,), float(step))})
 
 
 def payload_path(store: FsspecStore, step: int) -> str:
