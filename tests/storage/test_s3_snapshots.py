@@ -137,7 +137,7 @@ def test_manifest_naming_a_missing_object_falls_back(s3: S3Bucket) -> None:
     assert found is not None and found.step == 10
     corrupt = [e for e in logs if e["event"] == "snapshot.corrupt"]
     assert len(corrupt) == 1 and corrupt[0]["snapshot_step"] == 20
-    assert "unreadable" in corrupt[0]["reason"] and s3.url() in corrupt[0]["reason"]
+    assert "missing" in corrupt[0]["reason"] and s3.url() in corrupt[0]["reason"]
 
 
 def test_discovery_sees_a_step_committed_by_another_client(s3: S3Bucket) -> None:
