@@ -117,8 +117,8 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto") -> LoadedSna
                             reason=str(outcome.error),
                             action="skipped, trying the previous snapshot")
             continue
-        if outcome.status == worst and outcome.error is not None:
-            raise outcome.error
+        if outcome.status > _Status.CORRUPT and outcome.error is not None:
+            raise outcome.error  # this rank's own failure says most
         raise _peer_error(worst, store, manifest.step)
     return None
 
