@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "is corrupt or none is found"),
                             ("inspect", "one snapshot's manifest"),
                             ("prune", "keep the newest --keep verified snapshots")]:
-        cmd = snap_sub.add_parser(name, help=help_text)
+        cmd = snap_sub.add_parser(name, help=help_text, description=help_text)
         cmd.add_argument("storage", help="run root: a directory or URL (s3://bucket/run)")
         cmd.add_argument("--storage-options", default=None,
                          help="JSON object passed to fsspec (e.g. endpoint, profile)")
