@@ -44,8 +44,12 @@ def _snapshots(args: argparse.Namespace) -> int:
         rows = [ops.inspect_snapshot(store, args.step)]
     else:
         rows = ops.prune_snapshots(store, args.keep)
+    if not rows and args.snap_cmd in ("list", "verify"):
+        print(ops.nothing_found(store, getattr(args, "step", None)), file=sys.stderr)
+        return 1 if args.snap_cmd == "verify" else 0
     ops.print_rows(rows, args.json)
-    return 1 if any(r.get("status") == "corrupt" for r in rows) and args.snap_cmd == "verify" else 0
+    failed = any(r.get("status") == "corrupt" for r in rows)
+    return 1 if failed and args.snap_cmd == "verify" else 0
 
 
 def _goodput(args: argparse.Namespace) -> int:
@@ -106,10 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     snaps = sub.add_parser("snapshots", help="list, verify, inspect or prune snapshots")
     snap_sub = snaps.add_subparsers(dest="snap_cmd", required=True)
     for name, help_text in [("list", "committed and partial snapshots"),
-                            ("verify", "check every payload against its manifest"),
+                            ("verify", "check every payload against its manifest; exit 1 if any "
+                             "is corrupt or none is found"),
                             ("inspect", "one snapshot's manifest"),
                             ("prune", "keep the newest --keep verified snapshots")]:
-        cmd = snap_sub.add_parser(name, help=help_text)
+        cmd = snap_sub.add_parser(name, help=help_text, description=help_text)
         cmd.add_argument("storage", help="run root: a directory or URL (s3://bucket/run)")
         cmd.add_argument("--storage-options", default=None,
                          help="JSON object passed to fsspec (e.g. endpoint, profile)")

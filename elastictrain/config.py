@@ -57,7 +57,8 @@ class SnapshotConfig(_Model):
     mode: Literal["sync", "async"] = "async"
     persister: Literal["thread", "process"] = "thread"  # measured: snapshot/saver.py
     checksum: ChecksumAlgorithm = "crc32"
-    restore_mode: Literal["each", "broadcast"] = "each"
+    # auto: "each" on a local file system, "broadcast" elsewhere (snapshot/restore.py)
+    restore_mode: Literal["auto", "each", "broadcast"] = "auto"
     max_consecutive_failures: int = Field(default=3, ge=1)
     retry_backoff_s: float = Field(default=0.5, gt=0)
 

@@ -75,5 +75,13 @@ class SnapshotUntrusted(SnapshotCorrupt):
     the snapshot is not ours and is never deserialized."""
 
 
+class SnapshotUnloadable(ElasticTrainError):
+    """A snapshot's payload verifies against its manifest but ``torch.load(weights_only=True)``
+    refuses it: not storage corruption, and older snapshots of the same script fail the
+    same way, so the run stops instead of falling back."""
+
+    exit_code = EXIT_FATAL
+
+
 class SnapshotWriteFailed(StorageError):
     """Too many consecutive background persists failed."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError, SnapshotCorrupt
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, read_verified
+from elastictrain.snapshot.reader import newest_first, read_manifest, verify_snapshot
 from elastictrain.snapshot.retention import prune
 from elastictrain.storage import Store, open_store
 
@@ -40,29 +40,42 @@ def open_from_cli(url: str, storage_options_json: str | None) -> Store:
 
 
 def list_snapshots(store: Store) -> list[dict[str, Any]]:
-    rows = []
-    for step in list_snapshot_dirs(store):
-        try:
-            m = read_manifest(store, step)
-            rows.append({"step": step, "status": "committed", "epoch": m.epoch,
-                         "world_size": m.world_size, "size_bytes": m.total_bytes,
-                         "created_at": m.created_at})
-        except SnapshotCorrupt as exc:
-            rows.append({"step": step, "status": "partial", "reason": str(exc)})
+    rows: list[dict[str, Any]] = []
+    for c in newest_first(store):
+        if c.manifest is None:
+            rows.append({"step": c.step, "status": "partial", "reason": c.problem})
+            continue
+        m = c.manifest
+        rows.append({"step": c.step, "status": "committed", "epoch": m.epoch,
+                     "world_size": m.world_size, "size_bytes": m.total_bytes,
+                     "created_at": m.created_at})
     return rows
 
 
 def verify_snapshots(store: Store, step: int | None = None) -> list[dict[str, Any]]:
-    steps = [step] if step is not None else list_snapshot_dirs(store)
+    """One row per snapshot (newest first, or just ``step``): ok or corrupt. A read
+    error is raised, never reported as corruption."""
     rows = []
-    for s in steps:
+    for c in newest_first(store):
+        if step is not None and c.step != step:
+            continue
+        if c.manifest is None:
+            rows.append({"step": c.step, "status": "corrupt", "reason": c.problem})
+            continue
         try:
-            m = read_verified(store, s).manifest
-            rows.append({"step": s, "status": "ok", "size_bytes": m.total_bytes,
+            m = verify_snapshot(store, c.step, manifest=c.manifest).manifest
+            rows.append({"step": c.step, "status": "ok", "size_bytes": m.total_bytes,
                          "checksum": m.checksum_algorithm})
         except SnapshotCorrupt as exc:
-            rows.append({"step": s, "status": "corrupt", "reason": str(exc)})
+            rows.append({"step": c.step, "status": "corrupt", "reason": str(exc)})
     return rows
+
+
+def nothing_found(store: Store, step: int | None = None) -> str:
+    """The one line printed when there is no snapshot to list or verify."""
+    what = f"no snapshot of step {step}" if step is not None else "no snapshots"
+    return (f"{what} under {store.url}; fix: check the storage URL (the run root a job "
+            "wrote with --storage, which holds snapshots/)")
 
 
 def inspect_snapshot(store: Store, step: int) -> dict[str, Any]:

@@ -8,11 +8,9 @@ and stops, or any S3 endpoint with ``--endpoint``), a state of ``--size-mb``:
 * ``persist``: elastictrain's ``persist_snapshot`` of the state: ``torch.save``
   streamed into a multipart upload, checksummed, then the manifest PUT;
 * ``raw get``: s3fs ``cat_file`` of those bytes;
-* ``restore``: discovery (fresh listing, manifest) and the verified read (size and
-  checksum) of the payload: the storage work. ``torch.load`` of the verified bytes
-  is timed separately (it is the same for every store and cannot overlap the
-  download: a zip is read from its end), and ``restore_with_load_vs_raw_get``
-  includes it.
+* ``restore``: discovery (fresh listing, manifest) and the verified load of the
+  payload: ``torch.load`` streams it from the object while its size and checksum
+  are checked on the same reads (no whole-payload copy in memory).
 
 Rounds interleave raw and elastictrain so that load on a shared machine hits both;
 times are medians. Ratios are elastictrain's throughput over raw's (1.0 = as fast as
@@ -47,7 +45,7 @@ import torch
 from elastictrain import log as et_log
 from elastictrain.config import StorageConfig
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot, serialize_payload
-from elastictrain.snapshot.reader import find_latest_verified, load_payload
+from elastictrain.snapshot.reader import find_latest_verified
 from elastictrain.snapshot.retention import prune
 from elastictrain.storage import open_store
 
@@ -156,12 +154,11 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
     found: list[Any] = []
 
     def restore() -> None:
-        """Discovery (fresh listing, manifest) and the verified read: the storage work."""
+        """Discovery (fresh listing, manifest) and the verified, streamed load."""
         found[:] = [find_latest_verified(store)]
         assert found[0] is not None and found[0].manifest.total_bytes == len(raw)
 
-    times: dict[str, list[float]] = {"raw_put": [], "persist": [], "raw_get": [], "restore": [],
-                                     "deserialize": []}
+    times: dict[str, list[float]] = {"raw_put": [], "persist": [], "raw_get": [], "restore": []}
     persist()
     restore()
     fs.pipe_file(raw_key, raw)  # warm-up: connections, credentials, code paths
@@ -170,7 +167,6 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         times["persist"].append(timed(persist))
         times["raw_get"].append(timed(lambda: fs.cat_file(raw_key)))
         times["restore"].append(timed(restore))
-        times["deserialize"].append(timed(lambda: load_payload(found[0].payload)))
         prune(store, keep=1, newest_step=step)  # keep the server's memory flat
     peaks = {"persist_peak_python_bytes": peak_python_bytes(persist),
              "raw_put_peak_python_bytes": peak_python_bytes(lambda: fs.pipe_file(raw_key, raw))}
@@ -182,7 +178,7 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
 def summarize(args: argparse.Namespace, endpoint: str, size: int,
               times: dict[str, list[float]], peaks: dict[str, int]) -> dict[str, Any]:
     median = {k: statistics.median(v) for k, v in times.items()}
-    mb_s = {k: round(size / MB / v, 1) for k, v in median.items() if k != "deserialize"}
+    mb_s = {k: round(size / MB / v, 1) for k, v in median.items()}
     return {
         "endpoint": endpoint, "size_bytes": size, "rounds": args.rounds,
         "part_size_bytes": int(args.part_size_mb * MIB), "upload_concurrency": args.concurrency,
@@ -192,8 +188,6 @@ def summarize(args: argparse.Namespace, endpoint: str, size: int,
         **{f"{k}_mb_s": v for k, v in mb_s.items()},
         "persist_vs_raw_put": round(median["raw_put"] / median["persist"], 3),
         "restore_vs_raw_get": round(median["raw_get"] / median["restore"], 3),
-        "restore_with_load_vs_raw_get": round(
-            median["raw_get"] / (median["restore"] + median["deserialize"]), 3),
         **peaks,
         "all_times_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
     }
@@ -212,8 +206,6 @@ def table(r: dict[str, Any]) -> str:
         f"  {'raw s3fs cat_file (GET)':26} {r['raw_get_s']:8.3f} {r['raw_get_mb_s']:8.1f}",
         f"  {'elastictrain restore':26} {r['restore_s']:8.3f} {r['restore_mb_s']:8.1f}"
         f"   restore_vs_raw_get {r['restore_vs_raw_get']:.2f}",
-        f"  {'  + torch.load':26} {r['deserialize_s']:8.3f} {'':8}"
-        f"   restore_with_load_vs_raw_get {r['restore_with_load_vs_raw_get']:.2f}",
         f"  peak Python memory beyond the state: persist "
         f"{r['persist_peak_python_bytes'] / MB:.1f} MB, raw put "
         f"{r['raw_put_peak_python_bytes'] / MB:.1f} MB (plus the raw bytes themselves)",

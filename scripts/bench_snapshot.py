@@ -66,6 +66,8 @@ from elastictrain import log as et_log
 from elastictrain.config import SnapshotConfig
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.manager import SnapshotManager
+from elastictrain.snapshot.restore import resolve_mode
+from elastictrain.storage import open_store
 
 TARGETS = {"blocking_ratio_vs_sync": ("<=", 0.05), "step_rate_ratio_during_persist": (">=", 0.95),
            "persist_vs_raw_write": (">=", 0.80), "restore_vs_raw_read": ("<=", 1.25),
@@ -470,7 +472,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     load_after = os.getloadavg()
     sync = results[0]
     ours = next(r for r in results if r.name.endswith("[default]"))
-    restore_mode = SnapshotConfig().restore_mode
+    restore_mode = resolve_mode(open_store(str(et_root)), SnapshotConfig().restore_mode)
     summary = {
         "blocking_ratio_vs_sync": ours.blocking_s / sync.blocking_s,
         "step_rate_ratio_during_persist": ours.step_rate_ratio_during_persist,

@@ -11,9 +11,9 @@ from elastictrain.batching import check_global_batch
 from elastictrain.demo.corpus import demo_corpus
 from elastictrain.demo.model import GPTConfig
 from elastictrain.demo.multinode import parse_nnodes
-from elastictrain.errors import ConfigError, ResumeMismatchError, SnapshotCorrupt
+from elastictrain.errors import ConfigError, ResumeMismatchError
 from elastictrain.snapshot.manifest import Manifest
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
+from elastictrain.snapshot.reader import newest_first
 from elastictrain.storage import Store
 
 
@@ -83,9 +83,5 @@ def check_resumable(opts: ElasticOptions, store: Store) -> None:
 
 
 def _newest_manifest(store: Store) -> Manifest | None:
-    for step in list_snapshot_dirs(store):
-        try:
-            return read_manifest(store, step)
-        except SnapshotCorrupt:
-            continue  # a partial write: the workers' discovery skips it too
-    return None
+    # A directory without a manifest is a partial write: the workers' discovery skips it too.
+    return next((c.manifest for c in newest_first(store) if c.manifest is not None), None)

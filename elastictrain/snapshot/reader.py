@@ -1,25 +1,39 @@
-"""Discovery and verified loading of committed snapshots.
+"""Discovery and verification of committed snapshots: the one path that restore,
+``elastictrain snapshots …`` and the demo's preflight share.
 
-A snapshot exists only if its ``MANIFEST.json`` exists and parses; it is used
-only if every payload object has the recorded size and checksum. Discovery
-lists fresh, walks from the newest step down, and logs ``snapshot.corrupt``
-for each candidate it skips: never silent, never deleted here.
+``newest_first`` yields every snapshot directory from the newest step down, with
+its manifest or the reason it has none; ``verify_snapshot`` checks one snapshot's
+payload size and checksum (the only place they are checked) and, with
+``load=True``, deserializes it in the same pass over the bytes.
+
+Corruption (``SnapshotCorrupt``) is a verified mismatch or a missing object: no
+manifest, an invalid manifest or one for another step, a missing payload, a wrong
+size or checksum. Any other storage error (throttling, a timeout, denied access)
+has already been retried by the store and is raised as it is: a read error never
+makes a snapshot look corrupt. A payload that verifies but does not deserialize
+raises ``SnapshotUnloadable``. Nothing here deletes anything. See docs/restore.md.
 """
 
 from __future__ import annotations
 
 import io
-import os
+import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
 
-from elastictrain.errors import SnapshotCorrupt, StorageError
+from elastictrain.config import ChecksumAlgorithm
+from elastictrain.errors import (
+    SnapshotCorrupt,
+    SnapshotUnloadable,
+    StorageNotFoundError,
+)
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout, signing
-from elastictrain.snapshot.checksum import checksum_bytes, new_hasher
+from elastictrain.snapshot.checksum import new_hasher
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry
 from elastictrain.storage.api import Store
 
@@ -27,11 +41,20 @@ log = get_logger("elastictrain.snapshot")
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """One snapshot directory: its manifest when committed, else why it has none."""
+
+    step: int
+    manifest: Manifest | None
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
 class VerifiedSnapshot:
-    """A snapshot whose payload bytes matched its manifest."""
+    """A snapshot whose payload matched its manifest; ``payload`` when it was loaded."""
 
     manifest: Manifest
-    payload: bytes
+    payload: dict[str, Any] | None
 
     @property
     def step(self) -> int:
@@ -49,19 +72,98 @@ def read_manifest(store: Store, step: int) -> Manifest:
     """The parsed manifest of ``step``.
 
     Raises:
-        SnapshotCorrupt: missing (an uncommitted, partial snapshot) or invalid.
+        SnapshotCorrupt: missing (an uncommitted, partial snapshot), invalid, or for
+            another step.
+        StorageError: the read failed for another reason (after the store's retries).
     """
     where = f"{store.url}/{layout.step_dir(step)}"
     try:
         raw = store.read_bytes(f"{layout.step_dir(step)}/{layout.MANIFEST}")
-    except StorageError as exc:
-        raise SnapshotCorrupt(f"{where}: no readable {layout.MANIFEST} (partial write?): "
-                              f"{exc}") from exc
+    except StorageNotFoundError as exc:
+        raise SnapshotCorrupt(f"{where}: no {layout.MANIFEST} (not committed: a partial "
+                              "write?)") from exc
     manifest = Manifest.from_json(raw, where)
     signing.check(manifest, where)
     if manifest.step != step:
         raise SnapshotCorrupt(f"{where}: manifest says step {manifest.step}")
     return manifest
+
+
+def newest_first(store: Store) -> Iterator[Candidate]:
+    """Every snapshot directory from a fresh listing, newest step first, each with its
+    manifest or the reason it has none. Read errors other than a missing or invalid
+    manifest are raised."""
+    for step in list_snapshot_dirs(store):
+        try:
+            yield Candidate(step, read_manifest(store, step))
+        except SnapshotCorrupt as exc:
+            yield Candidate(step, None, str(exc))
+
+
+def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None,
+                    load: bool = False) -> VerifiedSnapshot:
+    """Check ``step``'s payload against its manifest; with ``load``, deserialize it
+    while its checksum is computed over the same reads.
+
+    The payload is streamed (never read whole into memory). A loaded state is used
+    only once the whole object verified; deserializing unverified bytes is safe
+    because loading never unpickles anything but tensors and plain containers.
+
+    Args:
+        manifest: the already read manifest of ``step`` (read here when None).
+        load: also return the deserialized state.
+
+    Raises:
+        SnapshotCorrupt: missing or invalid manifest, missing payload, wrong size or
+            checksum.
+        SnapshotUnloadable: the payload verifies but ``torch.load(weights_only=True)``
+            refuses it.
+        StorageError: a read failed (after the store's retries).
+    """
+    manifest = manifest if manifest is not None else read_manifest(store, step)
+    where = f"{store.url}/{layout.step_dir(step)}"
+    entry = _payload_entry(manifest, where)
+    path = f"{layout.step_dir(step)}/{entry.name}"
+    where = f"{store.url}/{path}"
+    try:
+        with store.open_read(path) as f:
+            size = f.seek(0, io.SEEK_END)
+            if size != entry.size_bytes:
+                raise SnapshotCorrupt(f"{where}: {size} bytes, manifest says "
+                                      f"{entry.size_bytes} (truncated?)")
+            reader = VerifyingReader(f, size, manifest.checksum_algorithm)
+            payload, refused = _load(reader) if load else (None, None)
+            actual = reader.finish()
+    except StorageNotFoundError as exc:
+        raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
+    if actual != entry.checksum:
+        raise SnapshotCorrupt(f"{where}: {manifest.checksum_algorithm} {actual} "
+                              f"!= manifest {entry.checksum}") from refused
+    if refused is not None:
+        raise _unloadable(where, refused) from refused
+    return VerifiedSnapshot(manifest, payload)
+
+
+def find_latest_verified(store: Store) -> VerifiedSnapshot | None:
+    """The newest snapshot that verifies, loaded, in this process alone (restore with
+    a process group is ``restore.load_newest``); logs ``snapshot.corrupt`` for each one
+    skipped on the way; None when there is none."""
+    for candidate in newest_first(store):
+        started = time.perf_counter()
+        try:
+            if candidate.manifest is None:
+                raise SnapshotCorrupt(candidate.problem or "no manifest")
+            found = verify_snapshot(store, candidate.step, manifest=candidate.manifest,
+                                    load=True)
+        except SnapshotCorrupt as exc:
+            log.warning("snapshot.corrupt", snapshot_step=candidate.step, reason=str(exc),
+                        action="skipped, trying the previous snapshot")
+            continue
+        log.info("snapshot.discovered", snapshot_step=candidate.step,
+                 size_bytes=found.manifest.total_bytes,
+                 duration_s=round(time.perf_counter() - started, 4))
+        return found
+    return None
 
 
 def _payload_entry(manifest: Manifest, where: str) -> ObjectEntry:
@@ -73,129 +175,67 @@ def _payload_entry(manifest: Manifest, where: str) -> ObjectEntry:
     return payloads[0]
 
 
-def read_verified(store: Store, step: int) -> VerifiedSnapshot:
-    """Read the payload of ``step`` and check it against the manifest.
-
-    Raises:
-        SnapshotCorrupt: missing manifest, missing object, wrong size or checksum.
-    """
-    manifest = read_manifest(store, step)
-    where = f"{store.url}/{layout.step_dir(step)}"
-    entry = _payload_entry(manifest, where)
+def _load(reader: VerifyingReader) -> tuple[dict[str, Any] | None, Exception | None]:
+    """The deserialized payload, or the exception ``torch.load`` raised for it. Whether
+    that exception means corruption is decided by the checksum, afterwards; a failed
+    read is a read error whatever torch made of it."""
     try:
-        data = store.read_bytes(f"{layout.step_dir(step)}/{entry.name}")
-    except StorageError as exc:
-        raise SnapshotCorrupt(f"{where}/{entry.name}: unreadable: {exc}") from exc
-    if len(data) != entry.size_bytes:
-        raise SnapshotCorrupt(f"{where}/{entry.name}: {len(data)} bytes, manifest says "
-                              f"{entry.size_bytes} (truncated?)")
-    actual = checksum_bytes(data, manifest.checksum_algorithm)
-    if actual != entry.checksum:
-        raise SnapshotCorrupt(f"{where}/{entry.name}: {manifest.checksum_algorithm} {actual} "
-                              f"!= manifest {entry.checksum}")
-    return VerifiedSnapshot(manifest, data)
-
-
-def verify_snapshot(store: Store, step: int) -> Manifest:
-    """Verify ``step`` fully; return its manifest (raises SnapshotCorrupt)."""
-    return read_verified(store, step).manifest
-
-
-def find_latest_verified(store: Store, max_step: int | None = None) -> VerifiedSnapshot | None:
-    """The newest snapshot that verifies, logging ``snapshot.corrupt`` for each one
-    skipped on the way; None when there is none at all."""
-    for step in list_snapshot_dirs(store):
-        if max_step is not None and step > max_step:
-            continue
-        started = time.perf_counter()
-        try:
-            found = read_verified(store, step)
-        except SnapshotCorrupt as exc:
-            log.warning("snapshot.corrupt", snapshot_step=step, reason=str(exc),
-                        action="skipped, trying the previous snapshot")
-            continue
-        log.info("snapshot.discovered", snapshot_step=step,
-                 size_bytes=found.manifest.total_bytes,
-                 duration_s=round(time.perf_counter() - started, 4))
-        return found
-    return None
-
-
-def load_payload(data: bytes | BinaryIO) -> dict[str, Any]:
-    """Deserialize a payload (bytes or a seekable file). Never unpickles arbitrary objects."""
-    source = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    obj = torch.load(source, weights_only=True, map_location="cpu")
+        obj = torch.load(reader, weights_only=True, map_location="cpu")  # type: ignore[arg-type]
+    except Exception as exc:
+        if reader.failure is not None:
+            raise reader.failure from exc
+        return None, exc
     if not isinstance(obj, dict):
-        raise SnapshotCorrupt(f"payload is a {type(obj).__name__}, expected a dict")
-    return obj
+        return None, TypeError(f"payload is a {type(obj).__name__}, expected a dict")
+    return obj, None
 
 
-def load_verified(store: Store, step: int) -> tuple[Manifest, dict[str, Any]]:
-    """Read, verify and deserialize ``step`` in one pass where the store is local.
-
-    A local payload is deserialized straight from the file while its checksum
-    is computed over the same reads (``_VerifyingReader``): one read of the
-    bytes instead of read → checksum → copy out of a byte string. The state is
-    used only after the whole file verified; deserializing unverified bytes is
-    safe because loading never unpickles anything but tensors and containers.
-    Other stores read the object once into memory, verify, then deserialize.
-
-    Raises:
-        SnapshotCorrupt: missing manifest or payload, wrong size or checksum, or
-            a payload that does not deserialize.
-    """
-    manifest = read_manifest(store, step)
-    entry = _payload_entry(manifest, f"{store.url}/{layout.step_dir(step)}")
-    path = f"{layout.step_dir(step)}/{entry.name}"
-    local = store.local_path(path)
-    if local is None:
-        return manifest, load_payload(read_verified(store, step).payload)
-    where = f"{store.url}/{path}"
-    try:
-        f = open(local, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
-    except OSError as exc:
-        raise SnapshotCorrupt(f"{where}: unreadable: {exc}") from exc
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if size != entry.size_bytes:
-            raise SnapshotCorrupt(f"{where}: {size} bytes, manifest says {entry.size_bytes} "
-                                  "(truncated?)")
-        reader = _VerifyingReader(f, size, manifest.checksum_algorithm)
-        try:
-            payload = load_payload(reader)  # type: ignore[arg-type]
-        except SnapshotCorrupt:
-            raise
-        except Exception as exc:  # a damaged zip or pickle: report it as corruption
-            raise SnapshotCorrupt(f"{where}: does not deserialize "
-                                  f"({type(exc).__name__}: {exc})") from exc
-        actual = reader.finish()
-    if actual != entry.checksum:
-        raise SnapshotCorrupt(f"{where}: {manifest.checksum_algorithm} {actual} "
-                              f"!= manifest {entry.checksum}")
-    return manifest, payload
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
-class _VerifyingReader(io.RawIOBase):
-    """A seekable file reader that checksums the file while ``torch.load`` reads it.
+def _unloadable(where: str, exc: Exception) -> SnapshotUnloadable:
+    found = _GLOBAL.search(str(exc))
+    if found is None:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        return SnapshotUnloadable(
+            f"{where}: the checksum verifies but the payload does not deserialize "
+            f"({type(exc).__name__}: {first_line}); the run stops (older snapshots of this "
+            "script fail the same way); fix: save only tensors, numbers, strings and "
+            "containers of them, and resume from a fresh --storage")
+    name = found.group(1)
+    return SnapshotUnloadable(
+        f"{where}: the checksum verifies but torch.load(weights_only=True) refuses a "
+        f"{name} in the saved state; the run stops (older snapshots of this script fail the "
+        f"same way); fix: save it as a plain value (str, int, float, list, dict), or if you "
+        f"trust the type call torch.serialization.add_safe_globals([{name}]) before "
+        "restore()")
+
+
+class VerifyingReader(io.RawIOBase):
+    """A seekable reader over any seekable binary file that checksums the file while
+    ``torch.load`` reads it.
 
     ``torch.load`` reads the zip directory at the end first, then the records
     front to back. Bytes are hashed whenever a read continues the hashed
     prefix; a small gap before a read (a record header) is read and hashed on
     the spot; anything left when loading is done (the directory) is hashed by
     ``finish``. The result is the checksum of the whole file, in order, for any
-    read pattern: an unusual one only costs extra reads.
+    read pattern: an unusual one only costs extra reads. Reads reach the file in
+    pieces of at most ``_CHUNK`` bytes, so a remote file's copies stay bounded
+    whatever the size of one tensor.
     """
 
     _GAP_LIMIT = 1 << 20
     _CHUNK = 8 << 20
 
-    def __init__(self, f: BinaryIO, size: int, algorithm: Any) -> None:
+    def __init__(self, f: BinaryIO, size: int, algorithm: ChecksumAlgorithm) -> None:
         super().__init__()
-        self._fd = f.fileno()
+        self._f = f
         self._size = size
         self._pos = 0
         self._hashed = 0
         self._hasher = new_hasher(algorithm)
+        self.failure: Exception | None = None  # the first failed read of the file
 
     def readable(self) -> bool:
         return True
@@ -213,15 +253,24 @@ class _VerifyingReader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        done = 0
-        while done < view.nbytes:  # one pread returns at most ~2 GiB on Linux
-            n = os.preadv(self._fd, [view[done:]], self._pos + done)
-            if n == 0:
-                break
-            done += n
+        done = self._read_at(self._pos, view)
         self._cover(self._pos, view[:done])
         self._pos += done
         return done
+
+    def _read_at(self, pos: int, view: memoryview) -> int:
+        try:
+            self._f.seek(pos)
+            done = 0
+            while done < view.nbytes:
+                n = self._f.readinto(view[done:done + self._CHUNK])  # type: ignore[attr-defined]
+                if not n:
+                    break
+                done += n
+            return done
+        except Exception as exc:
+            self.failure = self.failure or exc
+            raise
 
     def _cover(self, pos: int, data: memoryview) -> None:
         end = pos + data.nbytes
@@ -230,20 +279,20 @@ class _VerifyingReader(io.RawIOBase):
         if pos > self._hashed:
             if pos - self._hashed > self._GAP_LIMIT:
                 return  # far ahead (the zip directory): hashed in order later
-            self._hasher.update(os.pread(self._fd, pos - self._hashed, self._hashed))
+            gap = memoryview(bytearray(pos - self._hashed))
+            self._hasher.update(gap[:self._read_at(self._hashed, gap)])
             self._hashed = pos
         self._hasher.update(data[self._hashed - pos:])
         self._hashed = end
 
     def finish(self) -> str:
         """Hash whatever was not read in order yet; return the whole file's checksum."""
-        chunk = bytearray(min(self._CHUNK, max(self._size - self._hashed, 1)))
+        chunk = memoryview(bytearray(min(self._CHUNK, max(self._size - self._hashed, 1))))
         while self._hashed < self._size:
-            n = os.preadv(self._fd, [chunk], self._hashed)
+            n = self._read_at(self._hashed, chunk)
             if n == 0:
                 break
-            self._hasher.update(memoryview(chunk)[:n])
+            self._hasher.update(chunk[:n])
             self._hashed += n
         return self._hasher.hexdigest()
-
 

@@ -1,41 +1,45 @@
-"""Restore: every rank loads the same newest snapshot that verifies.
+"""Restore: every rank loads the same newest snapshot that verifies, or all fail.
 
 Call order and roles::
 
-    (rank 0) list snapshot directories, newest first → broadcast the steps
-    for each step, newest first:
+    (rank 0) list and read manifests, newest first → broadcast the committed ones
+    (all)    check they see rank 0's newest manifest (node-local storage?)
+    for each committed snapshot, newest first:
         mode "each":      (all) read + verify + deserialize from storage
         mode "broadcast": (rank 0) read + verify + deserialize →
                           (all) receive its storages over the process group
-        (all) agree that every rank has it → done, else log snapshot.corrupt
-              and try the previous step
+        (all) agree on the worst outcome: loaded everywhere → done; corrupt
+              somewhere → log snapshot.corrupt and try the previous step; a read
+              error or an unloadable payload anywhere → every rank raises
 
 Every rank verifies what it read before anything is applied, and all ranks
-either take a step or skip it together, so a rank never resumes from another
-step than its peers.
-
-Which mode is faster depends on the storage. On a local disk "each" wins:
-ranks on one machine share the page cache, and a broadcast adds a send of
-every byte through the process group. ``scripts/bench_snapshot.py`` measured,
-1 GiB, 2 ranks over gloo, this 2-core machine under other load (two runs):
-cold cache each 2.7 / 1.9 s against broadcast 5.4 / 5.3 s, warm 2.6 / 1.2 s
-against 2.7 / 2.2 s; 256 MB: cold 1.1 s / 2.3 s, warm 0.58 s / 0.86 s. "each" is
-the default; "broadcast" is for storage where N readers cost N times the
-bandwidth (object stores, a busy NFS).
+take a step, skip it or fail together, so no rank resumes alone or from another
+step than its peers. The default mode, "auto", is "each" on a local file system
+(ranks share the page cache) and "broadcast" elsewhere (each byte read from the
+object store once). Measurements: docs/restore.md.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 import torch
 
 from elastictrain.dist import DistContext
-from elastictrain.errors import SnapshotCorrupt
+from elastictrain.errors import (
+    ConfigError,
+    ElasticTrainError,
+    SnapshotCorrupt,
+    SnapshotUnloadable,
+    StorageError,
+)
 from elastictrain.log import get_logger
-from elastictrain.snapshot.reader import list_snapshot_dirs, load_verified
+from elastictrain.snapshot import layout
+from elastictrain.snapshot.manifest import Manifest
+from elastictrain.snapshot.reader import newest_first, verify_snapshot
 from elastictrain.snapshot.views import StorageIndex, as_bytes, from_views, to_views
 from elastictrain.storage.api import Store
 
@@ -51,57 +55,160 @@ class LoadedSnapshot:
     size_bytes: int
 
 
-def load_newest(store: Store, ctx: DistContext, mode: str = "each") -> LoadedSnapshot | None:
+class _Status(IntEnum):
+    """Outcome of loading one snapshot on one rank; ranks agree on the worst (max)."""
+
+    OK = 0
+    CORRUPT = 1
+    UNLOADABLE = 2
+    FAILED = 3
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    status: _Status
+    loaded: LoadedSnapshot | None = None
+    error: Exception | None = None
+
+
+def resolve_mode(store: Store, mode: str) -> str:
+    """The restore mode to use: ``"auto"`` is ``"each"`` on a local file system and
+    ``"broadcast"`` on any other store."""
+    if mode != "auto":
+        return mode
+    return "each" if store.local_path(layout.SNAPSHOTS) is not None else "broadcast"
+
+
+def load_newest(store: Store, ctx: DistContext, mode: str = "auto") -> LoadedSnapshot | None:
     """The newest snapshot that verifies on every rank, loaded everywhere; None if none.
 
     Args:
-        mode: ``"each"`` (every rank reads storage) or ``"broadcast"`` (rank 0 reads
-            and sends the state over the process group).
+        mode: ``"each"`` (every rank reads storage), ``"broadcast"`` (rank 0 reads and
+            sends the state over the process group) or ``"auto"`` (see ``resolve_mode``).
+
+    Raises:
+        StorageError: a read failed on some rank (after the store's retries); every
+            rank raises, so torchrun retries the attempt.
+        SnapshotUnloadable: the newest snapshot verifies but does not deserialize.
+        ConfigError: a rank does not see the snapshots rank 0 sees.
     """
-    steps: list[int] = ctx.broadcast_object(list_snapshot_dirs(store) if ctx.is_writer else None)
-    for step in steps:
+    mode = resolve_mode(store, mode)
+    manifests = _discover(store, ctx)
+    if not manifests:
+        return None
+    _check_same_view(store, ctx, manifests[0].step)
+    for manifest in manifests:
         started = time.perf_counter()
-        loaded, reason = _load_one(store, ctx, step, mode)
-        if not ctx.agree_any(loaded is None):  # every rank has it
-            assert loaded is not None
+        if mode == "broadcast" and ctx.initialized and ctx.world_size > 1:
+            outcome = _load_broadcast(store, ctx, manifest)
+        else:
+            outcome = _load_here(store, manifest)
+        worst = _Status(ctx.all_reduce_max([outcome.status])[0])
+        if worst == _Status.OK:
+            assert outcome.loaded is not None
             if ctx.is_writer:
-                log.info("snapshot.discovered", snapshot_step=step, size_bytes=loaded.size_bytes,
-                         restore_mode=mode, duration_s=round(time.perf_counter() - started, 4))
-            return loaded
-        if reason is not None:
-            log.warning("snapshot.corrupt", snapshot_step=step, reason=reason,
-                        action="skipped, trying the previous snapshot")
+                log.info("snapshot.discovered", snapshot_step=manifest.step,
+                         size_bytes=outcome.loaded.size_bytes, restore_mode=mode,
+                         duration_s=round(time.perf_counter() - started, 4))
+            return outcome.loaded
+        if worst == _Status.CORRUPT:
+            if outcome.error is not None:
+                log.warning("snapshot.corrupt", snapshot_step=manifest.step,
+                            reason=str(outcome.error),
+                            action="skipped, trying the previous snapshot")
+            continue
+        if outcome.status > _Status.CORRUPT and outcome.error is not None:
+            raise outcome.error  # this rank's own failure says most
+        raise _peer_error(worst, store, manifest.step)
     return None
 
 
-def _load_one(store: Store, ctx: DistContext, step: int,
-              mode: str) -> tuple[LoadedSnapshot | None, str | None]:
-    if mode == "broadcast" and ctx.initialized and ctx.world_size > 1:
-        return _load_broadcast(store, ctx, step)
-    try:
-        manifest, payload = load_verified(store, step)
-    except SnapshotCorrupt as exc:
-        return None, str(exc)
-    return LoadedSnapshot(step, payload, manifest.total_bytes), None
-
-
-def _load_broadcast(store: Store, ctx: DistContext,
-                    step: int) -> tuple[LoadedSnapshot | None, str | None]:
-    """Rank 0 loads and verifies; the others receive its storages (few: one per slab)."""
-    header: tuple[Any, list[int], int] | None = None
-    reason = None
-    index = StorageIndex()
+def _discover(store: Store, ctx: DistContext) -> list[Manifest]:
+    """Rank 0's committed manifests, newest first, on every rank. Directories without
+    a valid manifest are logged as ``snapshot.corrupt`` and left out."""
+    found: list[Manifest] = []
+    error: Exception | None = None
     if ctx.is_writer:
         try:
-            manifest, payload = load_verified(store, step)
-            skeleton = to_views(payload, index)
-            header = (skeleton, [s.nbytes() for s in index.storages], manifest.total_bytes)
-        except SnapshotCorrupt as exc:
-            reason = str(exc)
-    header = ctx.broadcast_object(header)
-    if header is None:
-        return None, reason
-    skeleton, sizes, total = header
+            for candidate in newest_first(store):
+                if candidate.manifest is not None:
+                    found.append(candidate.manifest)
+                else:
+                    log.warning("snapshot.corrupt", snapshot_step=candidate.step,
+                                reason=candidate.problem,
+                                action="skipped, trying the previous snapshot")
+        except Exception as exc:  # every rank must learn of it, or the others hang
+            error = exc
+    shared: tuple[list[Manifest], str | None] = ctx.broadcast_object(
+        (found, None if error is None else str(error)))
+    if error is not None:
+        raise error
+    if shared[1] is not None:
+        raise StorageError(f"rank 0 could not list the snapshots under {store.url} "
+                           f"({shared[1]}); torchrun retries the attempt")
+    return shared[0]
+
+
+def _check_same_view(store: Store, ctx: DistContext, newest: int) -> None:
+    """Every rank must see rank 0's newest manifest: with node-local storage on several
+    nodes the others would otherwise skip it as missing and start elsewhere."""
+    if not ctx.initialized or ctx.world_size == 1:
+        return
+    error: Exception | None = None
+    seen = True
+    if not ctx.is_writer:
+        try:
+            seen = store.exists(f"{layout.step_dir(newest)}/{layout.MANIFEST}")
+        except Exception as exc:
+            error = exc
+    blind_rank, failed = ctx.all_reduce_max([0 if seen else ctx.rank + 1,
+                                             int(error is not None)])
+    if error is not None:
+        raise error
+    if failed:
+        raise StorageError(f"another rank could not read {store.url} (its log says why); "
+                           "torchrun retries the attempt")
+    if blind_rank:
+        raise ConfigError(
+            f"rank {blind_rank - 1} does not see snapshots under {store.url} that rank 0 sees "
+            f"(step {newest}; node-local storage on a multi-node job?); fix: use shared "
+            "storage (NFS, S3) that every node reads, or copy the snapshots to every node")
+
+
+def _load_here(store: Store, manifest: Manifest) -> _Outcome:
+    """Read, verify and deserialize on this rank; never raises (peers must agree first)."""
+    try:
+        found = verify_snapshot(store, manifest.step, manifest=manifest, load=True)
+    except SnapshotCorrupt as exc:
+        return _Outcome(_Status.CORRUPT, error=exc)
+    except SnapshotUnloadable as exc:
+        return _Outcome(_Status.UNLOADABLE, error=exc)
+    except Exception as exc:
+        return _Outcome(_Status.FAILED, error=exc)
+    assert found.payload is not None
+    return _Outcome(_Status.OK, LoadedSnapshot(manifest.step, found.payload,
+                                               manifest.total_bytes))
+
+
+def _load_broadcast(store: Store, ctx: DistContext, manifest: Manifest) -> _Outcome:
+    """Rank 0 loads and verifies; the others receive its storages (few: one per slab)."""
+    index = StorageIndex()
+    header: tuple[_Status, str | None, Any, list[int]] = (_Status.OK, None, None, [])
+    outcome = _Outcome(_Status.OK)
+    if ctx.is_writer:
+        outcome = _load_here(store, manifest)
+        if outcome.loaded is not None:
+            skeleton = to_views(outcome.loaded.payload, index)
+            header = (_Status.OK, None, skeleton, [s.nbytes() for s in index.storages])
+        else:
+            header = (outcome.status, str(outcome.error), None, [])
+    status, reason, skeleton, sizes = ctx.broadcast_object(header)
+    if ctx.is_writer and status != _Status.OK:
+        return outcome
+    if status != _Status.OK:
+        # Only rank 0 logs the corruption it found; the others raise what it raised.
+        return _Outcome(status, error=None if status == _Status.CORRUPT
+                        else _peer_error(status, store, manifest.step, reason))
     if ctx.is_writer:
         storages = [as_bytes(s) for s in index.storages]
     else:
@@ -109,5 +216,15 @@ def _load_broadcast(store: Store, ctx: DistContext,
     for tensor in storages:
         ctx.broadcast_tensor(tensor)
     payload = from_views(skeleton, dict(enumerate(storages)))
-    return LoadedSnapshot(step, payload, total), None
+    return _Outcome(_Status.OK, LoadedSnapshot(manifest.step, payload, manifest.total_bytes))
 
+
+def _peer_error(status: _Status, store: Store, step: int,
+                reason: str | None = None) -> ElasticTrainError:
+    """What a rank raises when another rank failed to load ``step``."""
+    why = f": {reason}" if reason else " (its log says why)"
+    where = f"{store.url}/{layout.step_dir(step)}"
+    if status == _Status.UNLOADABLE:
+        return SnapshotUnloadable(f"{where}: another rank cannot deserialize the snapshot{why}")
+    return StorageError(f"{where}: another rank could not read the snapshot{why}; no rank "
+                        "resumes alone, torchrun retries the attempt")

@@ -51,6 +51,7 @@ log = get_logger("elastictrain.storage")
 DEFAULT_MULTIPART_THRESHOLD = 64 * 2**20
 DEFAULT_PART_SIZE = 16 * 2**20
 DEFAULT_UPLOAD_CONCURRENCY = 4
+READ_BLOCK = 2**20
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@]+@")
 _INSTALL_HINT = {"s3": "s3fs (pip install 'elastictrain[s3]')", "gs": "gcsfs", "az": "adlfs"}
 
@@ -274,7 +275,9 @@ class FsspecStore:
     @contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
         full = self._full(path)
-        f = self._call("read", path, lambda: self.fs.open(full, "rb"))
+        # A small read-ahead block: a streamed read then holds ~1 MiB plus the read
+        # in progress, not fsspec's default block (50 MiB on S3). docs/restore.md.
+        f = self._call("read", path, lambda: self.fs.open(full, "rb", block_size=READ_BLOCK))
         try:
             yield f
         except StorageError:

@@ -21,7 +21,7 @@ from elastictrain.errors import SnapshotCorrupt, SnapshotWriteFailed
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.reader import list_snapshot_dirs, load_verified
+from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.snapshot.rng import capture_rng, restore_rng
 from elastictrain.snapshot.staging import StagingBuffers
 from elastictrain.storage import open_store
@@ -257,7 +257,8 @@ def test_restore_rng_from_a_loaded_view_at_an_offset(tmp_path: Path) -> None:
     staged = StagingBuffers().stage({"rng": [rank0, rank1]})
     store = open_store(str(tmp_path))
     persist_snapshot(store, staged, SnapshotMeta("t", 1, 0, 2, "crc32"))
-    _, loaded = load_verified(store, 1)
+    loaded = verify_snapshot(store, 1, load=True).payload
+    assert loaded is not None
     assert loaded["rng"][1]["torch"].storage_offset() > 0
     restore_rng(loaded["rng"][1])
     assert torch.equal(torch.rand(5), expected)
@@ -268,7 +269,8 @@ def test_fused_load_detects_a_flipped_byte_anywhere(tmp_path: Path, where: str) 
     store = open_store(str(tmp_path))
     state = {"a": torch.randn(5000), "b": [torch.arange(100)], "n": 3}
     persist_snapshot(store, StagingBuffers().stage(state), SnapshotMeta("t", 2, 0, 1, "crc32"))
-    _, loaded = load_verified(store, 2)
+    loaded = verify_snapshot(store, 2, load=True).payload
+    assert loaded is not None
     assert torch.equal(loaded["a"], state["a"]) and loaded["n"] == 3
     path = tmp_path / layout.step_dir(2) / layout.PAYLOAD
     data = bytearray(path.read_bytes())
@@ -276,7 +278,7 @@ def test_fused_load_detects_a_flipped_byte_anywhere(tmp_path: Path, where: str) 
     data[index] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(SnapshotCorrupt, match=r"state\.pt"):
-        load_verified(store, 2)
+        verify_snapshot(store, 2, load=True)
 
 
 _WORKER = """

@@ -15,9 +15,8 @@ from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.reader import (
     find_latest_verified,
     list_snapshot_dirs,
-    load_payload,
     read_manifest,
-    read_verified,
+    verify_snapshot,
 )
 from elastictrain.snapshot.retention import prune
 from elastictrain.snapshot.staging import StagingBuffers
@@ -43,10 +42,10 @@ def save(store, step: int, value: float = 0.0) -> None:  # type: ignore[no-untyp
 def test_persist_commits_manifest_and_loadable_payload(store) -> None:  # type: ignore[no-untyped-def]
     save(store, 12)
     assert store.list_dir(layout.SNAPSHOTS) == ["step_000000000012"]
-    found = read_verified(store, 12)
+    found = verify_snapshot(store, 12, load=True)
     assert found.manifest.step == 12 and layout.is_payload(found.manifest.objects[0].name)
-    payload = load_payload(found.payload)
-    assert torch.equal(payload["w"], torch.full((64,), 12.0))
+    assert found.payload is not None
+    assert torch.equal(found.payload["w"], torch.full((64,), 12.0))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "drop_manifest", "drop_payload",
@@ -75,7 +74,7 @@ def test_damaged_newest_falls_back_to_previous(store, damage: str) -> None:  # t
     assert [e["snapshot_step"] for e in corrupt] == [20]
     assert store.exists(newest)  # skipped, never deleted by discovery
     with pytest.raises(SnapshotCorrupt):
-        read_verified(store, 20)
+        verify_snapshot(store, 20)
 
 
 def test_only_snapshot_corrupt_is_not_loaded_nor_deleted(store) -> None:  # type: ignore[no-untyped-def]
@@ -90,8 +89,8 @@ def test_resave_of_a_corrupt_step_replaces_it(store) -> None:  # type: ignore[no
     store.write_bytes(f"{layout.step_dir(7)}/{read_manifest(store, 7).objects[0].name}",
                       b"garbage")
     save(store, 7, value=2.0)
-    assert torch.equal(load_payload(read_verified(store, 7).payload)["w"],
-                       torch.full((64,), 9.0))
+    payload = verify_snapshot(store, 7, load=True).payload
+    assert payload is not None and torch.equal(payload["w"], torch.full((64,), 9.0))
 
 
 def test_retention_keeps_newest_and_clears_partials(store) -> None:  # type: ignore[no-untyped-def]
