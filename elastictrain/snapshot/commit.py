@@ -35,7 +35,6 @@ from elastictrain.errors import (
     SnapshotCorrupt,
     StorageConflictError,
     StorageError,
-    StorageNotFoundError,
 )
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout, signing
@@ -150,9 +149,6 @@ def _committed_copy_verifies(store: Store, step: int) -> bool:
     try:
         verify_snapshot(store, step)
     except SnapshotCorrupt as exc:
-        cause = exc.__cause__
-        if isinstance(cause, StorageError) and not isinstance(cause, StorageNotFoundError):
-            raise cause from exc  # a failed read, reported as corruption by the reader
         log.warning("snapshot.corrupt", snapshot_step=step, reason=str(exc),
                     action="replaced")
         return False

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from elastictrain.errors import SnapshotCorrupt
+from elastictrain.errors import StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
@@ -47,8 +47,8 @@ def _prune_orphans(store: Store, step: int) -> None:
     lost the commit race, or an attempt that crashed before committing this step)."""
     try:
         named = {o.name for o in read_manifest(store, step).objects}
-    except SnapshotCorrupt:
-        return  # discovery reports it; retention never guesses
+    except StorageError:  # corrupt, or unreadable right now: never guess, keep everything
+        return
     for name in store.list_dir(layout.step_dir(step)):
         if layout.is_payload(name) and name not in named:
             _prune_one(store, f"{layout.step_dir(step)}/{name}", step, "orphan")
