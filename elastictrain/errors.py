@@ -12,6 +12,8 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a final snapshot is committed; resume me elsewhere.
+# Preempted, but the final snapshot did not commit: resume me elsewhere, from an older one.
+EXIT_PREEMPTED_UNSAVED = 76
 EXIT_FATAL = 78  # EX_CONFIG: bad config or unrecoverable state; do not retry.
 EXIT_HANG = 71  # the watchdog saw no progress; torchrun should restart the group.
 
@@ -30,10 +32,6 @@ class ConfigError(ElasticTrainError):
 
 class ResumeMismatchError(ConfigError):
     """The snapshot cannot be resumed with the current job (dataset length, batch sizes)."""
-
-
-class DistError(ElasticTrainError):
-    """The process group could not be formed or used."""
 
 
 class StorageError(ElasticTrainError):

@@ -13,9 +13,11 @@ Lifecycle::
     armed ──no beat for the limit──▶ fired: ``watchdog.fired`` with every thread's
                                      stack, then os._exit(71)
 
-``SnapshotManager.step()`` beats; ``restore``, ``save``, ``wait`` and the
-preemption stop run inside :class:`busy` sections (a persist in progress is
-not a hang). Wrap long work between steps (evaluation) in
+``SnapshotManager.step()`` beats; ``restore`` and the staging of a save run
+inside :class:`busy` sections. Waiting for a persist (back-pressure, ``wait``,
+``close``, the final snapshot of a preemption) is not a busy section but
+:func:`wait_moving`: bytes written count as progress, so a slow upload is not
+a hang and a stalled one is. Wrap long work between steps (evaluation) in
 ``with elastictrain.watchdog.busy("eval"):``.
 
 Why not ``torch.distributed.elastic.timer``: its timers are scopes
@@ -102,8 +104,16 @@ class Watchdog:
         """A step completed (called by ``SnapshotManager.step`` in the training thread)."""
         first = self._step is None  # the limit drops from startup to step: re-arm now
         self._step = step
+        self._moved(rearm=first)
+
+    def progress(self) -> None:
+        """Work between two steps moved (a persist wrote bytes): the limit restarts
+        (training thread, outside busy sections)."""
+        self._moved(rearm=False)
+
+    def _moved(self, rearm: bool) -> None:
         self._last = now = time.monotonic()
-        if first or now - self._armed_at >= self.config.check_interval_s:
+        if self._busy == 0 and (rearm or now - self._armed_at >= self.config.check_interval_s):
             self._arm_backstop()
 
     def enter_busy(self, reason: str) -> None:
@@ -230,3 +240,22 @@ def beat(step: int) -> None:
     """Report a completed step to the process-wide watchdog, if any."""
     if _current is not None:
         _current.beat(step)
+
+
+def wait_moving(join: Callable[[float | None], bool], moved: Callable[[], int]) -> None:
+    """Block until ``join(timeout)`` returns True, watched by the watchdog as progress.
+
+    Unlike a :class:`busy` section this wait has a limit: each change of ``moved()``
+    (bytes a persist wrote) counts as progress, so a slow upload that keeps moving
+    is not a hang, while one that moves nothing for the limit fires the watchdog.
+    """
+    dog = _current
+    if dog is None:
+        join(None)
+        return
+    seen = moved()
+    while not join(dog.config.check_interval_s):
+        now = moved()
+        if now != seen:
+            seen = now
+            dog.progress()
