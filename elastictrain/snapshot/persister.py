@@ -151,13 +151,20 @@ class CountingStore:
 
 
 class _CountingSink:
+    # torch.save hands a whole tensor storage over in one write; counting per chunk
+    # lets a slow link show progress within one large tensor.
+    _CHUNK_BYTES = 256 << 10
+
     def __init__(self, sink: BinaryIO, written: Any) -> None:
         self._sink, self._written = sink, written
 
     def write(self, data: Any) -> int:
-        n = self._sink.write(data)
-        self._written.value += memoryview(data).nbytes  # one writer: no lock needed
-        return n
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, self._CHUNK_BYTES):
+            chunk = view[start:start + self._CHUNK_BYTES]
+            self._sink.write(chunk)
+            self._written.value += chunk.nbytes  # one writer: no lock needed
+        return view.nbytes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sink, name)  # flush, fileno (local files keep early writeback)
