@@ -265,13 +265,13 @@ class SnapshotManager:
         every = self.config.every_steps
         due = every is not None and self.step_count % every == 0
         seconds = self.config.every_seconds
-        timed = seconds is not None and not due
-        if self._preempt is None and not timed:
+        elapsed: bool | None = None  # None: no time trigger to check at this step
+        if seconds is not None and not due:
+            elapsed = self._clock() - self._last_save_time >= seconds
+        if self._preempt is None and elapsed is None:
             return due, None, 0
-        elapsed = (seconds is not None and not due
-                   and self._clock() - self._last_save_time >= seconds)
         notice = self._preempt.flags() if self._preempt is not None else []
-        agreed = self.ctx.all_reduce_max([int(elapsed), self._failed_step(), *notice])
+        agreed = self.ctx.all_reduce_max([int(bool(elapsed)), self._failed_step(), *notice])
         stop = self._preempt.agreed(agreed[2:]) if self._preempt is not None else None
         return due or bool(agreed[0]), stop, agreed[1]
 
