@@ -56,10 +56,6 @@ class StorageTransientError(StorageError):
     """A retryable fault (throttling, connection reset) outlived its retries."""
 
 
-class SnapshotNotFound(StorageError):
-    """No committed snapshot exists at the given location or step."""
-
-
 class SnapshotCorrupt(StorageError):
     """A snapshot's manifest or payload failed verification."""
 
