@@ -20,23 +20,9 @@ inside :class:`busy` sections. Waiting for a persist (back-pressure, ``wait``,
 a hang and a stalled one is. Wrap long work between steps (evaluation) in
 ``with elastictrain.watchdog.busy("eval"):``.
 
-Why not ``torch.distributed.elastic.timer``: its timers are scopes
-(``with expires(after=60)``) enforced from outside the worker: the agent's
-``FileTimerServer`` (enabled by ``TORCHELASTIC_ENABLE_FILE_TIMER=1``) reads
-acquire/release requests from a named pipe and SIGKILLs the worker when a
-scope expires. That would cost two pipe writes per step, needs the server in
-the agent (plain torchrun users would not have it), and a SIGKILL from outside
-leaves no record of where the rank was stuck. A thread inside the worker
-costs one float store per step, can see every thread's stack, and exits with
-our own code. The one thing an in-process thread cannot do is run while
-another thread holds the GIL forever; for that, the training thread re-arms
-``faulthandler.dump_traceback_later`` as a backstop (at most once per check
-interval, from ``beat``, so a thread that holds the GIL cannot be the one that
-re-arms it): a C-level timer that dumps all Python stacks to stderr and exits
-(code 1) without needing the GIL. Busy sections cancel it and re-arm it on exit.
-Re-arming from the watchdog thread would not work: re-arming releases the GIL
-between cancelling the old timer and starting the new one, and a main thread
-that takes the GIL there and keeps it leaves no timer running.
+A ``faulthandler`` backstop, re-armed from the training thread, exits even when
+a thread holds the GIL forever. Why a thread in the worker and not
+``torch.distributed.elastic.timer``: docs/faults.md.
 """
 
 from __future__ import annotations

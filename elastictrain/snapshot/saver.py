@@ -13,32 +13,8 @@ Call order (rank 0; other ranks only take part in the manager's RNG gather)::
 One save is in flight at a time: staging buffers are reused, so the next save
 must not overwrite them while they are being written.
 
-Thread or process: measured, the thread is the default
-------------------------------------------------------
-Both were measured on this 2-core machine (torch 2.13 CPU, 256 MB of model +
-AdamW state, training loop on one core, ``scripts/bench_snapshot.py`` and an
-A/B/A/B run of its measurement; the machine was shared, load average 4-6):
-
-=====================================  ================  ================
-                                       thread            process
-=====================================  ================  ================
-training step rate while persisting    56.7%, 56.5%      56.8%, 57.7%
-  (vs without a save; A/B/A/B)
-pure-Python loop rate while persisting 0.41-0.95         0.35-0.82
-  (GIL probe, 4 saves each, two runs)
-first save durable after               0.8-2.6 s         4.2-12 s (helper
-                                                         imports torch)
-extra resident memory                  none              ~480 MB helper
-=====================================  ================  ================
-
-The step-rate figures are the same within noise (a busy-loop process alone
-cost the loop the same ~50% at that load: the "free" core was not free).
-The persist releases the GIL for nearly all of its time (``torch.save``
-hands each storage over as one buffer; ISA-L/zlib crc32, file writes and
-fsync run without the GIL), so a thread does not measurably slow the loop,
-while the process pays a slow first save, a second copy of torch in memory
-and shared-memory staging. ``persister="process"`` remains available (for
-training loops that hold the GIL far more than this one).
+The persister is a thread by default (``persister="process"`` is the option
+for loops that hold the GIL far more): measured in docs/persister.md.
 """
 
 from __future__ import annotations
