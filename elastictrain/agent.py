@@ -67,7 +67,7 @@ def preempted_outcome(codes: Any) -> str | None:
 
 
 class WorkersPreempted(SignalException):
-    """Workers exited 75: the group stops and the launcher exits 75.
+    """Workers exited 75 or 76: the group stops and the launcher exits with that code.
 
     A ``SignalException`` on purpose: torchrun then leaves the rendezvous open,
     as when the agent itself is signalled, so the resumed job can reuse its id;
