@@ -17,7 +17,6 @@ from elastictrain.errors import (
     ConfigError,
     ElasticTrainError,
     SnapshotCorrupt,
-    SnapshotNotFound,
     StorageError,
 )
 from elastictrain.runtime import Runtime, init, shutdown
@@ -34,7 +33,6 @@ __all__ = [
     "Settings",
     "SnapshotCorrupt",
     "SnapshotManager",
-    "SnapshotNotFound",
     "StorageError",
     "__version__",
     "init",

@@ -43,16 +43,31 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from elastictrain.errors import EXIT_FATAL, EXIT_HANG, EXIT_PREEMPTED, ElasticTrainError
+from elastictrain.errors import (
+    EXIT_FATAL,
+    EXIT_HANG,
+    EXIT_PREEMPTED,
+    EXIT_PREEMPTED_UNSAVED,
+    ElasticTrainError,
+)
 from elastictrain.log import bind, get_logger
 
 log = get_logger("elastictrain.agent")
 
 NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED = (EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED)  # the group agreed to stop: no restart
+
+
+def preempted_outcome(codes: Any) -> str | None:
+    """``preempted`` (75), ``preempted_unsaved`` (76: any rank says the final snapshot
+    did not commit) or None, from the workers' exit codes."""
+    if EXIT_PREEMPTED_UNSAVED in codes:
+        return "preempted_unsaved"
+    return "preempted" if EXIT_PREEMPTED in codes else None
 
 
 class WorkersPreempted(SignalException):
-    """Workers exited 75: the group stops and the launcher exits 75.
+    """Workers exited 75 or 76: the group stops and the launcher exits with that code.
 
     A ``SignalException`` on purpose: torchrun then leaves the rendezvous open,
     as when the agent itself is signalled, so the resumed job can reuse its id;
@@ -66,8 +81,8 @@ class WorkersFatal(Exception):
 
 def describe_exit(exitcode: int) -> str:
     """What a worker's exit code means to the launcher."""
-    if exitcode == EXIT_PREEMPTED:
-        return "preempted"
+    if exitcode in PREEMPTED:
+        return str(preempted_outcome([exitcode]))
     if exitcode == EXIT_FATAL:
         return "fatal"
     if exitcode == EXIT_HANG:
@@ -147,10 +162,11 @@ class ElasticTrainAgent(LocalElasticAgent):
         codes = sorted({int(f.exitcode) for f in failures.values()})
         # A 75 means the whole world agreed and the writer committed before any rank
         # exited (workers pass a barrier first); a 78 cannot be healed by a restart.
-        if EXIT_PREEMPTED in codes:
-            self.outcome = "preempted"
-            log.warning("agent.preempted", exit_codes=codes)
-            raise WorkersPreempted("workers exited 75 (preempted)", signal.SIGTERM)
+        preempted = preempted_outcome(codes)
+        if preempted is not None:
+            self.outcome = preempted
+            log.warning("agent.preempted", exit_codes=codes, outcome=preempted)
+            raise WorkersPreempted(f"workers exited {codes} ({preempted})", signal.SIGTERM)
         if EXIT_FATAL in codes:
             self.outcome = "fatal"
             log.error("agent.fatal", exit_codes=codes)
@@ -173,7 +189,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         if failed and not self._detected:
             self._detected = True  # the moment the agent saw it: recovery's "detection"
             log.warning("agent.failure_detected", exit_codes=sorted(failed), running=live)
-        if failed and live and EXIT_PREEMPTED not in failed and self._pcontext is not None:
+        if failed and live and preempted_outcome(failed) is None and self._pcontext is not None:
             self._killed.update(live)
             self._pcontext.close(death_sig=signal.SIGKILL, timeout=30)
 
@@ -195,8 +211,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             super()._shutdown(death_sig, timeout)
         if forwarding:
             self.worker_exit_codes = self._worker_codes()
-            if EXIT_PREEMPTED in self.worker_exit_codes.values():
-                self.outcome = "preempted"
+            self.outcome = preempted_outcome(self.worker_exit_codes.values()) or self.outcome
             log.warning("agent.workers_stopped", outcome=self.outcome,
                         exit_codes={str(pid): code for pid, code in
                                     self.worker_exit_codes.items()})

@@ -1,7 +1,8 @@
 """The ``elastictrain`` command: parse → build a config → call the library.
 
 Exit codes: 0 finished; 2 usage error; 75 preempted after a final snapshot
-(resume me); 78 fatal, do not retry (bad config, unusable storage).
+(resume me); 76 preempted, final snapshot not committed (resume me from an older
+one); 78 fatal, do not retry (bad config, unusable storage).
 """
 
 from __future__ import annotations

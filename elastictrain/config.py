@@ -55,7 +55,7 @@ class SnapshotConfig(_Model):
     every_seconds: float | None = Field(default=None, gt=0)
     keep: int = Field(default=3, ge=1)
     mode: Literal["sync", "async"] = "async"
-    persister: Literal["thread", "process"] = "thread"  # measured: snapshot/saver.py
+    persister: Literal["thread", "process"] = "thread"  # measured: docs/persister.md
     checksum: ChecksumAlgorithm = "crc32"
     # auto: "each" on a local file system, "broadcast" elsewhere (snapshot/restore.py)
     restore_mode: Literal["auto", "each", "broadcast"] = "auto"

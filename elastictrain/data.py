@@ -203,16 +203,9 @@ class ElasticSampler(Sampler[int]):
             self.epoch = epoch
             self.cursor = 0
 
-    def advance(self, per_rank_samples: int | None = None) -> None:
-        """Record one completed optimizer step.
-
-        By default the cursor moves past exactly the samples the step trained (its
-        ``n``; at the epoch's tail, to the end). ``per_rank_samples`` is the
-        older form: every rank consumed that many, the job that many times ``W``.
-        """
-        if per_rank_samples is not None:
-            self.cursor = min(self.dataset_len, self.cursor + per_rank_samples * self.world_size)
-            return
+    def advance(self) -> None:
+        """Record one completed optimizer step: the cursor moves past exactly the
+        samples the step trained (its ``n``; at the epoch's tail, to the end)."""
         start, n = next(self._step_sizes(), (self.dataset_len, 0))
         is_tail = self.dataset_len - start < self.global_batch
         self.cursor = self.dataset_len if is_tail else start + n

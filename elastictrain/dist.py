@@ -21,7 +21,7 @@ import torch.distributed as torch_dist
 
 from elastictrain.config import DistConfig
 from elastictrain.env import SHARE_STORE_FIX_VAR, WorkerEnv
-from elastictrain.errors import EXIT_HANG
+from elastictrain.errors import EXIT_HANG, ConfigError
 from elastictrain.log import get_logger
 
 log = get_logger("elastictrain.dist")
@@ -74,24 +74,6 @@ class DistContext:
         out: list[Any] = [None] * self.world_size
         torch_dist.all_gather_object(out, obj)
         return out
-
-    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
-        """Send a byte string from ``src`` to every rank (restore by broadcast)."""
-        if not self.initialized:
-            assert data is not None
-            return data
-        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64,
-                            device=self._comm_device)
-        torch_dist.broadcast(size, src=src)
-        n = int(size.item())
-        if self.rank == src:
-            assert data is not None
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0)
-        else:
-            buf = torch.empty(n, dtype=torch.uint8)
-        buf = buf.to(self._comm_device)
-        torch_dist.broadcast(buf, src=src)
-        return data if self.rank == src and data is not None else buf.cpu().numpy().tobytes()
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0,
                          chunk_bytes: int = 256 << 20) -> None:
@@ -150,6 +132,27 @@ def init_process_group(cfg: DistConfig | None = None, env: WorkerEnv | None = No
         ctx.barrier()  # the group is usable only once every rank has connected
     log.info("rendezvous.joined", backend=backend, device=str(device))
     return ctx
+
+
+def find_context(env: WorkerEnv) -> DistContext:
+    """The process group someone else initialised, else a single process.
+
+    Raises:
+        ConfigError: the environment says several ranks (``WORLD_SIZE`` > 1) but no
+            group is initialised: every rank would act alone.
+    """
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        backend = str(torch_dist.get_backend())
+        device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                  else torch.device("cpu"))
+        return DistContext(torch_dist.get_rank(), torch_dist.get_world_size(), env.local_rank,
+                           backend, device, True)
+    if env.world_size > 1:
+        raise ConfigError(
+            f"WORLD_SIZE={env.world_size} but no process group is initialised, so every rank "
+            "would snapshot alone; fix: call elastictrain.init() first (or pass ctx=)")
+    return DistContext(env.rank, env.world_size, env.local_rank, "gloo", torch.device("cpu"),
+                       False)
 
 
 def destroy_process_group() -> None:

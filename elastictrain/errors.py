@@ -12,6 +12,8 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a final snapshot is committed; resume me elsewhere.
+# Preempted, but the final snapshot did not commit: resume me elsewhere, from an older one.
+EXIT_PREEMPTED_UNSAVED = 76
 EXIT_FATAL = 78  # EX_CONFIG: bad config or unrecoverable state; do not retry.
 EXIT_HANG = 71  # the watchdog saw no progress; torchrun should restart the group.
 
@@ -36,10 +38,6 @@ class UnsafeStateError(ConfigError):
     """The state holds a value ``torch.load(weights_only=True)`` would refuse to load."""
 
 
-class DistError(ElasticTrainError):
-    """The process group could not be formed or used."""
-
-
 class StorageError(ElasticTrainError):
     """A storage operation failed; the message names the URL (never credentials)."""
 
@@ -60,10 +58,6 @@ class StorageConflictError(StorageError):
 
 class StorageTransientError(StorageError):
     """A retryable fault (throttling, connection reset) outlived its retries."""
-
-
-class SnapshotNotFound(StorageError):
-    """No committed snapshot exists at the given location or step."""
 
 
 class SnapshotCorrupt(StorageError):

@@ -43,6 +43,7 @@ from elastictrain.errors import (
     EXIT_FATAL,
     EXIT_OK,
     EXIT_PREEMPTED,
+    EXIT_PREEMPTED_UNSAVED,
     EXIT_USAGE,
     ConfigError,
     ElasticTrainError,
@@ -208,6 +209,8 @@ def run_torchrun(argv: Sequence[str]) -> int:
             agent = ElasticTrainAgent.latest
             if agent is not None and agent.outcome == "preempted":
                 return EXIT_PREEMPTED
+            if agent is not None and agent.outcome == "preempted_unsaved":
+                return EXIT_PREEMPTED_UNSAVED
             return 128 + int(exc.sigval)
         except WorkersFatal:
             return EXIT_FATAL
@@ -263,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _outcome(code: int) -> str:
-    return {EXIT_OK: "finished", EXIT_PREEMPTED: "preempted", EXIT_FATAL: "fatal",
+    return {EXIT_OK: "finished", EXIT_PREEMPTED: "preempted",
+            EXIT_PREEMPTED_UNSAVED: "preempted_unsaved", EXIT_FATAL: "fatal",
             1: "failed"}.get(code, "signalled")
 
 

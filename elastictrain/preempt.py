@@ -1,4 +1,4 @@
-"""Preemption notices and the agreed stop: final snapshot, then exit 75.
+"""Preemption notices and the agreement to stop; the final snapshot is the manager's.
 
 Spot capacity is reclaimed with a notice (AWS about 2 minutes, GCP and Azure
 about 30 seconds). A notice is any of:
@@ -15,8 +15,9 @@ Lifecycle of one notice, on every rank::
 
     quiet ──notice (signal / file / url, on any rank)──▶ noticed (locally)
     noticed ──step boundary: one small all-reduce (MAX)──▶ agreed (all ranks)
-    agreed ──wait for the save in flight, save this step, barrier──▶ saved
-    saved ──``preempt.saved``──▶ exit 75 (EXIT_PREEMPTED: resume me elsewhere)
+    agreed ──SnapshotManager: wait for the save in flight, save this step──▶
+        committed ──``preempt.saved``──▶ exit 75 (EXIT_PREEMPTED: resume me elsewhere)
+        not committed ──``preempt.failed``──▶ exit 76 (EXIT_PREEMPTED_UNSAVED)
 
 Agreement rides on the all-reduce :class:`SnapshotManager` already does at each
 step boundary for its time trigger, so preemption costs no extra collective:
@@ -43,10 +44,9 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, NoReturn, Protocol
+from typing import Any
 from urllib.parse import urlsplit
 
-from elastictrain import watchdog
 from elastictrain.config import PreemptConfig
 from elastictrain.errors import EXIT_PREEMPTED
 from elastictrain.log import get_logger
@@ -59,15 +59,17 @@ _HTTP_TIMEOUT_S = 2.0
 
 
 class PreemptedExit(SystemExit):
-    """Raised out of ``SnapshotManager.step()`` once the final snapshot is committed.
+    """Raised out of ``SnapshotManager.step()`` after the final snapshot of a notice.
 
     A ``SystemExit`` so that ``except Exception`` in a training loop does not
     swallow it while ``finally`` blocks (``elastictrain.shutdown()``) still run;
-    the process exits with :data:`~elastictrain.errors.EXIT_PREEMPTED`.
+    the process exits with :data:`~elastictrain.errors.EXIT_PREEMPTED` when the
+    final snapshot committed, :data:`~elastictrain.errors.EXIT_PREEMPTED_UNSAVED`
+    when it did not.
     """
 
-    def __init__(self) -> None:
-        super().__init__(EXIT_PREEMPTED)
+    def __init__(self, code: int = EXIT_PREEMPTED) -> None:
+        super().__init__(code)
 
 
 @dataclass(frozen=True)
@@ -289,56 +291,6 @@ class MetadataChecker:
             self._last_failure_log = now
             log.warning("preempt.poll_failed", url=self.url, error=str(exc),
                         error_type=type(exc).__name__, failures=self._failures)
-
-
-class Stoppable(Protocol):
-    """What the agreed stop needs from the snapshot manager."""
-
-    step_count: int
-    ctx: Any  # a DistContext: barrier()
-
-    def wait(self) -> None: ...
-    def save(self) -> Any: ...
-    def close(self) -> None: ...
-
-
-def finish(stop: StopRequest, target: Stoppable) -> NoReturn:
-    """Final snapshot of the current step, then exit with EXIT_PREEMPTED (all ranks).
-
-    Order: the save in flight commits first, then the final one (so both commit,
-    in step order); a barrier keeps every rank alive until the writer has
-    committed, because the agent tears the group down as soon as one rank exits.
-    A failed final save is logged (``preempt.save_failed``) and the process still
-    exits 75: the job should resume elsewhere, from the newest earlier snapshot.
-    """
-    started = time.monotonic()
-    committed = True
-    with watchdog.busy("preempt.final_snapshot"):
-        try:
-            target.wait()
-        except Exception as exc:  # the earlier save failing must not stop the final one
-            log.error("preempt.inflight_failed", error=str(exc), error_type=type(exc).__name__)
-        waited = time.monotonic() - started
-        try:
-            handle = target.save()
-            handle.wait()
-            target.close()
-        except Exception as exc:
-            committed = False
-            log.error("preempt.save_failed", snapshot_step=target.step_count, error=str(exc),
-                      error_type=type(exc).__name__)
-        target.ctx.barrier()
-    now = time.monotonic()
-    grace_period_s = stop.grace_period_s
-    since_notice = stop.notice_age_s + (now - stop.agreed_at)
-    if committed:
-        log.info("preempt.saved", snapshot_step=target.step_count,
-                 duration_s=round(since_notice, 3), save_s=round(now - started - waited, 3),
-                 inflight_wait_s=round(waited, 3), grace_period_s=grace_period_s,
-                 grace_left_s=round(grace_period_s - since_notice, 3),
-                 within_grace=since_notice <= grace_period_s,
-                 source=stop.local.source if stop.local else "peer")
-    raise PreemptedExit()
 
 
 # -- the process-wide watcher (one per worker, like its signal handlers) -----------------

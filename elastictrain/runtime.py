@@ -2,7 +2,9 @@
 
 ``init`` reads the worker environment once, configures structured logging
 with the run's context bound (run_id, rank, world_size, restart_count), and
-joins the process group. ``shutdown`` destroys the group.
+joins the process group; what it returns is also ``current()``, where a
+``SnapshotManager`` built without ``ctx``/``config`` finds it. ``shutdown``
+destroys the group.
 """
 
 from __future__ import annotations
@@ -76,7 +78,14 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
     # step the watchdog allows startup_timeout_s. One file/URL poller per node is enough.
     preempt.install(settings.preempt, poll=env.local_rank == 0)
     watchdog.install(settings.watchdog)
-    return Runtime(settings, env, ctx, events_dir)
+    global _current
+    _current = Runtime(settings, env, ctx, events_dir)
+    return _current
+
+
+def current() -> Runtime | None:
+    """What ``init`` returned in this process (None before ``init`` or after ``shutdown``)."""
+    return _current
 
 
 def shutdown() -> None:
@@ -85,4 +94,9 @@ def shutdown() -> None:
     # Handlers stay: a late SIGTERM from the agent must not turn exit 75 into a kill.
     preempt.uninstall(restore_signals=False)
     destroy_process_group()
+    global _current
+    _current = None
+
+
+_current: Runtime | None = None
 

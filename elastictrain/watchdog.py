@@ -13,28 +13,16 @@ Lifecycle::
     armed ──no beat for the limit──▶ fired: ``watchdog.fired`` with every thread's
                                      stack, then os._exit(71)
 
-``SnapshotManager.step()`` beats; ``restore``, ``save``, ``wait`` and the
-preemption stop run inside :class:`busy` sections (a persist in progress is
-not a hang). Wrap long work between steps (evaluation) in
+``SnapshotManager.step()`` beats; ``restore`` and the staging of a save run
+inside :class:`busy` sections. Waiting for a persist (back-pressure, ``wait``,
+``close``, the final snapshot of a preemption) is not a busy section but
+:func:`wait_moving`: bytes written count as progress, so a slow upload is not
+a hang and a stalled one is. Wrap long work between steps (evaluation) in
 ``with elastictrain.watchdog.busy("eval"):``.
 
-Why not ``torch.distributed.elastic.timer``: its timers are scopes
-(``with expires(after=60)``) enforced from outside the worker: the agent's
-``FileTimerServer`` (enabled by ``TORCHELASTIC_ENABLE_FILE_TIMER=1``) reads
-acquire/release requests from a named pipe and SIGKILLs the worker when a
-scope expires. That would cost two pipe writes per step, needs the server in
-the agent (plain torchrun users would not have it), and a SIGKILL from outside
-leaves no record of where the rank was stuck. A thread inside the worker
-costs one float store per step, can see every thread's stack, and exits with
-our own code. The one thing an in-process thread cannot do is run while
-another thread holds the GIL forever; for that, the training thread re-arms
-``faulthandler.dump_traceback_later`` as a backstop (at most once per check
-interval, from ``beat``, so a thread that holds the GIL cannot be the one that
-re-arms it): a C-level timer that dumps all Python stacks to stderr and exits
-(code 1) without needing the GIL. Busy sections cancel it and re-arm it on exit.
-Re-arming from the watchdog thread would not work: re-arming releases the GIL
-between cancelling the old timer and starting the new one, and a main thread
-that takes the GIL there and keeps it leaves no timer running.
+A ``faulthandler`` backstop, re-armed from the training thread, exits even when
+a thread holds the GIL forever. Why a thread in the worker and not
+``torch.distributed.elastic.timer``: docs/faults.md.
 """
 
 from __future__ import annotations
@@ -102,8 +90,16 @@ class Watchdog:
         """A step completed (called by ``SnapshotManager.step`` in the training thread)."""
         first = self._step is None  # the limit drops from startup to step: re-arm now
         self._step = step
+        self._moved(rearm=first)
+
+    def progress(self) -> None:
+        """Work between two steps moved (a persist wrote bytes): the limit restarts
+        (training thread, outside busy sections)."""
+        self._moved(rearm=False)
+
+    def _moved(self, rearm: bool) -> None:
         self._last = now = time.monotonic()
-        if first or now - self._armed_at >= self.config.check_interval_s:
+        if self._busy == 0 and (rearm or now - self._armed_at >= self.config.check_interval_s):
             self._arm_backstop()
 
     def enter_busy(self, reason: str) -> None:
@@ -230,3 +226,22 @@ def beat(step: int) -> None:
     """Report a completed step to the process-wide watchdog, if any."""
     if _current is not None:
         _current.beat(step)
+
+
+def wait_moving(join: Callable[[float | None], bool], moved: Callable[[], int]) -> None:
+    """Block until ``join(timeout)`` returns True, watched by the watchdog as progress.
+
+    Unlike a :class:`busy` section this wait has a limit: each change of ``moved()``
+    (bytes a persist wrote) counts as progress, so a slow upload that keeps moving
+    is not a hang, while one that moves nothing for the limit fires the watchdog.
+    """
+    dog = _current
+    if dog is None:
+        join(None)
+        return
+    seen = moved()
+    while not join(dog.config.check_interval_s):
+        now = moved()
+        if now != seen:
+            seen = now
+            dog.progress()

@@ -159,3 +159,51 @@ class FailingReads(_Wrapper):
         self._maybe_fail(path)
         with self.inner.open_read(path) as f:
             yield f
+
+
+class SwitchedStore(_Wrapper):
+    """Payload writes raise a StorageError while the file ``fail_while`` exists (a
+    switch a test flips from outside the job's processes)."""
+
+    def __init__(self, inner: Store, fail_while: str) -> None:
+        super().__init__(inner)
+        self.fail_while = fail_while
+
+    @contextmanager
+    def open_write(self, path: str) -> Iterator[BinaryIO]:
+        if _is_payload(path) and Path(self.fail_while).exists():
+            raise StorageError(f"write {self.inner.url}/{path}: injected failure (switch on)")
+        with self.inner.open_write(path) as sink:
+            yield sink
+
+
+class TricklingStore(_Wrapper):
+    """Payload writes move ``chunk_bytes`` every ``delay_s``: a slow upload that keeps
+    making progress (the watchdog must not call it a hang)."""
+
+    def __init__(self, inner: Store, chunk_bytes: int, delay_s: float) -> None:
+        super().__init__(inner)
+        self.chunk_bytes, self.delay_s = chunk_bytes, delay_s
+
+    @contextmanager
+    def open_write(self, path: str) -> Iterator[BinaryIO]:
+        with self.inner.open_write(path) as sink:
+            if _is_payload(path):
+                yield _TricklingSink(sink, self.chunk_bytes, self.delay_s)  # type: ignore[misc]
+            else:
+                yield sink
+
+
+class _TricklingSink:
+    def __init__(self, sink: BinaryIO, chunk_bytes: int, delay_s: float) -> None:
+        self._sink, self._chunk, self._delay = sink, chunk_bytes, delay_s
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, self._chunk):
+            self._sink.write(view[start:start + self._chunk])
+            time.sleep(self._delay)  # the simulated link's speed, not synchronisation
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._sink.flush()

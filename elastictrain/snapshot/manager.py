@@ -11,9 +11,16 @@ Call order (every rank runs the same calls)::
     manager.close()                 # wait for the save in flight
 
 Snapshots are taken at step boundaries only, so every rank decides the same:
-step triggers are deterministic; time triggers and preemption notices
-(``elastictrain.preempt``) are agreed with one small all-reduce per step. On an
-agreed notice ``step()`` takes a final snapshot of that step and exits 75.
+step triggers are deterministic; time triggers, preemption notices
+(``elastictrain.preempt``) and a background persist that gave up are agreed
+with one small all-reduce per step where one is needed (preemption on, or a
+time trigger); without it a failed persist is agreed at the next save, which
+gathers it with the RNG states. So ``SnapshotWriteFailed`` is raised on every
+rank at the same step. On an agreed notice ``step()`` takes a final snapshot of
+that step and exits 75, or 76 when it could not be committed.
+
+Built without ``ctx``/``config``, the manager takes the process group and the
+settings from ``elastictrain.init()`` (or finds an initialised group itself).
 """
 
 from __future__ import annotations
@@ -23,17 +30,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-import torch
 from torch import nn
 
-from elastictrain import preempt, watchdog
-from elastictrain.config import SnapshotConfig, StorageConfig, validated
+from elastictrain import preempt, runtime, watchdog
+from elastictrain.config import SnapshotConfig, StorageConfig, load_settings, validated
 from elastictrain.data import ElasticSampler, check_dataset_len
-from elastictrain.dist import DistContext
+from elastictrain.dist import DistContext, find_context
 from elastictrain.env import WorkerEnv
-from elastictrain.errors import ConfigError
+from elastictrain.errors import (
+    EXIT_PREEMPTED,
+    EXIT_PREEMPTED_UNSAVED,
+    ConfigError,
+    SnapshotWriteFailed,
+)
 from elastictrain.log import bind_step, get_logger
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import SaveHandle
@@ -80,13 +91,21 @@ class SnapshotManager:
         model: the (DDP-wrapped or plain) model; saved unwrapped.
         optimizer, scheduler, scaler: optional; anything with state_dict().
         sampler: the ElasticSampler whose global position is saved.
-        config: snapshot policy; keyword overrides (``every_steps=…``) win over it.
-        ctx: the process group (``elastictrain.init``); single-process if None.
-        run_id: recorded in manifests; defaults to torchrun's run id.
+            A URL takes the other storage settings from ``Settings``.
+        config: snapshot policy; default: ``Settings.snapshot`` (``elastictrain.init``'s,
+            else loaded from the TOML file and ``ELASTICTRAIN_*``). Keyword overrides
+            (``every_steps=…``) win over it.
+        ctx: the process group; default: ``elastictrain.init``'s, else the initialised
+            ``torch.distributed`` group, else a single process.
+        run_id: recorded in manifests; defaults to the settings', then torchrun's run id.
         storage_options: passed to fsspec (credentials: never logged).
         progress_dir: local directory for a tiny per-rank step counter, used to
             report how many steps a restart lost. None disables it.
         clock: monotonic seconds for ``every_seconds`` (tests inject a fake one).
+
+    Raises:
+        ConfigError: a setting is invalid, or ``WORLD_SIZE`` > 1 and no process
+            group is initialised (call ``elastictrain.init()`` first).
     """
 
     def __init__(
@@ -106,14 +125,17 @@ class SnapshotManager:
         clock: Callable[[], float] = time.monotonic,
         **overrides: Any,
     ) -> None:
-        base = (config or SnapshotConfig()).model_dump()
+        rt = runtime.current()
+        settings = rt.settings if rt is not None else load_settings()
+        base = (config or settings.snapshot).model_dump()
         self.config: SnapshotConfig = validated(SnapshotConfig, **{**base, **overrides})
-        env = WorkerEnv.from_environ()
-        self.ctx = ctx or DistContext(env.rank, env.world_size, env.local_rank, "gloo",
-                                      torch.device("cpu"), False)
+        env = rt.env if rt is not None else WorkerEnv.from_environ()
+        self.ctx = ctx or (rt.ctx if rt is not None else find_context(env))
+        if isinstance(storage, str):
+            storage = _storage_config(storage, settings.storage)
         self.store = (open_store(storage, storage_options)
-                      if isinstance(storage, (str, StorageConfig)) else storage)
-        self.run_id = run_id or env.run_id
+                      if isinstance(storage, StorageConfig) else storage)
+        self.run_id = run_id or settings.run_id or env.run_id
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
         self.sampler = sampler
@@ -131,13 +153,16 @@ class SnapshotManager:
     # -- properties -------------------------------------------------------------------
     @property
     def epoch(self) -> int:
+        """The epoch in progress. The sampler owns it when there is one (it orders the
+        epoch's samples); the manager only without a sampler."""
         return self.sampler.epoch if self.sampler is not None else self._epoch
 
     @epoch.setter
     def epoch(self, value: int) -> None:
         if self.sampler is not None:
             self.sampler.set_epoch(value)
-        self._epoch = value
+        else:
+            self._epoch = value
 
     # -- restore ----------------------------------------------------------------------
     @watchdog.busy("snapshot.restore")
@@ -184,7 +209,8 @@ class SnapshotManager:
                                   "fix: resume with the same training script")
             self.sampler.load_state_dict(payload["sampler"])
             self.sampler.set_world(self.ctx.rank, self.ctx.world_size)
-        self._epoch = int(payload["epoch"])
+        else:
+            self._epoch = int(payload["epoch"])
         self.step_count = int(payload["step"])
         self.extras = dict(payload.get("extras") or {})
         rng_states = payload["rng"]
@@ -204,66 +230,132 @@ class SnapshotManager:
         return fields
 
     # -- the training loop's side ----------------------------------------------------
-    def step(self, per_rank_samples: int | None = None) -> SaveHandle | None:
+    def step(self) -> SaveHandle | None:
         """Record one completed optimizer step; save if one is due.
 
-        Args:
-            per_rank_samples: samples each rank consumed (default: the sampler's batch size).
+        Raises:
+            SnapshotWriteFailed: a background persist gave up; raised on every rank at
+                the same step, after the step is recorded, so a loop that catches it
+                goes on in lockstep.
         """
-        self._saver.raise_if_failed()  # a background persist that gave up stops training here
         self.step_count += 1
         if self.sampler is not None:
-            self.sampler.advance(per_rank_samples)
+            self.sampler.advance()
         bind_step(self.step_count)
         if self._progress is not None:
             self._progress.write(self.step_count)
         watchdog.beat(self.step_count)
-        due, stop = self._save_due()
+        due, stop, failed_step = self._decide()
         if stop is not None:
-            preempt.finish(stop, self)  # final snapshot of this step, then exit 75
+            self._stop_preempted(stop)
+        if failed_step:
+            self._raise_failed(failed_step)
         if due:
             return self.save()
         return None
 
-    def _save_due(self) -> tuple[bool, preempt.StopRequest | None]:
+    def _decide(self) -> tuple[bool, preempt.StopRequest | None, int]:
+        """(save due, agreed stop, step of a failed save or 0): the same on every rank.
+
+        Step triggers are deterministic. Clocks, notices and the writer's failed
+        persist differ between ranks: they ride one small all-reduce, on the steps
+        where one is needed anyway (preemption on, or a time trigger not already due).
+        The step path stays collective-free otherwise: ``save`` agrees on a failure.
+        """
         every = self.config.every_steps
         due = every is not None and self.step_count % every == 0
-        if self._preempt is not None:
-            return self._due_or_stop(due)
-        if self.config.every_seconds is not None and not due:
-            elapsed = self._clock() - self._last_save_time >= self.config.every_seconds
-            due = self.ctx.agree_any(elapsed)  # rank clocks differ: agree on one decision
-        return due, None
-
-    def _due_or_stop(self, due: bool) -> tuple[bool, preempt.StopRequest | None]:
-        """With preemption on, a notice may reach one rank only: it rides on the same
-        single small all-reduce as the time trigger, every step."""
-        assert self._preempt is not None
         seconds = self.config.every_seconds
-        elapsed = (seconds is not None and not due
-                   and self._clock() - self._last_save_time >= seconds)
-        agreed = self.ctx.all_reduce_max([int(elapsed), *self._preempt.flags()])
-        return due or bool(agreed[0]), self._preempt.agreed(agreed[1:])
+        elapsed: bool | None = None  # None: no time trigger to check at this step
+        if seconds is not None and not due:
+            elapsed = self._clock() - self._last_save_time >= seconds
+        if self._preempt is None and elapsed is None:
+            return due, None, 0
+        notice = self._preempt.flags() if self._preempt is not None else []
+        agreed = self.ctx.all_reduce_max([int(bool(elapsed)), self._failed_step(), *notice])
+        stop = self._preempt.agreed(agreed[2:]) if self._preempt is not None else None
+        return due or bool(agreed[0]), stop, agreed[1]
 
-    @watchdog.busy("snapshot.save")
+    def _failed_step(self) -> int:
+        """This rank's contribution to agreeing on a failed persist (the writer's)."""
+        return self._saver.failed_step() if self.ctx.is_writer else 0
+
+    def _raise_failed(self, step: int) -> NoReturn:
+        error = self._saver.take_failure() if self.ctx.is_writer else None
+        raise error or SnapshotWriteFailed(
+            f"the snapshot of step {step} failed on the writer (rank 0), see its "
+            "snapshot.failed events; fix: make the storage writable and reachable, or "
+            "raise snapshot.max_consecutive_failures / retry_backoff_s")
+
     def save(self) -> SaveHandle:
-        """Snapshot the current step now (all ranks must call it at the same step)."""
+        """Snapshot the current step now (all ranks must call it at the same step).
+
+        Raises:
+            SnapshotWriteFailed: the previous save gave up (on every rank).
+        """
         started = time.perf_counter()
-        rng = self.ctx.all_gather_object(capture_rng())
-        self._last_save_time = self._clock()
-        if not self.ctx.is_writer:
-            return SaveHandle.completed(self.step_count)
-        meta = SnapshotMeta(
-            run_id=self.run_id,
-            step=self.step_count,
-            epoch=self.epoch,
-            world_size=self.ctx.world_size,
-            checksum_algorithm=self.config.checksum,
-            dataset_len=self.sampler.dataset_len if self.sampler is not None else None,
-            global_batch_size=self.sampler.global_batch if self.sampler is not None else None,
-        )
-        self._last_handle = self._saver.save(self._state(rng), meta, started)
-        return self._last_handle
+        if self.ctx.is_writer:
+            self._saver.wait_in_flight(self.step_count)  # its outcome is agreed below
+        with watchdog.busy("snapshot.save"):
+            gathered = self.ctx.all_gather_object((capture_rng(), self._failed_step()))
+            self._last_save_time = self._clock()
+            failed_step = gathered[0][1]
+            if failed_step:
+                self._raise_failed(failed_step)
+            if not self.ctx.is_writer:
+                return SaveHandle.completed(self.step_count)
+            meta = SnapshotMeta(
+                run_id=self.run_id,
+                step=self.step_count,
+                epoch=self.epoch,
+                world_size=self.ctx.world_size,
+                checksum_algorithm=self.config.checksum,
+                dataset_len=self.sampler.dataset_len if self.sampler is not None else None,
+                global_batch_size=(self.sampler.global_batch if self.sampler is not None
+                                   else None),
+            )
+            rng = [state for state, _ in gathered]
+            self._last_handle = self._saver.save(self._state(rng), meta, started)
+            return self._last_handle
+
+    def _stop_preempted(self, stop: preempt.StopRequest) -> NoReturn:
+        """Final snapshot of this step, then exit on every rank: 75 if it committed,
+        76 if not (``preempt.saved`` or ``preempt.failed`` says which).
+
+        The save in flight commits first; its failure is logged and the final save
+        is attempted anyway. The ranks then gather the writer's outcome, which also
+        keeps every rank alive until the writer is done (the agent tears the group
+        down as soon as one rank exits).
+        """
+        started = time.monotonic()
+        if self.ctx.is_writer:
+            try:
+                self._saver.wait()
+            except Exception as exc:  # the earlier save failing must not stop the final one
+                log.error("preempt.inflight_failed", error=str(exc),
+                          error_type=type(exc).__name__)
+        waited = time.monotonic() - started
+        reason: str | None = None
+        try:
+            self.save()
+            self._saver.close()
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        with watchdog.busy("preempt.final_snapshot"):  # peers wait here for the writer
+            reasons = [r for r in self.ctx.all_gather_object(reason) if r is not None]
+        now = time.monotonic()
+        since_notice = stop.notice_age_s + (now - stop.agreed_at)
+        fields = {"snapshot_step": self.step_count, "duration_s": round(since_notice, 3),
+                  "grace_period_s": stop.grace_period_s,
+                  "source": stop.local.source if stop.local else "peer"}
+        if reasons:
+            log.error("preempt.failed", reason=reasons[0], exit_code=EXIT_PREEMPTED_UNSAVED,
+                      **fields)
+            raise preempt.PreemptedExit(EXIT_PREEMPTED_UNSAVED)
+        log.info("preempt.saved", save_s=round(now - started - waited, 3),
+                 inflight_wait_s=round(waited, 3),
+                 grace_left_s=round(stop.grace_period_s - since_notice, 3),
+                 within_grace=since_notice <= stop.grace_period_s, **fields)
+        raise preempt.PreemptedExit(EXIT_PREEMPTED)
 
     def _state(self, rng: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -280,14 +372,29 @@ class SnapshotManager:
             "extras": dict(self.extras),
         }
 
-    @watchdog.busy("snapshot.wait")
     def wait(self) -> None:
-        """Block until the last save is durable (re-raises its failure)."""
+        """Block until the last save is durable (re-raises its failure, on the writer).
+
+        A persist that keeps writing bytes is not a hang to the watchdog; one that
+        writes nothing for ``watchdog.timeout_s`` is.
+        """
         self._saver.wait()
 
     def close(self) -> None:
-        """Wait for the save in flight and release the persister."""
+        """Wait for the save in flight and release the persister (same watchdog rule)."""
         self._saver.close()
+
+
+def _storage_config(url: str, configured: StorageConfig) -> StorageConfig:
+    """``url`` with the configured storage settings; the configured storage options
+    only for the same kind of storage (S3 credentials mean nothing to a local path)."""
+    same_kind = _scheme(url) == _scheme(configured.url)
+    return configured.model_copy(update={
+        "url": url, "storage_options": configured.storage_options if same_kind else {}})
+
+
+def _scheme(url: str) -> str:
+    return url.split("://", 1)[0] if "://" in url else "file"
 
 
 class _ProgressFile:

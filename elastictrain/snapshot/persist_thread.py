@@ -5,7 +5,7 @@ to storage. Almost all of that time is spent in calls that release the GIL
 (file writes, ``zlib.crc32`` on large buffers, fsync), so the training thread
 rarely waits for the GIL; how much the loop still slows down is measured by
 ``scripts/bench_snapshot.py`` against ``ProcessPersister`` (see
-``elastictrain.snapshot.saver`` for the figures and the default).
+docs/persister.md for the figures and the default).
 """
 
 from __future__ import annotations

@@ -20,11 +20,13 @@ next one (back-pressure).
 from __future__ import annotations
 
 import enum
+import multiprocessing
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import get_logger
@@ -120,6 +122,53 @@ class SaveHandle:
         handle = cls(step)
         handle._finish(SaveState.SKIPPED)
         return handle
+
+
+class CountingStore:
+    """Forwards to a Store; counts the bytes written through ``open_write``.
+
+    The count lives in shared memory, so the worker reads it while a persister
+    thread or process writes: bytes moving is how a wait on a slow persist tells
+    progress from a hang (``watchdog.wait_moving``).
+    """
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self._written = multiprocessing.get_context("spawn").RawValue("q", 0)
+
+    @property
+    def bytes_written(self) -> int:
+        return int(self._written.value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "inner" not in self.__dict__:
+            raise AttributeError(name)  # unpickling probes attributes before __dict__ is set
+        return getattr(self.inner, name)
+
+    @contextmanager
+    def open_write(self, path: str) -> Iterator[BinaryIO]:
+        with self.inner.open_write(path) as sink:
+            yield _CountingSink(sink, self._written)  # type: ignore[misc]
+
+
+class _CountingSink:
+    # torch.save hands a whole tensor storage over in one write; counting per chunk
+    # lets a slow link show progress within one large tensor.
+    _CHUNK_BYTES = 256 << 10
+
+    def __init__(self, sink: BinaryIO, written: Any) -> None:
+        self._sink, self._written = sink, written
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, self._CHUNK_BYTES):
+            chunk = view[start:start + self._CHUNK_BYTES]
+            self._sink.write(chunk)
+            self._written.value += chunk.nbytes  # one writer: no lock needed
+        return view.nbytes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sink, name)  # flush, fileno (local files keep early writeback)
 
 
 class Persister(Protocol):

@@ -1,54 +1,33 @@
 """The writer rank's save pipeline: back-pressure → stage → persist in the background.
 
-Call order (rank 0; other ranks only take part in the RNG gather)::
+Call order (rank 0; other ranks only take part in the manager's RNG gather)::
 
-    saver.save(state, meta)   # wait for the save in flight (logged as
-                              # snapshot.backpressure) → raise if it failed →
-                              # copy into staging buffers (snapshot.staged) →
-                              # hand the staged state to the persister
-    saver.raise_if_failed()   # every step: a persist that gave up surfaces here
-    saver.close()             # wait for the save in flight, stop the persister
+    saver.wait_in_flight(step) # back-pressure: wait for the save in flight
+                               # (snapshot.backpressure), watched as progress
+    saver.failed_step()        # the manager agrees on a failure on every rank …
+    saver.take_failure()       # … and raises it everywhere at the same step
+    saver.save(state, meta)    # copy into staging buffers (snapshot.staged) →
+                               # hand the staged state to the persister
+    saver.close()              # wait for the save in flight, stop the persister
 
 One save is in flight at a time: staging buffers are reused, so the next save
 must not overwrite them while they are being written.
 
-Thread or process: measured, the thread is the default
-------------------------------------------------------
-Both were measured on this 2-core machine (torch 2.13 CPU, 256 MB of model +
-AdamW state, training loop on one core, ``scripts/bench_snapshot.py`` and an
-A/B/A/B run of its measurement; the machine was shared, load average 4-6):
-
-=====================================  ================  ================
-                                       thread            process
-=====================================  ================  ================
-training step rate while persisting    56.7%, 56.5%      56.8%, 57.7%
-  (vs without a save; A/B/A/B)
-pure-Python loop rate while persisting 0.41-0.95         0.35-0.82
-  (GIL probe, 4 saves each, two runs)
-first save durable after               0.8-2.6 s         4.2-12 s (helper
-                                                         imports torch)
-extra resident memory                  none              ~480 MB helper
-=====================================  ================  ================
-
-The step-rate figures are the same within noise (a busy-loop process alone
-cost the loop the same ~50% at that load: the "free" core was not free).
-The persist releases the GIL for nearly all of its time (``torch.save``
-hands each storage over as one buffer; ISA-L/zlib crc32, file writes and
-fsync run without the GIL), so a thread does not measurably slow the loop,
-while the process pays a slow first save, a second copy of torch in memory
-and shared-memory staging. ``persister="process"`` remains available (for
-training loops that hold the GIL far more than this one).
+The persister is a thread by default (``persister="process"`` is the option
+for loops that hold the GIL far more): measured in docs/persister.md.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
+from elastictrain import watchdog
 from elastictrain.config import SnapshotConfig
 from elastictrain.log import get_logger
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
+    CountingStore,
     Persister,
     RetryPolicy,
     SaveHandle,
@@ -81,6 +60,7 @@ class Saver:
         self.store = store
         self.kind = choose_persister(config, store)
         self.staging = StagingBuffers(share_memory=self.kind == "process")
+        self._counted = CountingStore(store)  # bytes written: progress for the watchdog
         self._keep = config.keep
         self._policy = RetryPolicy(config.max_consecutive_failures, config.retry_backoff_s)
         self._persister: Persister | None = None
@@ -102,62 +82,75 @@ class Saver:
     def save(self, state: Any, meta: SnapshotMeta, started: float | None = None) -> SaveHandle:
         """Stage ``state`` and start persisting it; returns at once in async mode.
 
+        The caller has taken the previous save's failure, if any (``take_failure``).
+
         Args:
             started: ``time.perf_counter()`` when the save began (for ``duration_s``).
-
-        Raises:
-            SnapshotWriteFailed: the previous save gave up.
         """
         started = time.perf_counter() if started is None else started
-        self._wait_in_flight(meta.step)
-        self.raise_if_failed()
+        self.wait_in_flight(meta.step)  # staging buffers are reused: never while in flight
         staged = self.staging.stage(state)
         log.info("snapshot.staged", snapshot_step=meta.step, size_bytes=self.staging.nbytes,
                  duration_s=round(time.perf_counter() - started, 4), persister=self.kind)
         self._last = self.persister.submit(staged, meta)
         return self._last
 
-    def raise_if_failed(self) -> None:
-        """Raise the last save's SnapshotWriteFailed, once."""
+    def failed_step(self) -> int:
+        """The step of the last save if it failed and was not yet reported, else 0."""
         last = self._last
         if last is not None and last.state == SaveState.FAILED and last is not self._reported:
-            self._reported = last
-            assert last.error is not None
-            raise last.error
+            return last.step
+        return 0
+
+    def take_failure(self) -> BaseException | None:
+        """The last save's SnapshotWriteFailed if not yet reported; reported from now on."""
+        if not self.failed_step():
+            return None
+        assert self._last is not None
+        self._reported = self._last
+        return self._last.error
+
+    def wait_in_flight(self, step: int) -> None:
+        """Back-pressure: wait for the save in flight (never raises), logged if it waited."""
+        last = self._last
+        if last is None or last.done():
+            return
+        started = time.perf_counter()
+        self._join()
+        log.info("snapshot.backpressure", snapshot_step=step, waiting_for_step=last.step,
+                 wait_s=round(time.perf_counter() - started, 4))
 
     def wait(self) -> None:
-        """Block until the last save is durable (re-raises its failure)."""
-        if self._last is not None:
-            self._last.wait()
+        """Block until the last save is durable; raise its failure if not yet reported."""
+        self._join()
+        failure = self.take_failure()
+        if failure is not None:
+            raise failure
 
     def close(self) -> None:
         """Wait for the save in flight and stop the persister; raise a failure not yet raised."""
         try:
-            if self._last is not None:
-                self._last.join()
-            self.raise_if_failed()
+            self.wait()
         finally:
             if self._persister is not None:
                 self._persister.close()
                 self._persister = None
 
-    def _wait_in_flight(self, step: int) -> None:
+    def _join(self) -> None:
+        """Wait for the last save; a persist that keeps writing bytes is not a hang."""
         last = self._last
-        if last is None or last.done():
-            return
-        started = time.perf_counter()
-        last.join()
-        log.info("snapshot.backpressure", snapshot_step=step, waiting_for_step=last.step,
-                 wait_s=round(time.perf_counter() - started, 4))
+        if last is not None:
+            watchdog.wait_moving(last.join, lambda: self._counted.bytes_written)
 
     def _start_persister(self) -> Persister:
+        store = cast(Store, self._counted)
         if self.kind == "sync":
-            return SyncPersister(self.store, self._keep, self._policy)
+            return SyncPersister(store, self._keep, self._policy)
         if self.kind == "thread":
             from elastictrain.snapshot.persist_thread import ThreadPersister
 
             log.info("snapshot.persister_started", kind="thread")
-            return ThreadPersister(self.store, self._keep, self._policy)
+            return ThreadPersister(store, self._keep, self._policy)
         from elastictrain.snapshot.persist_process import ProcessPersister
 
-        return ProcessPersister(self.store, self._keep, self._policy)
+        return ProcessPersister(store, self._keep, self._policy)

@@ -97,8 +97,8 @@ def test_failed_persist_is_retried_and_later_saves_succeed(tmp_path: Path,
 
 
 @pytest.mark.parametrize("persister", ASYNC)
-def test_consecutive_failures_raise_from_the_next_step_once(tmp_path: Path,
-                                                            persister: str) -> None:
+def test_consecutive_failures_raise_at_the_next_save_once(tmp_path: Path,
+                                                          persister: str) -> None:
     store = FailingStore(open_store(str(tmp_path)), failures=10**6)
     *live, snap = make(store, persister, every_steps=3, retry_backoff_s=0.01,
                        max_consecutive_failures=2)
@@ -109,9 +109,11 @@ def test_consecutive_failures_raise_from_the_next_step_once(tmp_path: Path,
         handle.join()  # the background persist gave up
         with pytest.raises(SnapshotWriteFailed):
             handle.wait()  # the handle re-raises the background failure
+        train(*live, snap, until=5)  # no per-step collective here: agreed at the next save
         with pytest.raises(SnapshotWriteFailed) as err:
-            train(*live, snap, until=4)
-        train(*live, snap, until=5)  # raised once: the loop may go on if it chooses to
+            train(*live, snap, until=6)
+        assert snap.step_count == 6  # the step is recorded: every rank raises after it
+        train(*live, snap, until=7)  # raised once: the loop may go on if it chooses to
         snap.close()
     message = str(err.value)
     assert "step 3" in message and "2 times in a row" in message and str(tmp_path) in message
@@ -136,7 +138,7 @@ def test_backpressure_keeps_one_save_in_flight(tmp_path: Path, persister: str) -
         wait_for(lambda: read_journal(journal), 60, "the persist of step 2 to start")
         worker = threading.Thread(target=train, args=(*live, snap, 4))
         worker.start()  # step 4 is due while step 2 is still in flight
-        wait_for(lambda: "_wait_in_flight" in _stack_of(worker), 60,
+        wait_for(lambda: "wait_in_flight" in _stack_of(worker), 60,
                  "the training loop to wait for the save in flight")
         assert [line.split()[:2] for line in read_journal(journal)] == [["start", "2"]]
         gate.touch()
@@ -212,9 +214,9 @@ class _Clock:
 class _CountingContext(DistContext):
     agreements = 0
 
-    def agree_any(self, flag: bool) -> bool:
+    def all_reduce_max(self, values: list[int]) -> list[int]:
         self.agreements += 1
-        return super().agree_any(flag)
+        return super().all_reduce_max(values)
 
 
 def _saved_steps(snap: SnapshotManager, clock: _Clock, steps: int, dt: float) -> list[int]:

@@ -84,5 +84,5 @@ def test_agent_hook_is_installed_only_while_running() -> None:
     with installed() as cls:
         assert launcher_api.LocalElasticAgent is cls is ElasticTrainAgent
     assert launcher_api.LocalElasticAgent is LocalElasticAgent
-    assert [describe_exit(c) for c in (75, 78, 71, -9, 1)] == \
-        ["preempted", "fatal", "hang", "signal", "error"]
+    assert [describe_exit(c) for c in (75, 76, 78, 71, -9, 1)] == \
+        ["preempted", "preempted_unsaved", "fatal", "hang", "signal", "error"]

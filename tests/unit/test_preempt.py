@@ -147,7 +147,8 @@ def test_one_all_reduce_per_step_carries_time_trigger_and_notice(
     for _ in range(5):
         snap.step()
     assert len(ctx.all_reduces) == 5
-    assert all(len(v) == 3 for v in ctx.all_reduces)  # [time due, noticed, notice age]
+    # [time due, failed save's step, noticed, notice age]
+    assert all(len(v) == 4 for v in ctx.all_reduces)
 
 
 def test_notice_takes_a_final_snapshot_of_this_step_and_exits_75(

@@ -1,0 +1,105 @@
+"""Faults in combination under a real torchrun agent (`elastictrain run`, 2 gloo workers,
+SIGTERM by PID to the launcher, which forwards it): a preemption notice while the store
+fails (exit 76, `preempt.failed` on every rank, a relaunch resumes from the newest
+committed snapshot), and a slow-but-moving upload under a 1 s hang watchdog (the final
+snapshot commits, exit 75; the end-of-run close waits for its slow upload, exit 0)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from elastictrain.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
+from tests.e2e.test_preemption import LAUNCH_TIMEOUT, Job
+from tests.helpers import REPO, wait_for
+
+pytestmark = pytest.mark.distributed
+
+JOB = REPO / "tests" / "e2e" / "faults_job.py"
+
+
+class FaultsJob(Job):
+    """tests/e2e/faults_job.py under `elastictrain run`, configured by environment only."""
+
+    def argv(self, steps: int, *extra: str) -> list[str]:
+        return ["--nproc-per-node=2", "--max-restarts=0", f"--log-dir={self.tmp / 'logs'}",
+                str(JOB), str(self.storage), str(steps), *extra]
+
+    def kill_leftovers(self) -> None:
+        for event in self.of("worker.start"):
+            pid = int(event["pid"])
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue  # gone
+            if JOB.name.encode() in cmdline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def resumed_from(self) -> int:
+        resume = [e for e in self.of("resume", rank=0) if e.get("from_step") is not None]
+        return int(resume[-1]["from_step"])
+
+
+def test_notice_while_the_store_fails_exits_76_and_a_relaunch_resumes(tmp_path: Path) -> None:
+    switch = tmp_path / "fail-switch"
+    job = FaultsJob(tmp_path, FAULTS_JOB_FAIL_WHILE=str(switch), FAULTS_JOB_STEP_S="0.02",
+                    ELASTICTRAIN_SNAPSHOT__EVERY_STEPS="50",
+                    ELASTICTRAIN_SNAPSHOT__RETRY_BACKOFF_S="2",
+                    ELASTICTRAIN_SNAPSHOT__MAX_CONSECUTIVE_FAILURES="3")
+    with job.start(steps=100_000) as launcher:
+        wait_for(lambda: job.committed(50), 180, "the first periodic snapshot")
+        switch.touch()
+        wait_for(lambda: job.of("snapshot.failed"), 120, "a save to fail and be retried")
+        os.kill(launcher.pid, signal.SIGTERM)
+        code = launcher.wait(timeout=LAUNCH_TIMEOUT)
+    assert code == EXIT_PREEMPTED_UNSAVED, job.log()
+    failed = job.of("preempt.failed")
+    assert {e["rank"] for e in failed} == {0, 1}
+    step = failed[0]["snapshot_step"]
+    assert all(e["snapshot_step"] == step and e["exit_code"] == EXIT_PREEMPTED_UNSAVED
+               for e in failed)
+    assert all("injected failure" in e["reason"] for e in failed)  # rank 1 has the why too
+    assert not job.of("preempt.saved") and not job.committed(step)
+    attempted = {e["snapshot_step"] for e in job.of("snapshot.failed")}
+    assert step in attempted  # the final snapshot was attempted, not skipped
+    assert job.of("preempt.inflight_failed", rank=0)
+    finished = job.of("agent.finished")
+    assert finished[-1]["exit_code"] == EXIT_PREEMPTED_UNSAVED
+    assert finished[-1]["outcome"] == "preempted_unsaved"
+    newest = job.newest()
+    assert newest < step
+    switch.unlink()
+    result = job.run(steps=newest + 5)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert job.resumed_from() == newest
+    assert job.of("run.finished")[-1]["final_step"] == newest + 5
+
+
+def test_slow_moving_final_upload_under_a_short_watchdog_commits_and_exits_75(
+        tmp_path: Path) -> None:
+    # 4 MB of state at 32 KiB per 50 ms: each save uploads for about 6 s, six times the
+    # watchdog's 1 s limit, and never stops moving for longer than about 0.4 s.
+    job = FaultsJob(tmp_path, FAULTS_JOB_TRICKLE=f"{32 << 10}:0.05", FAULTS_JOB_STEP_S="0.02",
+                    ELASTICTRAIN_SNAPSHOT__EVERY_STEPS="50",
+                    ELASTICTRAIN_WATCHDOG__TIMEOUT_S="1",
+                    ELASTICTRAIN_WATCHDOG__CHECK_INTERVAL_S="0.1")
+    with job.start(steps=100_000) as launcher:
+        wait_for(lambda: job.committed(50), 180, "the first periodic snapshot")
+        os.kill(launcher.pid, signal.SIGTERM)
+        code = launcher.wait(timeout=LAUNCH_TIMEOUT)
+    assert code == EXIT_PREEMPTED, job.log()
+    saved = job.of("preempt.saved")
+    assert {e["rank"] for e in saved} == {0, 1}
+    step = saved[0]["snapshot_step"]
+    assert job.committed(step) and job.newest() == step
+    assert saved[0]["save_s"] > 1.0  # the final upload outlasted the watchdog's limit
+    assert not job.of("watchdog.fired")
+    result = job.run(steps=step + 3)  # ends with a final save: close() waits ~6 s for it
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert job.resumed_from() == step  # nothing lost
+    assert job.committed(step + 3) and not job.of("watchdog.fired")

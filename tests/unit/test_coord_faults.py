@@ -1,0 +1,157 @@
+"""Faults in combination, in one process: a notice while a save is failing (the final
+snapshot is still attempted; exit 75 only if it committed), a slow persist that keeps
+moving (not a hang) against one that stalls (a hang), and a manager built without
+``ctx``/``config`` (settings from the environment; the process group it finds)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from elastictrain import preempt, watchdog
+from elastictrain.config import PreemptConfig, WatchdogConfig
+from elastictrain.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED, ConfigError
+from elastictrain.snapshot.manager import SnapshotManager
+from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.storage import open_store
+from tests.fault_stores import FailingStore, GatedStore, TricklingStore, read_journal
+from tests.helpers import wait_for
+
+
+@pytest.fixture
+def watcher() -> Iterator[preempt.PreemptionWatcher]:
+    installed = preempt.install(PreemptConfig(signals=[]), poll=False)
+    assert installed is not None
+    try:
+        yield installed
+    finally:
+        preempt.uninstall()
+
+
+@pytest.fixture
+def dog() -> Iterator[Callable[[], list[int]]]:
+    """Installs (when called) a process-wide watchdog with a 0.5 s step limit whose
+    exit is recorded, not taken; returns the list of exit codes."""
+    exits: list[int] = []
+    config = WatchdogConfig(timeout_s=0.5, startup_timeout_s=60, check_interval_s=0.05,
+                            backstop=False)
+
+    def install() -> list[int]:
+        watchdog._current = watchdog.Watchdog(config, exit_fn=exits.append).start()
+        return exits
+
+    try:
+        yield install
+    finally:
+        watchdog.uninstall()
+
+
+def named(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in logs if e["event"] == name]
+
+
+def _steps(snap: SnapshotManager, until: int) -> None:
+    while snap.step_count < until:
+        snap.step()
+
+
+# -- case 2: a notice while a save is failing --------------------------------------------
+def test_notice_while_the_inflight_save_fails_still_takes_the_final_snapshot(
+        tmp_path: Path, watcher: preempt.PreemptionWatcher) -> None:
+    # The save of step 5 fails twice (= gives up); the final one, of step 7, must still run.
+    store = FailingStore(open_store(str(tmp_path)), failures=2)
+    snap = SnapshotManager(store, model=torch.nn.Linear(3, 3), every_steps=5,
+                           max_consecutive_failures=2, retry_backoff_s=0.01)
+    with capture_logs() as logs:
+        _steps(snap, 6)
+        watcher.notify("signal", "SIGTERM")
+        with pytest.raises(SystemExit) as exited:
+            snap.step()
+    assert exited.value.code == EXIT_PREEMPTED
+    assert list_snapshot_dirs(snap.store) == [7]  # the final snapshot committed
+    assert named(logs, "preempt.inflight_failed")
+    (saved,) = named(logs, "preempt.saved")
+    assert saved["snapshot_step"] == 7 and not named(logs, "preempt.failed")
+
+
+def test_notice_while_the_store_keeps_failing_exits_76_and_says_why(
+        tmp_path: Path, watcher: preempt.PreemptionWatcher) -> None:
+    store = FailingStore(open_store(str(tmp_path)), failures=10**6)
+    snap = SnapshotManager(store, model=torch.nn.Linear(3, 3), every_steps=5,
+                           max_consecutive_failures=2, retry_backoff_s=0.01)
+    with capture_logs() as logs:
+        _steps(snap, 6)
+        watcher.notify("signal", "SIGTERM")
+        with pytest.raises(SystemExit) as exited:
+            snap.step()
+    assert exited.value.code == EXIT_PREEMPTED_UNSAVED
+    assert list_snapshot_dirs(snap.store) == []
+    failed_attempts = {e["snapshot_step"] for e in named(logs, "snapshot.failed")}
+    assert failed_attempts == {5, 7}  # the final save was attempted, not skipped
+    (failed,) = named(logs, "preempt.failed")
+    assert failed["snapshot_step"] == 7 and failed["exit_code"] == EXIT_PREEMPTED_UNSAVED
+    assert "SnapshotWriteFailed" in failed["reason"] and "injected failure" in failed["reason"]
+    assert not named(logs, "preempt.saved")
+
+
+# -- case 3: the watchdog while waiting for a persist --------------------------------------
+@pytest.mark.parametrize("persister", ["thread", "process"])
+def test_a_slow_persist_that_keeps_moving_is_not_a_hang(
+        tmp_path: Path, dog: Callable[[], list[int]], persister: str) -> None:
+    # 4 MB at 32 KiB per 20 ms: about 2.6 s of upload, five times the 0.5 s limit.
+    store = TricklingStore(open_store(str(tmp_path)), chunk_bytes=32 << 10, delay_s=0.02)
+    snap = SnapshotManager(store, model=torch.nn.Linear(1024, 1024), every_steps=1,
+                           persister=persister)
+    snap.step()
+    snap.wait()  # a persister process is up (it imports torch for seconds: not measured here)
+    exits = dog()
+    with capture_logs() as logs:
+        snap.step()
+        snap.close()  # waits for the whole upload
+    assert exits == [] and list_snapshot_dirs(snap.store) == [2, 1]
+    (committed,) = named(logs, "snapshot.committed")
+    assert committed["duration_s"] > 1.0  # the upload did outlast the limit
+
+
+def test_a_persist_that_moves_nothing_is_a_hang(
+        tmp_path: Path, dog: Callable[[], list[int]]) -> None:
+    exits = dog()
+    journal, gate = tmp_path / "journal", tmp_path / "gate"
+    store = GatedStore(open_store(str(tmp_path / "run")), str(journal), str(gate))
+    snap = SnapshotManager(store, model=torch.nn.Linear(64, 64), every_steps=1)
+    snap.step()  # the persist writes 4 KiB, then stalls until the gate opens
+    waiter = threading.Thread(target=snap.wait)
+    waiter.start()
+    try:
+        wait_for(lambda: exits, 30, "the watchdog to fire while wait() sees no bytes move")
+        assert exits == [71] and read_journal(journal) == [read_journal(journal)[0]]
+    finally:
+        gate.touch()
+        waiter.join(timeout=60)
+        snap.close()
+
+
+# -- case 11: a manager built without ctx / config -----------------------------------------
+def test_settings_from_the_environment_reach_a_manager_built_with_a_url(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT__KEEP", "7")
+    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT__EVERY_STEPS", "13")
+    monkeypatch.setenv("ELASTICTRAIN_STORAGE__RETRIES", "9")
+    snap = SnapshotManager(str(tmp_path), model=torch.nn.Linear(2, 2), every_steps=4)
+    assert snap.config.keep == 7  # the environment, over the defaults
+    assert snap.config.every_steps == 4  # an explicit argument, over the environment
+    assert snap.store._policy.retries == 9  # type: ignore[attr-defined]
+
+
+def test_a_world_without_a_process_group_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE=2 .*fix: call elastictrain.init\(\)"):
+        SnapshotManager(str(tmp_path), model=torch.nn.Linear(2, 2))
