@@ -17,7 +17,7 @@ from elastictrain import preempt
 from elastictrain.config import PreemptConfig
 from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.reader import load_verified
+from elastictrain.snapshot.reader import verify_snapshot
 from elastictrain.snapshot.rng import capture_rng
 from elastictrain.storage import open_store
 from tests.distributed.test_snapshot_collectives import _group, _join
@@ -87,7 +87,8 @@ def test_a_manager_without_ctx_gathers_rng_from_every_rank(tmp_path: Path,
                                                            via_init: bool) -> None:
     _join(tmp_path, _no_ctx_rank, via_init, timeout=120)
     assert [(tmp_path / f"world{r}").read_text() for r in (0, 1)] == ["2", "2"]
-    _, payload = load_verified(open_store(str(tmp_path / "run")), 1)
+    payload = verify_snapshot(open_store(str(tmp_path / "run")), 1, load=True).payload
+    assert payload is not None
     assert payload["world_size"] == 2 and len(payload["rng"]) == 2
     for r in (0, 1):
         expected = torch.load(tmp_path / f"rng{r}.pt", weights_only=True)
