@@ -8,7 +8,9 @@ from typing import Any
 
 from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError, SnapshotCorrupt
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, read_verified
+from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION
+from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, verify_snapshot
+from elastictrain.snapshot.sharded.commit import parts_by_rank
 from elastictrain.snapshot.writer import prune
 from elastictrain.storage import Store, open_store
 
@@ -57,7 +59,7 @@ def verify_snapshots(store: Store, step: int | None = None) -> list[dict[str, An
     rows = []
     for s in steps:
         try:
-            m = read_verified(store, s).manifest
+            m = verify_snapshot(store, s)
             rows.append({"step": s, "status": "ok", "size_bytes": m.total_bytes,
                          "checksum": m.checksum_algorithm})
         except SnapshotCorrupt as exc:
@@ -66,7 +68,11 @@ def verify_snapshots(store: Store, step: int | None = None) -> list[dict[str, An
 
 
 def inspect_snapshot(store: Store, step: int) -> dict[str, Any]:
-    return {"status": "committed", **read_manifest(store, step).model_dump()}
+    manifest = read_manifest(store, step)
+    row = {"status": "committed", **manifest.model_dump()}
+    if manifest.format_version == SHARDED_FORMAT_VERSION:
+        row["parts"] = parts_by_rank(manifest)
+    return row
 
 
 def prune_snapshots(store: Store, keep: int) -> list[dict[str, Any]]:

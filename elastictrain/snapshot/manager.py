@@ -39,6 +39,9 @@ from elastictrain.snapshot.persister import SaveHandle
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world, restore_rng
 from elastictrain.snapshot.saver import Saver
+from elastictrain.snapshot.sharded.restore import load_newest_sharded
+from elastictrain.snapshot.sharded.save import ShardedSaver
+from elastictrain.snapshot.sharded.state import has_dtensor_params
 from elastictrain.snapshot.writer import SnapshotMeta
 from elastictrain.storage import Store, open_store
 
@@ -87,6 +90,8 @@ class SnapshotManager:
         progress_dir: local directory for a tiny per-rank step counter, used to
             report how many steps a restart lost. None disables it.
         clock: monotonic seconds for ``every_seconds`` (tests inject a fake one).
+        sharded: save model and optimizer from every rank through DCP (FSDP2/DTensor
+            state, docs/sharded.md); None: when the model's parameters are DTensors.
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class SnapshotManager:
         storage_options: dict[str, Any] | None = None,
         progress_dir: str | Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sharded: bool | None = None,
         **overrides: Any,
     ) -> None:
         base = (config or SnapshotConfig()).model_dump()
@@ -120,7 +126,10 @@ class SnapshotManager:
         self.extras: dict[str, Any] = {}
         self.step_count = 0
         self._epoch = 0
-        self._saver = Saver(self.store, self.config)
+        self.sharded = has_dtensor_params(unwrap(model)) if sharded is None else sharded
+        self._saver: Saver | ShardedSaver = (
+            ShardedSaver(self.store, self.config, self.ctx, unwrap(model), optimizer)
+            if self.sharded else Saver(self.store, self.config))
         self._last_handle: SaveHandle | None = None
         self._clock = clock
         self._last_save_time = clock()
@@ -146,7 +155,11 @@ class SnapshotManager:
         started = time.perf_counter()
         if self.ctx.is_writer:
             self._saver.warm_up()  # a persister process starts while we load
-        loaded = load_newest(self.store, self.ctx, self.config.restore_mode)
+        if isinstance(self._saver, ShardedSaver):  # loads model + optimizer itself
+            loaded = load_newest_sharded(self.store, self.ctx, self._saver.group,
+                                         unwrap(self.model), self.optimizer)
+        else:
+            loaded = load_newest(self.store, self.ctx, self.config.restore_mode)
         step = loaded.step if loaded else None
         if loaded is not None and self.sampler is not None:
             # Before anything is applied or trained; every rank holds the same payload.
@@ -173,8 +186,11 @@ class SnapshotManager:
         return info
 
     def _apply(self, payload: dict[str, Any]) -> None:
-        unwrap(self.model).load_state_dict(payload["model"])
-        for name in ("optimizer", "scheduler", "scaler"):
+        names = ["scheduler", "scaler"]
+        if not self.sharded:
+            unwrap(self.model).load_state_dict(payload["model"])
+            names.insert(0, "optimizer")
+        for name in names:
             target = getattr(self, name)
             if target is not None and payload.get(name) is not None:
                 target.load_state_dict(payload[name])
@@ -251,7 +267,7 @@ class SnapshotManager:
         started = time.perf_counter()
         rng = self.ctx.all_gather_object(capture_rng())
         self._last_save_time = self._clock()
-        if not self.ctx.is_writer:
+        if not self.ctx.is_writer and not self.sharded:
             return SaveHandle.completed(self.step_count)
         meta = SnapshotMeta(
             run_id=self.run_id,
@@ -266,13 +282,21 @@ class SnapshotManager:
         return self._last_handle
 
     def _state(self, rng: list[dict[str, Any]]) -> dict[str, Any]:
+        """Everything but, when sharded, model and optimizer (every rank saves those)."""
+        if self.sharded:
+            return {"format": 2, **self._common_state(rng)}
         return {
             "format": 1,
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            **self._common_state(rng),
+        }
+
+    def _common_state(self, rng: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
             "step": self.step_count,
             "epoch": self.epoch,
             "world_size": self.ctx.world_size,
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,

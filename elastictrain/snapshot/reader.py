@@ -20,7 +20,7 @@ from elastictrain.errors import SnapshotCorrupt, StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import checksum_bytes, new_hasher
-from elastictrain.snapshot.manifest import Manifest, ObjectEntry
+from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest, ObjectEntry
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
@@ -97,6 +97,11 @@ def read_verified(store: Store, step: int) -> VerifiedSnapshot:
 
 def verify_snapshot(store: Store, step: int) -> Manifest:
     """Verify ``step`` fully; return its manifest (raises SnapshotCorrupt)."""
+    manifest = read_manifest(store, step)
+    if manifest.format_version == SHARDED_FORMAT_VERSION:
+        from elastictrain.snapshot.sharded.commit import verify_sharded  # imports the writer
+
+        return verify_sharded(store, manifest)
     return read_verified(store, step).manifest
 
 
