@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import pytest
 import torch
@@ -94,7 +94,7 @@ def test_missing_part_falls_back_to_previous_snapshot(url: str) -> None:
     store.delete(f"{layout.step_dir(10)}/{part}")
     rows = {r["step"]: r["status"] for r in ops.verify_snapshots(store)}
     assert rows == {10: "corrupt", 5: "ok"}
-    model, opt, sched, sampler, snap = build(url, sharded=True)
+    *_, snap = build(url, sharded=True)
     with capture_logs() as logs:
         info = snap.restore()
     snap.close()
@@ -117,7 +117,7 @@ def test_corrupt_item_falls_back_and_is_verified_per_item(url: str) -> None:
     (part,) = _objects(store, 10, "rank")
     item = read_manifest(store, 10).objects[0].items[-1]  # type: ignore[index]
     _flip_byte(store, f"{layout.step_dir(10)}/{part}", item.offset)
-    model, opt, sched, sampler, snap = build(url, sharded=True)
+    *_, snap = build(url, sharded=True)
     with capture_logs() as logs:
         info = snap.restore()
     snap.close()
@@ -132,7 +132,7 @@ def test_corrupt_only_snapshot_after_partial_load_is_an_error(url: str) -> None:
     (part,) = _objects(store, 5, "rank")
     size = store.size(f"{layout.step_dir(5)}/{part}")
     _flip_byte(store, f"{layout.step_dir(5)}/{part}", size - 1)
-    model, opt, sched, sampler, snap = build(url, sharded=True)
+    *_, snap = build(url, sharded=True)
     with pytest.raises(SnapshotCorrupt, match="partly loaded"):
         snap.restore()
     snap.close()
@@ -152,7 +152,7 @@ class _FailingReads(_Wrapper):
 def test_read_error_fails_the_attempt_without_fallback(url: str) -> None:
     _saved_run(url)
     store = _FailingReads(open_store(url))
-    model, opt, sched, sampler, snap = build(store, sharded=True)  # type: ignore[arg-type]
+    *_, snap = build(store, sharded=True)  # type: ignore[arg-type]
     with pytest.raises(StorageError, match="connection reset") as raised:
         snap.restore()
     snap.close()
