@@ -150,12 +150,11 @@ class ShardedSaver:
                                   "process_group": self._group,
                                   "no_dist": not self._ctx.initialized}
         if self._config.mode == "sync":
+            # Training waits for the write, so the live tensors are written without a copy.
             future: Future[Any] = Future()
-            staged = self._staging.stage(state)
-            self._log_staged(meta.step, started)
             persist_started = time.perf_counter()
             try:
-                future.set_result(dcp.save(staged, **kwargs))
+                future.set_result(dcp.save(state, **kwargs))
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
                 future.set_exception(exc)
         else:  # async_save stages (a blocking copy into our buffers), then persists in a thread
