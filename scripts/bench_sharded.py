@@ -13,8 +13,10 @@ state is already there). Measured per rank:
 * async save (first: allocates the reusable staging buffers; second: reuses them),
   from ``save()`` to durable;
 * sync save (``mode="sync"``: no staging copy, the live tensors are written);
-* restore into the live model and optimizer (DCP reads item by item), in fresh
-  processes (so no memory freed by the saves is there to be reused).
+* restore into the live model and optimizer (DCP reads item by item).
+
+Each of the three runs in fresh processes, so no memory freed by one is there to be
+reused by the next.
 
 The bound checked is the issue's: added memory ≤ shard x 1.3 + 64 MiB.
 """
@@ -109,9 +111,9 @@ def rank_main(rank: int, world: int, port: int, layers: int, root: str, out: str
     shard = sum(t.numel() * t.element_size() for t in local) * 3  # params + 2 AdamW moments
     row: dict[str, Any] = {"rank": rank, "shard_mb": shard / 2**20,
                            "rss_before_mb": rss_bytes() / 2**20}
-    if phase == "save":
-        _saves(rank, ctx, model, opt, root, row)
-    else:  # a fresh process: nothing freed by an earlier save is there to be reused
+    if phase in ("async", "sync"):
+        _saves(ctx, model, opt, root, row, phase)
+    else:
         again = SnapshotManager(f"{root}/sync", model=model, optimizer=opt, ctx=ctx,
                                 mode="sync")
         dist.barrier()
@@ -126,25 +128,23 @@ def rank_main(rank: int, world: int, port: int, layers: int, root: str, out: str
     dist.destroy_process_group()
 
 
-def _saves(rank: int, ctx: DistContext, model: nn.Module, opt: Any, root: str,
-           row: dict[str, Any]) -> None:
-    for mode in ("async", "sync"):
-        snap = SnapshotManager(f"{root}/{mode}", model=model, optimizer=opt, ctx=ctx,
-                               mode=mode, keep=1)
-        for attempt in (1, 2) if mode == "async" else (1,):
-            snap.step_count += 1
-            dist.barrier()
-            started = time.perf_counter()
-            with PeakRss() as peak:
-                handle = snap.save()
-                blocked = time.perf_counter() - started
-                handle.wait()
-            durable = time.perf_counter() - started
-            key = f"save_{mode}{attempt if mode == 'async' else ''}"
-            row[key] = {"added_mb": peak.added / 2**20, "blocking_s": blocked,
-                        "durable_s": durable}
-        snap.close()
-        del snap
+def _saves(ctx: DistContext, model: nn.Module, opt: Any, root: str, row: dict[str, Any],
+           mode: str) -> None:
+    snap = SnapshotManager(f"{root}/{mode}", model=model, optimizer=opt, ctx=ctx, mode=mode,
+                           keep=1)
+    for attempt in (1, 2) if mode == "async" else (1,):
+        snap.step_count += 1
+        dist.barrier()
+        started = time.perf_counter()
+        with PeakRss() as peak:
+            handle = snap.save()
+            blocked = time.perf_counter() - started
+            handle.wait()
+        durable = time.perf_counter() - started
+        key = f"save_{mode}{attempt if mode == 'async' else ''}"
+        row[key] = {"added_mb": peak.added / 2**20, "blocking_s": blocked,
+                    "durable_s": durable}
+    snap.close()
 
 
 def free_port() -> int:
@@ -167,13 +167,14 @@ def main() -> None:
     layers = max(1, round(args.shard_mb / layer_mb))
     work = Path(tempfile.mkdtemp(prefix="bench-sharded-", dir=args.dir))
     try:
-        for phase in ("save", "restore"):
+        for phase in ("async", "sync", "restore"):
             torch_mp.start_processes(rank_main, nprocs=args.ranks, start_method="spawn",
                                      args=(args.ranks, free_port(), layers,
                                            str(work / "store"), str(work), phase))
         rows = []
         for r in range(args.ranks):
-            row = json.loads((work / f"save-rank{r}.json").read_text())
+            row = json.loads((work / f"async-rank{r}.json").read_text())
+            row["save_sync"] = json.loads((work / f"sync-rank{r}.json").read_text())["save_sync"]
             row["restore"] = json.loads((work / f"restore-rank{r}.json").read_text())["restore"]
             rows.append(row)
     finally:
