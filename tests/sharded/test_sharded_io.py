@@ -35,8 +35,8 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _saved_run(url: str, until: int = 10) -> None:
-    model, opt, sched, sampler, snap = build(url, sharded=True)
+def _saved_run(url: str, until: int = 10, mode: str = "async") -> None:
+    model, opt, sched, sampler, snap = build(url, sharded=True, mode=mode)
     train(model, opt, sched, sampler, snap, until)
     snap.close()
 
@@ -45,11 +45,12 @@ def _objects(store: Store, step: int, prefix: str) -> list[str]:
     return [n for n in store.list_dir(layout.step_dir(step)) if n.startswith(prefix)]
 
 
-def test_resume_is_bit_exact(url: str) -> None:
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_resume_is_bit_exact(url: str, mode: str) -> None:
     ref = build(url + "-ref", sharded=True)
     ref_losses = train(*ref, until=14)
     ref[4].close()
-    _saved_run(url, until=8)  # snapshot at 5 (train() ends the epoch after step 10)
+    _saved_run(url, until=8, mode=mode)  # snapshot at 5 (train() ends the epoch after step 10)
     model, opt, sched, sampler, snap = build(url, sharded=True)
     info = snap.restore()
     losses = train(model, opt, sched, sampler, snap, until=14)
