@@ -8,7 +8,8 @@ Linear 2048x2048 layers built on the meta device and sharded with ``fully_shard`
 model + optimizer state per rank is about ``--shard-mb``. Each rank samples its own
 resident set (``/proc/self/statm``) every 2 ms in a thread; "added" is the peak
 during the operation minus the resident set just before it (the live training
-state is already there). Measured per rank:
+state is already there; free heap is handed back to the OS first, ``malloc_trim``,
+so an operation cannot hide its allocations in memory freed earlier). Measured per rank:
 
 * async save (first: allocates the reusable staging buffers; second: reuses them),
   from ``save()`` to durable;
@@ -24,6 +25,7 @@ The bound checked is the issue's: added memory ≤ shard x 1.3 + 64 MiB.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -50,6 +52,12 @@ BUFFER_MB = 64
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+def release_free_memory() -> None:
+    """Give freed heap back to the OS (glibc ``malloc_trim``), so that the baseline
+    does not hold free memory an operation could reuse without being counted."""
+    ctypes.CDLL(None).malloc_trim(0)
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * _PAGE
@@ -59,6 +67,7 @@ class PeakRss:
     """The highest resident set seen while the block runs (sampled every 2 ms)."""
 
     def __enter__(self) -> PeakRss:
+        release_free_memory()
         self.before = self.peak = rss_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -185,7 +194,8 @@ def main() -> None:
                   "bound": f"added <= shard x 1.3 + {BUFFER_MB} MiB", "dir": args.dir},
         "ranks": rows,
         "within_bound": all(r[k]["added_mb"] <= bound[r["rank"]]
-                            for r in rows for k in ("save_async2", "save_sync", "restore")),
+                            for r in rows
+                            for k in ("save_async1", "save_async2", "save_sync", "restore")),
     }
     if args.json:
         print(json.dumps(result))
@@ -201,7 +211,7 @@ def main() -> None:
               f"{r['restore']['added_mb']:>8.0f} {bound[r['rank']]:>7.0f}  "
               f"{r['save_async2']['durable_s']:>9.2f} {r['save_async2']['blocking_s']:>10.2f} "
               f"{r['restore']['s']:>9.2f}")
-    print("within bound (async#2, sync, restore):", result["within_bound"])
+    print("every operation within the bound:", result["within_bound"])
 
 
 if __name__ == "__main__":

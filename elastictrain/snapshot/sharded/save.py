@@ -19,6 +19,7 @@ commits and sends the outcome back to all.
 
 from __future__ import annotations
 
+import copy
 import io
 import time
 import uuid
@@ -29,9 +30,9 @@ import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.tensor import DTensor
 
 from elastictrain.config import SnapshotConfig
 from elastictrain.dist import DistContext
@@ -62,7 +63,12 @@ def background_group(ctx: DistContext) -> Any | None:
 
 class _ReusedStaging:
     """DCP stager that copies state into CPU buffers allocated once and reused
-    (the next save waits for the previous one, so they are free again)."""
+    (the next save waits for the previous one, so they are free again).
+
+    Buffers are allocated empty, shard by shard: torch's own helper
+    (``_create_cpu_state_dict``) deep-copies each CPU DTensor first, which
+    doubled the first save's memory in ``scripts/bench_sharded.py``.
+    """
 
     _synchronize_after_execute = False
     should_synchronize_after_execute = False
@@ -73,9 +79,11 @@ class _ReusedStaging:
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         if self._buffers is None:
-            self._buffers = _create_cpu_state_dict(state_dict)
+            self._buffers = _empty_like(state_dict)
             self.nbytes = _local_bytes(self._buffers)
-        return _copy_state_dict(state_dict, self._buffers)
+        staged = _copy_into(state_dict, self._buffers)
+        assert isinstance(staged, dict)
+        return staged
 
     def synchronize_staging(self) -> None:
         return None
@@ -84,13 +92,42 @@ class _ReusedStaging:
         self._buffers = None
 
 
+def _empty_like(state: Any) -> Any:
+    if isinstance(state, dict):
+        return {k: _empty_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_empty_like(v) for v in state]
+    if isinstance(state, DTensor):
+        return DTensor.from_local(torch.empty_like(state.to_local(), device="cpu"),
+                                  state.device_mesh, state.placements, run_check=False,
+                                  shape=state.shape, stride=state.stride())
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state, device="cpu")
+    return None  # not a tensor: staged by value at each save
+
+
+def _copy_into(state: Any, buffers: Any) -> Any:
+    """``state`` with every tensor replaced by its buffer, refilled (shape-checked)."""
+    if isinstance(state, dict):
+        return {k: _copy_into(v, buffers[k]) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copy_into(v, b) for v, b in zip(state, buffers, strict=True)]
+    if isinstance(state, DTensor):
+        buffers.to_local().copy_(state.to_local())
+        return buffers
+    if isinstance(state, torch.Tensor):
+        buffers.copy_(state)
+        return buffers
+    return copy.deepcopy(state)
+
+
 def _local_bytes(state: Any) -> int:
     if isinstance(state, dict):
         return sum(_local_bytes(v) for v in state.values())
     if isinstance(state, (list, tuple)):
         return sum(_local_bytes(v) for v in state)
     if isinstance(state, torch.Tensor):
-        local = state.to_local() if hasattr(state, "to_local") else state
+        local = state.to_local() if isinstance(state, DTensor) else state
         return int(local.numel() * local.element_size())
     return 0
 
