@@ -8,8 +8,10 @@ from typing import Any
 
 from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError, SnapshotCorrupt
+from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION
 from elastictrain.snapshot.reader import newest_first, read_manifest, verify_snapshot
 from elastictrain.snapshot.retention import prune
+from elastictrain.snapshot.sharded.commit import parts_by_rank
 from elastictrain.storage import Store, open_store
 
 
@@ -79,7 +81,11 @@ def nothing_found(store: Store, step: int | None = None) -> str:
 
 
 def inspect_snapshot(store: Store, step: int) -> dict[str, Any]:
-    return {"status": "committed", **read_manifest(store, step).model_dump()}
+    manifest = read_manifest(store, step)
+    row = {"status": "committed", **manifest.model_dump()}
+    if manifest.format_version == SHARDED_FORMAT_VERSION:
+        row["parts"] = parts_by_rank(manifest)
+    return row
 
 
 def prune_snapshots(store: Store, keep: int) -> list[dict[str, Any]]:

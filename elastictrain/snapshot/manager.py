@@ -51,6 +51,9 @@ from elastictrain.snapshot.persister import SaveHandle
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world, restore_rng
 from elastictrain.snapshot.saver import Saver
+from elastictrain.snapshot.sharded.restore import load_newest_sharded
+from elastictrain.snapshot.sharded.save import ShardedSaver
+from elastictrain.snapshot.sharded.state import has_dtensor_params
 from elastictrain.storage import Store, open_store
 
 log = get_logger("elastictrain.snapshot")
@@ -102,6 +105,8 @@ class SnapshotManager:
         progress_dir: local directory for a tiny per-rank step counter, used to
             report how many steps a restart lost. None disables it.
         clock: monotonic seconds for ``every_seconds`` (tests inject a fake one).
+        sharded: save model and optimizer from every rank through DCP (FSDP2/DTensor
+            state, docs/sharded.md); None: when the model's parameters are DTensors.
 
     Raises:
         ConfigError: a setting is invalid, or ``WORLD_SIZE`` > 1 and no process
@@ -123,6 +128,7 @@ class SnapshotManager:
         storage_options: dict[str, Any] | None = None,
         progress_dir: str | Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sharded: bool | None = None,
         **overrides: Any,
     ) -> None:
         rt = runtime.current()
@@ -142,7 +148,10 @@ class SnapshotManager:
         self.extras: dict[str, Any] = {}
         self.step_count = 0
         self._epoch = 0
-        self._saver = Saver(self.store, self.config)
+        self.sharded = has_dtensor_params(unwrap(model)) if sharded is None else sharded
+        self._saver: Saver | ShardedSaver = (
+            ShardedSaver(self.store, self.config, self.ctx, unwrap(model), optimizer)
+            if self.sharded else Saver(self.store, self.config))
         self._last_handle: SaveHandle | None = None
         self._clock = clock
         self._last_save_time = clock()
@@ -171,7 +180,11 @@ class SnapshotManager:
         started = time.perf_counter()
         if self.ctx.is_writer:
             self._saver.warm_up()  # a persister process starts while we load
-        loaded = load_newest(self.store, self.ctx, self.config.restore_mode)
+        if isinstance(self._saver, ShardedSaver):  # loads model + optimizer itself
+            loaded = load_newest_sharded(self.store, self.ctx, self._saver.group,
+                                         unwrap(self.model), self.optimizer)
+        else:
+            loaded = load_newest(self.store, self.ctx, self.config.restore_mode)
         step = loaded.step if loaded else None
         if loaded is not None and self.sampler is not None:
             # Before anything is applied or trained; every rank holds the same payload.
@@ -198,8 +211,11 @@ class SnapshotManager:
         return info
 
     def _apply(self, payload: dict[str, Any]) -> None:
-        unwrap(self.model).load_state_dict(payload["model"])
-        for name in ("optimizer", "scheduler", "scaler"):
+        names = ["scheduler", "scaler"]
+        if not self.sharded:
+            unwrap(self.model).load_state_dict(payload["model"])
+            names.insert(0, "optimizer")
+        for name in names:
             target = getattr(self, name)
             if target is not None and payload.get(name) is not None:
                 target.load_state_dict(payload[name])
@@ -293,7 +309,7 @@ class SnapshotManager:
             SnapshotWriteFailed: the previous save gave up (on every rank).
         """
         started = time.perf_counter()
-        if self.ctx.is_writer:
+        if self.ctx.is_writer or self.sharded:  # sharded: every rank persists
             self._saver.wait_in_flight(self.step_count)  # its outcome is agreed below
         with watchdog.busy("snapshot.save"):
             gathered = self.ctx.all_gather_object((capture_rng(), self._failed_step()))
@@ -301,7 +317,7 @@ class SnapshotManager:
             failed_step = gathered[0][1]
             if failed_step:
                 self._raise_failed(failed_step)
-            if not self.ctx.is_writer:
+            if not self.ctx.is_writer and not self.sharded:
                 return SaveHandle.completed(self.step_count)
             meta = SnapshotMeta(
                 run_id=self.run_id,
@@ -327,7 +343,7 @@ class SnapshotManager:
         down as soon as one rank exits).
         """
         started = time.monotonic()
-        if self.ctx.is_writer:
+        if self.ctx.is_writer or self.sharded:
             try:
                 self._saver.wait()
             except Exception as exc:  # the earlier save failing must not stop the final one
@@ -358,13 +374,21 @@ class SnapshotManager:
         raise preempt.PreemptedExit(EXIT_PREEMPTED)
 
     def _state(self, rng: list[dict[str, Any]]) -> dict[str, Any]:
+        """Everything but, when sharded, model and optimizer (every rank saves those)."""
+        if self.sharded:
+            return {"format": 2, **self._common_state(rng)}
         return {
             "format": 1,
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            **self._common_state(rng),
+        }
+
+    def _common_state(self, rng: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
             "step": self.step_count,
             "epoch": self.epoch,
             "world_size": self.ctx.world_size,
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,

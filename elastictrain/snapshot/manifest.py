@@ -11,16 +11,30 @@ from elastictrain.config import ChecksumAlgorithm
 from elastictrain.errors import SnapshotCorrupt
 
 FORMAT_VERSION = 1
+SHARDED_FORMAT_VERSION = 2  # objects written by several ranks (rank, items per object)
+
+
+class ItemEntry(BaseModel):
+    """One byte range of an object (a DCP write item), verified on its own at load."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    offset: int = Field(ge=0)
+    length: int = Field(ge=0)
+    checksum: str = Field(min_length=1)
 
 
 class ObjectEntry(BaseModel):
-    """One payload object: its name in the snapshot directory, size and checksum."""
+    """One payload object: its name in the snapshot directory, size and checksum;
+    in a sharded snapshot also the rank that wrote it and its items."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1)
     size_bytes: int = Field(ge=0)
     checksum: str = Field(min_length=1)
+    rank: int | None = Field(default=None, ge=0)
+    items: list[ItemEntry] | None = None
 
 
 class Manifest(BaseModel):
@@ -52,7 +66,12 @@ class Manifest(BaseModel):
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     def to_json(self) -> bytes:
-        return json.dumps(self.model_dump(), indent=2, sort_keys=True).encode()
+        data = self.model_dump()
+        for entry in data["objects"]:  # format 1 manifests stay as they were
+            for key in ("rank", "items"):
+                if entry[key] is None:
+                    del entry[key]
+        return json.dumps(data, indent=2, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
@@ -62,9 +81,9 @@ class Manifest(BaseModel):
         except ValidationError as exc:
             raise SnapshotCorrupt(f"{where}: invalid manifest ({exc.error_count()} errors: "
                                   f"{exc.errors()[0]['msg']})") from None
-        if manifest.format_version > FORMAT_VERSION:
+        if manifest.format_version > SHARDED_FORMAT_VERSION:
             raise SnapshotCorrupt(
                 f"{where}: manifest format {manifest.format_version} is newer than this "
-                f"elastictrain understands ({FORMAT_VERSION}); fix: upgrade elastictrain"
+                f"elastictrain understands ({SHARDED_FORMAT_VERSION}); fix: upgrade elastictrain"
             )
         return manifest

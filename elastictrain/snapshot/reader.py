@@ -34,7 +34,7 @@ from elastictrain.errors import (
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout, signing
 from elastictrain.snapshot.checksum import new_hasher
-from elastictrain.snapshot.manifest import Manifest, ObjectEntry
+from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest, ObjectEntry
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
@@ -121,6 +121,10 @@ def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None
         StorageError: a read failed (after the store's retries).
     """
     manifest = manifest if manifest is not None else read_manifest(store, step)
+    if manifest.format_version == SHARDED_FORMAT_VERSION:
+        from elastictrain.snapshot.sharded.commit import verify_sharded  # imports the writer
+
+        return VerifiedSnapshot(verify_sharded(store, manifest), None)
     where = f"{store.url}/{layout.step_dir(step)}"
     entry = _payload_entry(manifest, where)
     path = f"{layout.step_dir(step)}/{entry.name}"
@@ -188,6 +192,19 @@ def _load(reader: VerifyingReader) -> tuple[dict[str, Any] | None, Exception | N
     if not isinstance(obj, dict):
         return None, TypeError(f"payload is a {type(obj).__name__}, expected a dict")
     return obj, None
+
+
+def load_checked_bytes(data: bytes, where: str) -> dict[str, Any]:
+    """Deserialize bytes already checked against their manifest.
+
+    Raises:
+        SnapshotUnloadable: ``torch.load(weights_only=True)`` refuses them.
+    """
+    obj, refused = _load(VerifyingReader(io.BytesIO(data), len(data), "crc32"))
+    if refused is not None:
+        raise _unloadable(where, refused) from refused
+    assert obj is not None
+    return obj
 
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")

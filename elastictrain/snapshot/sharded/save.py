@@ -1,0 +1,280 @@
+"""Sharded save: every rank stages its shards, persists in the background, one commit.
+
+Call order (every rank, at the same step)::
+
+    saver.save(train_state, meta)   # wait for the save in flight (back-pressure) →
+                                    # get_state_dict → copy shards into reusable CPU
+                                    # buffers (snapshot.staged) → DCP in a thread:
+                                    #   plan (metadata collectives) → write own object →
+                                    #   results gathered to rank 0 → rank 0 commits
+    saver.failed_step()             # agreed by the manager at its next collective
+    saver.close()
+
+The background collectives (DCP's plan exchange and result gather) run on a
+dedicated gloo group created once, never on the training group, so they cannot
+interleave with the training loop's collectives. A failure on any rank reaches
+every rank: DCP gathers every rank's write outcome before the coordinator
+commits and sends the outcome back to all.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import time
+import uuid
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.tensor import DTensor
+
+from elastictrain.config import SnapshotConfig
+from elastictrain.dist import DistContext
+from elastictrain.errors import SnapshotWriteFailed
+from elastictrain.log import get_logger
+from elastictrain.snapshot import layout
+from elastictrain.snapshot.commit import SnapshotMeta
+from elastictrain.snapshot.manifest import Manifest
+from elastictrain.snapshot.persister import SaveHandle, SaveState
+from elastictrain.snapshot.retention import prune
+from elastictrain.snapshot.sharded.commit import commit_sharded
+from elastictrain.snapshot.sharded.dcp_io import (
+    RankPart,
+    StoreWriter,
+    describe_failure,
+    dump_metadata,
+)
+from elastictrain.snapshot.sharded.state import current_state
+from elastictrain.storage.api import Store
+
+log = get_logger("elastictrain.snapshot")
+
+
+def background_group(ctx: DistContext) -> Any | None:
+    """A gloo group for snapshot collectives off the training thread (every rank calls
+    this once, at the same point); None in a single process."""
+    return torch_dist.new_group(backend="gloo") if ctx.initialized else None
+
+
+class _ReusedStaging:
+    """DCP stager that copies state into CPU buffers allocated once and reused
+    (the next save waits for the previous one, so they are free again).
+
+    Buffers are allocated empty, shard by shard: torch's own helper
+    (``_create_cpu_state_dict``) deep-copies each CPU DTensor first, which
+    doubled the first save's memory in ``scripts/bench_sharded.py``.
+    """
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Any] | None = None
+        self.nbytes = 0
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self._buffers is None:
+            self._buffers = _empty_like(state_dict)
+            self.nbytes = _local_bytes(self._buffers)
+        staged = _copy_into(state_dict, self._buffers)
+        assert isinstance(staged, dict)
+        return staged
+
+    def synchronize_staging(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._buffers = None
+
+
+def _empty_like(state: Any) -> Any:
+    if isinstance(state, dict):
+        return {k: _empty_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_empty_like(v) for v in state]
+    if isinstance(state, DTensor):
+        return DTensor.from_local(torch.empty_like(state.to_local(), device="cpu"),
+                                  state.device_mesh, state.placements, run_check=False,
+                                  shape=state.shape, stride=state.stride())
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state, device="cpu")
+    return None  # not a tensor: staged by value at each save
+
+
+def _copy_into(state: Any, buffers: Any) -> Any:
+    """``state`` with every tensor replaced by its buffer, refilled (shape-checked)."""
+    if isinstance(state, dict):
+        return {k: _copy_into(v, buffers[k]) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copy_into(v, b) for v, b in zip(state, buffers, strict=True)]
+    if isinstance(state, DTensor):
+        buffers.to_local().copy_(state.to_local())
+        return buffers
+    if isinstance(state, torch.Tensor):
+        buffers.copy_(state)
+        return buffers
+    return copy.deepcopy(state)
+
+
+def _local_bytes(state: Any) -> int:
+    if isinstance(state, dict):
+        return sum(_local_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_local_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if isinstance(state, DTensor) else state
+        return int(local.numel() * local.element_size())
+    return 0
+
+
+class ShardedSaver:
+    """Saves model + optimizer shards from every rank through DCP; rank 0 commits.
+
+    The same interface as ``Saver`` (``save``, ``failed_step``, ``take_failure``,
+    ``wait_in_flight``, ``wait``, ``close``, ``warm_up``), called on every rank.
+    """
+
+    def __init__(self, store: Store, config: SnapshotConfig, ctx: DistContext,
+                 model: nn.Module, optimizer: Any | None) -> None:
+        self.store = store
+        self._config = config
+        self._ctx = ctx
+        self._model, self._optimizer = model, optimizer
+        self._group = background_group(ctx)
+        self._staging = _ReusedStaging()
+        self._last: SaveHandle | None = None
+        self._reported: SaveHandle | None = None
+
+    @property
+    def group(self) -> Any | None:
+        """The dedicated gloo group (restore uses it too)."""
+        return self._group
+
+    def warm_up(self) -> None:
+        return None
+
+    def save(self, train_state: dict[str, Any], meta: SnapshotMeta,
+             started: float | None = None) -> SaveHandle:
+        """Stage this rank's shards and persist them; returns at once in async mode.
+
+        Args:
+            train_state: the replicated rest (step, sampler, RNG, …); rank 0 writes it.
+
+        Raises:
+            SnapshotWriteFailed: the previous save failed (on every rank alike).
+        """
+        started = time.perf_counter() if started is None else started
+        self.wait_in_flight(meta.step)  # the manager has agreed on its outcome already
+        state = current_state(self._model, self._optimizer)
+        handle = SaveHandle(meta.step)
+        committed: list[Manifest | None] = []
+        train_bytes = _serialize(train_state) if self._ctx.is_writer else b""
+        token = uuid.uuid4().hex[:12]
+
+        def on_finish(metadata: Metadata, parts: list[RankPart]) -> None:
+            committed.append(commit_sharded(self.store, meta, token, parts,
+                                            dump_metadata(metadata), train_bytes))
+
+        writer = StoreWriter(self.store, layout.step_dir(meta.step), token,
+                             meta.checksum_algorithm, on_finish)
+        kwargs: dict[str, Any] = {"storage_writer": writer, "planner": DefaultSavePlanner(),
+                                  "process_group": self._group,
+                                  "no_dist": not self._ctx.initialized}
+        if self._config.mode == "sync":
+            # Training waits for the write, so the live tensors are written without a copy.
+            future: Future[Any] = Future()
+            persist_started = time.perf_counter()
+            try:
+                future.set_result(dcp.save(state, **kwargs))
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                future.set_exception(exc)
+        else:  # async_save stages (a blocking copy into our buffers), then persists in a thread
+            future = dcp.async_save(state, async_stager=self._staging, **kwargs)  # type: ignore[assignment]
+            self._log_staged(meta.step, started)
+            persist_started = time.perf_counter()
+        future.add_done_callback(
+            lambda f: self._finished(handle, f, meta, committed, persist_started))
+        self._last = handle
+        return handle
+
+    def _finished(self, handle: SaveHandle, future: Future[Any], meta: SnapshotMeta,
+                  committed: list[Manifest | None], started: float) -> None:
+        duration = round(time.perf_counter() - started, 4)
+        error = future.exception()
+        if error is not None:
+            reason = describe_failure(error)
+            log.error("snapshot.failed", snapshot_step=meta.step, error=reason,
+                      error_type=type(error).__name__, will_retry=False, duration_s=duration)
+            handle._finish(SaveState.FAILED, error=SnapshotWriteFailed(
+                f"sharded snapshot of step {meta.step} to {self.store.url} failed: {reason}; "
+                "fix: make the storage writable and reachable on every rank"))
+            return
+        manifest = committed[0] if committed else None
+        if not self._ctx.is_writer:
+            handle._finish(SaveState.COMMITTED)
+            return
+        if manifest is None:
+            handle._finish(SaveState.SKIPPED)
+            return
+        log.info("snapshot.committed", snapshot_step=meta.step, size_bytes=manifest.total_bytes,
+                 duration_s=duration, attempts=1, ranks=meta.world_size,
+                 throughput_mb_s=round(manifest.total_bytes / max(duration, 1e-9) / 1e6, 1))
+        try:
+            prune(self.store, self._config.keep, meta.step)
+        except Exception as exc:  # the save is durable; retention retries next time
+            log.warning("snapshot.prune_failed", snapshot_step=meta.step, error=str(exc),
+                        error_type=type(exc).__name__)
+        handle._finish(SaveState.COMMITTED, manifest)
+
+    def _log_staged(self, step: int, started: float) -> None:
+        log.info("snapshot.staged", snapshot_step=step, size_bytes=self._staging.nbytes,
+                 duration_s=round(time.perf_counter() - started, 4), persister="sharded")
+
+    def failed_step(self) -> int:
+        """The step of the last save if it failed and was not yet reported, else 0."""
+        last = self._last
+        if last is not None and last.state == SaveState.FAILED and last is not self._reported:
+            return last.step
+        return 0
+
+    def take_failure(self) -> BaseException | None:
+        """The last save's SnapshotWriteFailed if not yet reported; reported from now on."""
+        if not self.failed_step():
+            return None
+        assert self._last is not None
+        self._reported = self._last
+        return self._last.error
+
+    def wait(self) -> None:
+        """Block until the last save is durable; raise its failure if not yet reported."""
+        if self._last is not None:
+            self._last.join()
+        failure = self.take_failure()
+        if failure is not None:
+            raise failure
+
+    def close(self) -> None:
+        """Wait for the save in flight; raise a failure not yet raised."""
+        self.wait()
+
+    def wait_in_flight(self, step: int) -> None:
+        """Back-pressure: wait for the save in flight (never raises), logged if it waited."""
+        last = self._last
+        if last is None or last.done():
+            return
+        started = time.perf_counter()
+        last.join()
+        log.info("snapshot.backpressure", snapshot_step=step, waiting_for_step=last.step,
+                 wait_s=round(time.perf_counter() - started, 4))
+
+
+def _serialize(state: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
