@@ -46,12 +46,21 @@ class DemoOptions:
 
     def validate(self) -> None:
         """Reject bad input before any worker starts (one line: field, value, fix)."""
+        if not self.storage:
+            raise ConfigError("--storage='': empty; fix: a directory or URL (s3://bucket/run)")
+        for flag, path in (("--events-dir", self.events_dir),
+                           ("--record-samples", self.record_samples)):
+            if path is not None and Path(path).exists() and not Path(path).is_dir():
+                raise ConfigError(f"{flag}={path}: is a file; fix: name a directory")
         if self.nproc < 1:
             raise ConfigError(f"--nproc={self.nproc}: must be >= 1")
         if self.steps < 1:
             raise ConfigError(f"--steps={self.steps}: must be >= 1")
         if self.snapshot_every < 1:
             raise ConfigError(f"--snapshot-every={self.snapshot_every}: must be >= 1")
+        if self.keep < 1:
+            raise ConfigError(f"--keep={self.keep}: must be >= 1 (the newest snapshot is "
+                              "what a restart resumes from)")
         for step in self.kill_at:
             if not 1 <= step < self.steps:
                 raise ConfigError(f"--kill-at={step}: outside the run's steps 1..{self.steps - 1}"
