@@ -5,13 +5,16 @@ worker after ``et.init()`` exits with its own code (78 for a fatal one) after on
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 
 from elastictrain.errors import EXIT_FATAL
-from tests.helpers import REPO, events, run_cli, started
+from tests.e2e.test_preemption import Job, assert_preempted
+from tests.helpers import REPO, events, run_cli, started, wait_for
 
 pytestmark = pytest.mark.distributed
 
@@ -55,3 +58,17 @@ def test_fatal_worker_error_under_plain_torchrun_exits_78(tmp_path: Path) -> Non
     reported = events(tmp_path / "ev", "worker.error")
     assert [e["exit_code"] for e in reported] == [EXIT_FATAL]
     assert 'fatal_job.py", line' not in log  # torchrun's own traceback only, not the worker's
+
+
+def test_sigint_to_the_launcher_is_a_notice(tmp_path: Path) -> None:
+    """Ctrl-C on `elastictrain run` (SIGINT to the launcher) reaches the workers as a
+    notice: final snapshot of the step in progress, exit 75 (before: SIGINT to the
+    workers, a KeyboardInterrupt traceback, exit 130, no final snapshot)."""
+    job = Job(tmp_path)
+    with job.start() as launcher:
+        wait_for(lambda: job.committed(10), 180, "the first periodic snapshot")
+        os.kill(launcher.pid, signal.SIGINT)
+        code = launcher.wait(timeout=240)
+    assert assert_preempted(job, code) > 10
+    forwarded = job.of("agent.signal_forwarded")
+    assert forwarded[0]["received"] == "SIGINT" and forwarded[0]["signal"] == "SIGTERM"
