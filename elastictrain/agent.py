@@ -10,6 +10,9 @@ What it adds, each by overriding one of the agent's documented steps
   failure or membership change), ``agent.membership_changed`` (old/new world
   size), ``agent.signal_forwarded`` / ``agent.workers_stopped`` (a notice to the
   launcher and how the workers ended), ``agent.preempted``, ``agent.fatal``;
+* **Ctrl-C is a notice**: SIGINT to the launcher reaches the workers as SIGTERM, so
+  they take a final snapshot and the launcher exits 75 (``elastictrain demo`` relies
+  on the same path);
 * **no restart** of a group whose workers exited 75 (preempted after a final
   snapshot: the node is going away) or 78 (fatal: a restart cannot fix it);
 * **SIGKILL, not SIGTERM,** to stop the remaining workers for a restart (after a
@@ -203,9 +206,14 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         live = [pid for pid, code in self._worker_codes().items() if code is None]
         forwarding = bool(live) and not self._restart_stop
+        received = death_sig
+        if forwarding and death_sig == signal.SIGINT:
+            # Ctrl-C on the launcher (its workers, in their own sessions, get nothing from
+            # the terminal): pass it on as a notice, so they save instead of dying.
+            death_sig = signal.SIGTERM
         if forwarding:
-            log.warning("agent.signal_forwarded", signal=death_sig.name, pids=live,
-                        grace_s=timeout)
+            log.warning("agent.signal_forwarded", signal=death_sig.name, received=received.name,
+                        pids=live, grace_s=timeout)
         notice = forwarding and death_sig in NOTICE_SIGNALS
         with _ignoring(NOTICE_SIGNALS) if notice else nullcontext():
             super()._shutdown(death_sig, timeout)

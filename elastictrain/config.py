@@ -9,19 +9,36 @@ Validation happens where a model is built; a failure becomes a
 
 from __future__ import annotations
 
+import difflib
+import json
+import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
-from elastictrain.env import getenv
+from elastictrain.env import (
+    CONFIG_FILE_VAR,
+    ENV_PREFIX,
+    OUTSIDE_SETTINGS,
+    elastictrain_environ,
+    getenv,
+)
 from elastictrain.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    from tomllib import TOMLDecodeError
+else:  # pydantic-settings reads TOML with tomli there
+    from tomli import TOMLDecodeError
 
 ChecksumAlgorithm = Literal["crc32", "sha256"]
 NoticeSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"]
@@ -158,7 +175,7 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        toml_path = _TOML_PATH.get("path") or getenv("ELASTICTRAIN_CONFIG")
+        toml_path = _TOML_PATH.get("path")
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if toml_path:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
@@ -173,38 +190,163 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
     """Build Settings from defaults, a TOML file, the environment and ``overrides``.
 
     Args:
-        config_file: optional TOML file (also settable with ``ELASTICTRAIN_CONFIG``).
+        config_file: optional TOML file (else ``ELASTICTRAIN_CONFIG``, if set).
         **overrides: explicit values, nested as dicts: ``snapshot={"keep": 5}``.
 
     Raises:
-        ConfigError: a value is invalid or the file is missing; the message
-            names the field, the value and the fix.
+        ConfigError: an unknown ``ELASTICTRAIN_*`` name, a missing or malformed
+            file, or an invalid value; the message names the variable, file or
+            field, the value (never a secret) and the fix.
     """
-    if config_file is not None and not Path(config_file).is_file():
-        raise ConfigError(
-            f"config file {str(config_file)!r} does not exist; fix: pass an existing TOML file"
-        )
-    _TOML_PATH["path"] = str(config_file) if config_file is not None else None
+    check_environment(elastictrain_environ())
+    toml_path = _config_file(config_file)
+    _TOML_PATH["path"] = toml_path
     try:
         return Settings(**overrides)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
+    except TOMLDecodeError as exc:
+        raise ConfigError(f"config file {toml_path}: TOML syntax error: {exc}; fix: correct "
+                          "that line (syntax: https://toml.io)") from None
+    except SettingsError as exc:  # the environment checks above should leave none
+        raise ConfigError(f"invalid ELASTICTRAIN_* environment: {exc}; fix: see "
+                          "docs/configuration.md") from None
     finally:
         _TOML_PATH["path"] = None
 
 
+def _config_file(config_file: str | Path | None) -> str | None:
+    """The TOML file to read (an argument wins over ``ELASTICTRAIN_CONFIG``), checked."""
+    source = "config file"
+    if config_file is None:
+        config_file = getenv(CONFIG_FILE_VAR) or None
+        source = CONFIG_FILE_VAR
+    if config_file is None:
+        return None
+    path = Path(config_file)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        unset = f" or unset {CONFIG_FILE_VAR}" if source == CONFIG_FILE_VAR else ""
+        raise ConfigError(f"{source}={str(config_file)!r} {what}; fix: name an existing TOML "
+                          f"file{unset}")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{source}={str(config_file)!r} cannot be read ({exc.strerror}); "
+                          "fix: make it readable by this user") from None
+    return str(path)
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Every ``ELASTICTRAIN_*`` name must be a setting and structured values valid JSON.
+
+    pydantic-settings reads only the names it knows, so a misspelt one (a plural
+    section, an unknown field) would otherwise be ignored and the run use defaults.
+
+    Raises:
+        ConfigError: naming the variable (never its value: it may be a secret), the
+            closest valid name, and the fix.
+    """
+    known = _env_names(Settings, ENV_PREFIX)
+    # A dict setting also takes its keys one by one: ..._STORAGE_OPTIONS__ANON=true.
+    open_prefixes = tuple(f"{n}__" for n, kind in known.items() if kind == "dict")
+    for name, value in sorted(environ.items()):
+        if name in OUTSIDE_SETTINGS or name.startswith(open_prefixes):
+            continue
+        if name not in known:
+            close = _closest(name, [*known, *OUTSIDE_SETTINGS])
+            hint = f"; did you mean {close}?" if close else ";"
+            raise ConfigError(f"unknown setting {name} in the environment{hint} fix: rename or "
+                              "unset it (every name: docs/configuration.md)")
+        if known[name] != "value":
+            _check_json(name, value, known[name])
+
+
+def _closest(name: str, names: list[str]) -> str | None:
+    """The valid name nearest ``name``: the section first, then the field within it (a
+    whole-name match would let the long shared prefix decide)."""
+    section, _, field = name.removeprefix(ENV_PREFIX).partition("__")
+    sections = {n.removeprefix(ENV_PREFIX).split("__")[0] for n in names}
+    found = difflib.get_close_matches(section, sections, n=1)
+    if not found:
+        return None
+    if not field:
+        return ENV_PREFIX + found[0]
+    section_prefix = f"{ENV_PREFIX}{found[0]}__"
+    fields = [n.removeprefix(section_prefix) for n in names if n.startswith(section_prefix)]
+    close = difflib.get_close_matches(field, fields, n=1, cutoff=0.5)
+    return section_prefix + close[0] if close else None
+
+
+def _check_json(name: str, value: str, kind: str) -> None:
+    example = {"dict": '\'{"anon": true}\'', "list": '\'["SIGTERM", "SIGUSR1"]\'',
+               "section": '\'{"FIELD": VALUE}\''}[kind]
+    kind = "list" if kind == "list" else "object"
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{name} is not JSON ({exc.msg} at character {exc.pos}); fix: a "
+                          f"JSON {kind} such as {example}") from None
+    if not isinstance(parsed, dict if kind == "object" else list):
+        raise ConfigError(f"{name} must be a JSON {kind}, got a {type(parsed).__name__}; "
+                          f"fix: a JSON {kind} such as {example}")
+
+
+def _env_names(model: type[BaseModel], prefix: str) -> dict[str, str]:
+    """Every variable pydantic-settings reads for ``model`` → "section", "dict", "list"
+    (JSON) or "value"."""
+    names: dict[str, str] = {}
+    for field_name, info in model.model_fields.items():
+        name = f"{prefix}{field_name.upper()}"
+        names[name] = _json_kind(info.annotation)
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            names.update(_env_names(info.annotation, f"{name}__"))
+    return names
+
+
+def _json_kind(annotation: Any) -> str:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "section"
+    kinds = {get_origin(a) or a for a in (get_args(annotation) or (annotation,))} \
+        if get_origin(annotation) in (Union, UnionType) else {get_origin(annotation)}
+    if dict in kinds:
+        return "dict"
+    return "list" if list in kinds else "value"
+
+
 def describe_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``field=value: what is wrong``; secrets are never echoed."""
+    """One line per problem: ``field=value: what is wrong; fix``; secrets are never echoed."""
     lines = []
     for err in exc.errors():
         message = err["msg"].removeprefix("Value error, ")
         if not err["loc"]:  # a cross-field rule: its message names the fields
             lines.append(f"invalid config: {message}")
             continue
-        field = ".".join(str(p) for p in err["loc"])
+        loc = [str(p) for p in err["loc"]]
+        field = ".".join(loc)
+        if err["type"] == "extra_forbidden":  # never echo it: a misplaced secret, maybe
+            lines.append(f"unknown setting {field}{_did_you_mean(loc)} fix: rename or remove "
+                         "it (every setting: docs/configuration.md)")
+            continue
         shown = "<redacted>" if "storage_options" in field else repr(err.get("input"))
-        lines.append(f"invalid config {field}={shown}: {message}")
+        line = f"invalid config {field}={shown}: {message}"
+        if len(loc) > 1:  # a section's field: name both places a user sets it
+            line += (f"; fix: a valid {loc[1]} in [{loc[0]}] of the config file or "
+                     f"{ENV_PREFIX}{loc[0].upper()}__{loc[1].upper()}")
+        lines.append(line)
     return "; ".join(lines)
+
+
+def _did_you_mean(loc: list[str]) -> str:
+    """``; did you mean X?`` with the closest field of the same section, if any."""
+    model: Any = Settings
+    for part in loc[:-1]:
+        info = getattr(model, "model_fields", {}).get(part)
+        model = info.annotation if info is not None else None
+    fields = list(getattr(model, "model_fields", {}))
+    close = difflib.get_close_matches(loc[-1], fields, n=1)
+    return f"; did you mean {'.'.join([*loc[:-1], close[0]])}?" if close else ";"
 
 
 def validated(model: type[_Model], **values: Any) -> Any:

@@ -15,6 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 SHARE_STORE_FIX_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+ENV_PREFIX = "ELASTICTRAIN_"
+CONFIG_FILE_VAR = "ELASTICTRAIN_CONFIG"
+# ELASTICTRAIN_* names read outside Settings; every other one must name a setting
+# (config.check_environment), so a knob read with getenv() is listed here.
+OUTSIDE_SETTINGS = frozenset({CONFIG_FILE_VAR})
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -111,6 +116,13 @@ def launcher_environ(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     child.setdefault("PYTHONUNBUFFERED", "1")
     child.update(extra or {})
     return child
+
+
+def elastictrain_environ() -> dict[str, str]:
+    """Every ``ELASTICTRAIN_*`` variable, its name upper-cased (pydantic-settings matches
+    names case-insensitively)."""
+    return {name.upper(): value for name, value in os.environ.items()
+            if name.upper().startswith(ENV_PREFIX)}
 
 
 def getenv(name: str, default: str | None = None) -> str | None:

@@ -1,17 +1,24 @@
 """``init()`` / ``shutdown()``: the two calls around a training script.
 
 ``init`` reads the worker environment once, configures structured logging
-with the run's context bound (run_id, rank, world_size, restart_count), and
-joins the process group; what it returns is also ``current()``, where a
-``SnapshotManager`` built without ``ctx``/``config`` finds it. ``shutdown``
-destroys the group.
+with the run's context bound (run_id, rank, world_size, restart_count), joins
+the process group, and installs a ``sys.excepthook`` under which an
+:class:`~elastictrain.errors.ElasticTrainError` reaching the top of the script
+logs one ``worker.error`` event and exits with the error's ``exit_code`` (78 for
+a fatal one: the launcher's agent then stops restarting). What it returns is
+also ``current()``, where a ``SnapshotManager`` built without ``ctx``/``config``
+finds it. ``shutdown`` destroys the group and restores the previous hook.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from elastictrain import log as et_log
@@ -19,6 +26,9 @@ from elastictrain import preempt, watchdog
 from elastictrain.config import Settings, load_settings
 from elastictrain.dist import DistContext, destroy_process_group, init_process_group
 from elastictrain.env import WorkerEnv
+from elastictrain.errors import EXIT_FATAL, ElasticTrainError
+
+ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
 
 
 @dataclass
@@ -72,6 +82,7 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
                 restart_count=env.restart_count, step=0, **env.scheduler_attempts)
     log = et_log.get_logger("elastictrain")
     log.info("worker.start", pid=os.getpid(), local_rank=env.local_rank)
+    _install_excepthook()  # from here an ElasticTrainError exits with its own code
     ctx = init_process_group(settings.dist, env)
     et_log.bind(rank=ctx.rank, world_size=ctx.world_size)
     # A notice from here on is acted on at the first step boundary; until that first
@@ -96,6 +107,46 @@ def shutdown() -> None:
     destroy_process_group()
     global _current
     _current = None
+    # Called from a ``finally`` while an error propagates, the hook must stay for it.
+    if sys.exc_info()[1] is None:
+        _restore_excepthook()
+
+
+# The hook init() replaced; None while ours is not installed.
+_previous_hook: ExceptHook | None = None
+
+
+def _install_excepthook() -> None:
+    global _previous_hook
+    if _previous_hook is None:
+        _previous_hook = sys.excepthook
+        sys.excepthook = exit_on_error
+
+
+def _restore_excepthook() -> None:
+    global _previous_hook
+    if _previous_hook is not None:
+        sys.excepthook = _previous_hook
+        _previous_hook = None
+
+
+def exit_on_error(exc_type: type[BaseException], exc: BaseException,
+                  tb: TracebackType | None) -> None:
+    """``sys.excepthook`` after ``init``: our errors exit with their code, others pass on.
+
+    An uncaught exception otherwise exits 1, which torchrun restarts even when a
+    restart cannot help (bad config, resume mismatch, access denied). A
+    ``SystemExit`` raised by the hook sets the interpreter's exit status.
+    """
+    if not isinstance(exc, ElasticTrainError):
+        (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
+        return
+    frames = traceback.extract_tb(tb)
+    et_log.get_logger("elastictrain").error(
+        "worker.error", error=exc_type.__name__, message=str(exc), exit_code=exc.exit_code,
+        fatal=exc.exit_code == EXIT_FATAL,
+        where=f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None)
+    raise SystemExit(exc.exit_code)
 
 
 _current: Runtime | None = None

@@ -7,17 +7,20 @@ attempt and rank), the same events an operator would see.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from elastictrain.config import load_settings
+from elastictrain.demo.job import RunningJob
 from elastictrain.demo.multinode import NodesPlan, membership_timings, parse_nnodes, run_nodes
 from elastictrain.demo.preflight import check_resumable, validate_elastic
-from elastictrain.errors import ConfigError
+from elastictrain.errors import EXIT_PREEMPTED, ConfigError
 from elastictrain.launch import LaunchSpec, start_torchrun
 from elastictrain.log import read_events
 from elastictrain.runtime import default_events_dir
@@ -46,12 +49,21 @@ class DemoOptions:
 
     def validate(self) -> None:
         """Reject bad input before any worker starts (one line: field, value, fix)."""
+        if not self.storage:
+            raise ConfigError("--storage='': empty; fix: a directory or URL (s3://bucket/run)")
+        for flag, path in (("--events-dir", self.events_dir),
+                           ("--record-samples", self.record_samples)):
+            if path is not None and Path(path).exists() and not Path(path).is_dir():
+                raise ConfigError(f"{flag}={path}: is a file; fix: name a directory")
         if self.nproc < 1:
             raise ConfigError(f"--nproc={self.nproc}: must be >= 1")
         if self.steps < 1:
             raise ConfigError(f"--steps={self.steps}: must be >= 1")
         if self.snapshot_every < 1:
             raise ConfigError(f"--snapshot-every={self.snapshot_every}: must be >= 1")
+        if self.keep < 1:
+            raise ConfigError(f"--keep={self.keep}: must be >= 1 (the newest snapshot is "
+                              "what a restart resumes from)")
         for step in self.kill_at:
             if not 1 <= step < self.steps:
                 raise ConfigError(f"--kill-at={step}: outside the run's steps 1..{self.steps - 1}"
@@ -76,13 +88,23 @@ class DemoResult:
     wall_s: float
     world_sizes: list[int] = field(default_factory=list)  # one per attempt
     membership: list[dict[str, Any]] = field(default_factory=list)  # nodes killed / added
+    final_snapshot: int | None = None  # step of the final snapshot after a notice
+    interrupted: str | None = None  # SIGINT / SIGTERM the demo received
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def run_demo(opts: DemoOptions) -> DemoResult:
-    """Validate, check storage, launch torchrun with restarts, and summarise."""
+def run_demo(opts: DemoOptions,
+             on_start: Callable[[RunningJob], None] | None = None) -> DemoResult:
+    """Validate, check storage, launch torchrun with restarts, wait, and summarise.
+
+    Args:
+        opts: the demo's options.
+        on_start: called once the launcher runs (e.g. a live view of
+            ``job.events_dir``); the wait routes Ctrl-C/SIGTERM to the job
+            (see elastictrain.demo.job).
+    """
     opts.validate()
     storage: dict[str, Any] = {"url": opts.storage}
     if opts.storage_options:
@@ -108,10 +130,17 @@ def run_demo(opts: DemoOptions) -> DemoResult:
                       events_dir=events_dir)
     started = time.monotonic()
     with open(Path(events_dir) / "launcher.log", "w") as agent_log:
-        proc = start_torchrun(spec, stdout=agent_log, extra_env=_worker_env(opts))
-        exit_code = proc.wait()
-    wall = time.monotonic() - started
-    return summarize(events_dir, store.url, exit_code, wall)
+        job = RunningJob(events_dir, start_torchrun(spec, stdout=agent_log,
+                                                    extra_env=_worker_env(opts)))
+        if on_start is not None:
+            on_start(job)
+        exit_code = job.wait()
+    result = summarize(events_dir, store.url, exit_code, time.monotonic() - started)
+    if job.interrupted is not None:
+        result.interrupted = job.interrupted
+        if job.forced:  # as if the signal had killed the demo
+            result.exit_code = 128 + int(signal.Signals[job.interrupted])
+    return result
 
 
 def _worker_env(opts: DemoOptions) -> dict[str, str]:
@@ -156,6 +185,7 @@ def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float) -> D
     committed: list[int] = []
     lost = 0
     finished: dict[str, Any] = {}
+    final_snapshot: int | None = None
     for event in sorted((e for p in files for e in read_events(p)), key=lambda e: e["ts"]):
         name = event.get("event")
         if name == "resume":
@@ -166,6 +196,8 @@ def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float) -> D
             committed.append(int(event["snapshot_step"]))
         elif name == "run.finished":
             finished = event
+        elif name == "preempt.saved":
+            final_snapshot = int(event["snapshot_step"])
     return DemoResult(
         final_step=finished.get("final_step"),
         restarts=max(len(resumed_from) - 1, 0),
@@ -179,13 +211,13 @@ def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float) -> D
         events_dir=events_dir,
         wall_s=round(wall_s, 2),
         world_sizes=world_sizes,
+        final_snapshot=final_snapshot,
     )
 
 
 def human_summary(result: DemoResult) -> str:
     lines = [
-        f"elastictrain demo: {'finished' if result.exit_code == 0 else 'FAILED'} "
-        f"in {result.wall_s:.1f}s (exit {result.exit_code})",
+        f"elastictrain demo: {_outcome(result)} in {result.wall_s:.1f}s (exit {result.exit_code})",
         f"  attempts:           {result.restarts + 1} ({result.restarts} restarts)",
         f"  resumed from steps: {_steps(result.resumed_from)}",
         f"  world sizes:        {', '.join(map(str, result.world_sizes))}",
@@ -200,6 +232,17 @@ def human_summary(result: DemoResult) -> str:
         f"  events:             {result.events_dir}",
     ]
     return "\n".join(lines)
+
+
+def _outcome(result: DemoResult) -> str:
+    if result.interrupted is None:
+        return "finished" if result.exit_code == 0 else "FAILED"
+    if result.final_snapshot is not None and result.exit_code == EXIT_PREEMPTED:
+        return (f"interrupted ({result.interrupted}): final snapshot at step "
+                f"{result.final_snapshot} committed; resume with the same command")
+    newest = max(result.committed_steps, default=None)
+    return (f"interrupted ({result.interrupted}): no final snapshot; a re-run resumes from "
+            f"{'step ' + str(newest) if newest is not None else 'the start'}")
 
 
 def _steps(steps: list[int | None]) -> str:

@@ -1,0 +1,79 @@
+"""The excepthook init() installs: an elastictrain error exits with its own code after
+one event; other exceptions reach the previous hook; shutdown() restores it, except
+while an error is on its way to the hook."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from types import TracebackType
+
+import pytest
+from structlog.testing import capture_logs
+
+from elastictrain import runtime
+from elastictrain.errors import (
+    ConfigError,
+    ResumeMismatchError,
+    StorageError,
+    StoragePermissionError,
+)
+
+
+@pytest.fixture
+def hook() -> Iterator[None]:
+    original = sys.excepthook
+    runtime._install_excepthook()
+    try:
+        yield
+    finally:
+        runtime._restore_excepthook()
+        sys.excepthook = original
+
+
+def _raised(exc: BaseException) -> tuple[type[BaseException], BaseException,
+                                         TracebackType | None]:
+    try:
+        raise exc
+    except BaseException as caught:
+        return type(caught), caught, caught.__traceback__
+
+
+@pytest.mark.parametrize(("error", "code"), [
+    (ConfigError("snapshot.keep=0"), 78), (ResumeMismatchError("dataset length"), 78),
+    (StoragePermissionError("read-only"), 78), (StorageError("timed out"), 1)])
+def test_our_errors_exit_with_their_code_after_one_event(hook: None, error: Exception,
+                                                         code: int) -> None:
+    with capture_logs() as logs, pytest.raises(SystemExit) as exited:
+        sys.excepthook(*_raised(error))
+    assert exited.value.code == code
+    assert [e["event"] for e in logs] == ["worker.error"]
+    assert logs[0]["error"] == type(error).__name__
+    assert logs[0]["message"] == str(error)
+    assert logs[0]["exit_code"] == code and logs[0]["fatal"] == (code == 78)
+    assert "test_exit_hook.py:" in logs[0]["where"]
+
+
+def test_other_exceptions_go_to_the_previous_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[BaseException] = []
+    original = sys.excepthook
+    monkeypatch.setattr(sys, "excepthook", lambda t, v, tb: seen.append(v))
+    runtime._install_excepthook()
+    try:
+        with capture_logs() as logs:
+            sys.excepthook(*_raised(ValueError("user bug")))
+    finally:
+        runtime._restore_excepthook()
+    assert [str(e) for e in seen] == ["user bug"] and not logs
+    monkeypatch.setattr(sys, "excepthook", original)
+
+
+def test_shutdown_restores_the_hook_unless_an_error_is_propagating(hook: None) -> None:
+    with pytest.raises(ConfigError):
+        try:
+            raise ConfigError("bad")
+        finally:
+            runtime.shutdown()
+    assert sys.excepthook is runtime.exit_on_error  # still there for the error above
+    runtime.shutdown()
+    assert sys.excepthook is not runtime.exit_on_error
