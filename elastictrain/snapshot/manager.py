@@ -35,6 +35,7 @@ from elastictrain.dist import DistContext
 from elastictrain.env import WorkerEnv
 from elastictrain.errors import ConfigError
 from elastictrain.log import bind_step, get_logger
+from elastictrain.snapshot.digest import param_digest
 from elastictrain.snapshot.persister import SaveHandle
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world, restore_rng
@@ -286,8 +287,11 @@ class SnapshotManager:
         self._saver.wait()
 
     def close(self) -> None:
-        """Wait for the save in flight and release the persister."""
+        """Wait for the save in flight and release the persister; the writer logs the
+        final parameters' digest (``params.digest``: equal digests, identical weights)."""
         self._saver.close()
+        if self.ctx.is_writer:
+            log.info("params.digest", param_digest=param_digest(unwrap(self.model)))
 
 
 class _ProgressFile:
