@@ -247,11 +247,13 @@ class _Run:
             checks.check_leftovers(self.leftovers),
             checks.check_secret(secret, self.job.workdir),
         ]
-        resumes = [e for e in events if e.get("event") == "resume" and e.get("rank") == 0]
+        attempts = {(sum(1 for t in self.launch_ts if t <= float(e["ts"])),
+                     int(e["restart_count"]))
+                    for e in events if e.get("event") == "worker.start"}
         return TrialResult(
             trial=self.schedule.trial, seed=self.schedule.seed,
             faults=self.schedule.describe(), injected=self.injected,
-            restarts=max(len(resumes) - 1, 0), exit_codes=list(self.job.exit_codes),
+            restarts=max(len(attempts) - 1, 0), exit_codes=list(self.job.exit_codes),
             storage_faults_injected=sum(
                 1 for e in events if e.get("event") == "storage.fault_injected"),
             wall_s=round(self.wall_s, 2), failures=[f for f in found if f is not None])
