@@ -41,4 +41,5 @@ def test_chaos_two_trials_on_the_demo_pass(tmp_path: Path) -> None:
     assert any(i.startswith("relaunch") for i in trials[0]["injected"])
     assert any(i.startswith("notice") for i in trials[1]["injected"])
     assert "replay: --seed 1 --first 1 --trials 1" in result.stderr
+    assert "chaos-secret-" not in result.stdout + result.stderr  # the planted credential
     assert processes_mentioning(work) == []
