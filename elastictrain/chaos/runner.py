@@ -172,7 +172,10 @@ class _Run:
             "ELASTICTRAIN_STORAGE__STORAGE_OPTIONS": json.dumps(
                 {"key": "AKIACHAOSEXAMPLE", "secret": secret}),
             "ELASTICTRAIN_WATCHDOG__TIMEOUT_S": str(self.opts.watchdog_timeout_s),
-            "ELASTICTRAIN_WATCHDOG__STARTUP_TIMEOUT_S": "60",
+            # A stopped rank during startup holds its peers in the rendezvous or before
+            # the first step: fail those attempts in seconds, not minutes.
+            "ELASTICTRAIN_WATCHDOG__STARTUP_TIMEOUT_S": "30",
+            "ELASTICTRAIN_DIST__INIT_TIMEOUT_S": "30",
         }
         if self.schedule is not None and self.schedule.storage is not None:
             env["ELASTICTRAIN_STORAGE__FAULTS"] = json.dumps(
