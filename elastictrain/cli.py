@@ -67,6 +67,21 @@ def _goodput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from elastictrain.chaos.report import format_json, format_table
+    from elastictrain.chaos.runner import ChaosOptions, run_chaos
+    from elastictrain.chaos.schedule import parse_kinds
+
+    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    opts = ChaosOptions(trials=args.trials, seed=args.seed, first=args.first,
+                        faults=parse_kinds(args.faults), nproc=args.nproc, workdir=args.storage,
+                        script=command[0] if command else None, script_args=command[1:],
+                        steps=args.steps, snapshot_every=args.snapshot_every)
+    report = run_chaos(opts)
+    print(format_json(report) if args.json else format_table(report))
+    return 0 if report.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastictrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +141,26 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--keep", type=int, required=True)
     snaps.set_defaults(func=_snapshots)
 
+    chaos = sub.add_parser("chaos", help="run a script cleanly, then under random faults, "
+                           "and check nothing was lost: elastictrain chaos [options] -- "
+                           "SCRIPT [ARGS] ({storage} in ARGS: the trial's storage)")
+    chaos.add_argument("--trials", type=int, default=5)
+    chaos.add_argument("--seed", type=int, default=0, help="trial seeds derive from it")
+    chaos.add_argument("--first", type=int, default=0, metavar="K",
+                       help="index of the first trial (replay trial K: --first K --trials 1)")
+    chaos.add_argument("--faults", default="kill,relaunch,notice,stop,storage",
+                       help="fault kinds to draw from (default: all)")
+    chaos.add_argument("--nproc", type=int, default=2, help="workers (default 2)")
+    chaos.add_argument("--storage", default=None, metavar="DIR",
+                       help="work directory: one storage and event log per trial "
+                       "(default: a new temporary directory)")
+    chaos.add_argument("--steps", type=int, default=60, help="demo only")
+    chaos.add_argument("--snapshot-every", type=int, default=10, help="demo only")
+    chaos.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    chaos.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS]",
+                       help="the training script (default: the built-in demo)")
+    chaos.set_defaults(func=_chaos)
+
     goodput = sub.add_parser("goodput", help="how much of a run's wall time was training")
     goodput.add_argument("events_dir", help="a run's events directory "
                          "(<storage>/events/<run id>)")
@@ -147,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = args.func(args)
     except ConfigError as exc:
         print(f"elastictrain: error: {exc}", file=sys.stderr)
-        code = EXIT_USAGE if args.command == "demo" else exc.exit_code
+        code = EXIT_USAGE if args.command in ("demo", "chaos") else exc.exit_code
     except ElasticTrainError as exc:
         print(f"elastictrain: error: {exc}", file=sys.stderr)
         code = exc.exit_code

@@ -48,6 +48,21 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class FaultsConfig(_Model):
+    """Storage faults injected on purpose (``elastictrain chaos``; see docs/chaos.md).
+
+    Off unless set, e.g. ``ELASTICTRAIN_STORAGE__FAULTS__READ_ERROR_P=0.05``.
+    """
+
+    seed: int = 0
+    read_error_p: float = Field(default=0.0, ge=0, le=1)
+    write_error_p: float = Field(default=0.0, ge=0, le=1)
+    latency_s: float = Field(default=0.0, ge=0, le=60)
+    # The first crash_writes payload writes of each process fail after this many bytes.
+    crash_after_bytes: int | None = Field(default=None, ge=0)
+    crash_writes: int = Field(default=1, ge=0)
+
+
 class StorageConfig(_Model):
     """Where snapshots and events live, and how to reach it."""
 
@@ -63,6 +78,7 @@ class StorageConfig(_Model):
     multipart_threshold_bytes: int = Field(default=64 * 2**20, ge=5 * 2**20, le=5 * 2**30)
     part_size_bytes: int = Field(default=16 * 2**20, ge=5 * 2**20, le=5 * 2**30)
     upload_concurrency: int = Field(default=4, ge=1, le=64)
+    faults: FaultsConfig | None = None  # chaos testing only
 
 
 class SnapshotConfig(_Model):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import hashlib
 import os
 import signal
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ from elastictrain.demo.model import CharGPT, GPTConfig
 from elastictrain.demo.multinode import Park, wait_at_gates
 from elastictrain.demo.records import SampleRecorder
 from elastictrain.log import get_logger
-from elastictrain.snapshot.manager import unwrap
+from elastictrain.snapshot.digest import param_digest
 
 log = get_logger("elastictrain.demo")
 
@@ -50,16 +49,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--park", type=Park.parse, action="append", default=[])  # set by the
     p.add_argument("--park-dir", default=None)  # multi-node runner: multinode.Park
     return p.parse_args(argv)
-
-
-def param_digest(model: torch.nn.Module) -> str:
-    """sha256 over the state_dict tensors' bytes in sorted key order."""
-    digest = hashlib.sha256()
-    state = unwrap(model).state_dict()
-    for key in sorted(state):
-        tensor = state[key].detach().cpu().contiguous()
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
 
 
 def kill_if_scheduled(kills: list[int], step: int, rt: et.Runtime,

@@ -47,6 +47,7 @@ from elastictrain.errors import (
 )
 from elastictrain.log import bind_step, get_logger
 from elastictrain.snapshot.commit import SnapshotMeta
+from elastictrain.snapshot.digest import param_digest
 from elastictrain.snapshot.persister import SaveHandle
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world, restore_rng
@@ -405,8 +406,12 @@ class SnapshotManager:
         self._saver.wait()
 
     def close(self) -> None:
-        """Wait for the save in flight and release the persister (same watchdog rule)."""
+        """Wait for the save in flight and release the persister (same watchdog rule);
+        the writer logs the final parameters' digest (``params.digest``: equal digests,
+        identical weights; replicated state only, a sharded model has no whole copy)."""
         self._saver.close()
+        if self.ctx.is_writer and not self.sharded:
+            log.info("params.digest", param_digest=param_digest(unwrap(self.model)))
 
 
 def _storage_config(url: str, configured: StorageConfig) -> StorageConfig:

@@ -38,6 +38,8 @@ from elastictrain.errors import (
 )
 from elastictrain.log import get_logger
 from elastictrain.storage import s3
+from elastictrain.storage.api import Store
+from elastictrain.storage.faults import with_faults
 from elastictrain.storage.multipart import MultipartWriter
 from elastictrain.storage.retry import RetryPolicy, is_transient
 
@@ -377,19 +379,21 @@ def open_store(
     storage_options: dict[str, Any] | None = None,
     retries: int = 5,
     retry_backoff_s: float = 0.2,
-) -> FsspecStore:
+) -> Store:
     """Open a Store for a URL (a local path, ``file://``, ``memory://``, ``s3://``…) or
     for a :class:`~elastictrain.config.StorageConfig` (all of its settings apply;
-    ``storage_options``, if given, update the config's)."""
+    ``storage_options``, if given, update the config's; ``faults`` wraps the store in
+    :class:`~elastictrain.storage.faults.FaultyStore`)."""
     if isinstance(target, str):
         return FsspecStore(target, storage_options, retries=retries,
                            retry_backoff_s=retry_backoff_s)
-    return FsspecStore(
+    store = FsspecStore(
         target.url, {**target.storage_options, **(storage_options or {})},
         retries=target.retries, retry_backoff_s=target.retry_backoff_s,
         part_size_bytes=target.part_size_bytes, upload_concurrency=target.upload_concurrency,
         multipart_threshold_bytes=target.multipart_threshold_bytes,
     )
+    return with_faults(store, target.faults)
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

@@ -1,0 +1,113 @@
+"""The checks after a chaos trial. Each returns None when it holds, else the reason.
+
+They read only what an operator has: the launchers' exit codes, the run's event
+log, the storage root, the processes still running and the files the run wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from elastictrain import ops
+from elastictrain.errors import EXIT_PREEMPTED, StorageError
+from elastictrain.snapshot.reader import load_verified
+from elastictrain.storage import Store
+
+
+def _named(events: Iterable[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("event") == name]
+
+
+def _rank0(events: Iterable[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in _named(events, name) if e.get("rank") == 0]
+
+
+def final_digest(events: Sequence[dict[str, Any]]) -> str | None:
+    """The digest the last ``SnapshotManager.close()`` logged (events in time order)."""
+    found = _named(events, "params.digest")
+    return str(found[-1]["param_digest"]) if found else None
+
+
+def check_completed(exit_codes: Sequence[int], timed_out: bool) -> str | None:
+    """The last launch exited 0 (the earlier ones ended as the schedule implied)."""
+    if timed_out:
+        return "timed out (a hang nothing turned into a restart?)"
+    if not exit_codes or exit_codes[-1] != 0:
+        return f"launcher exit codes {list(exit_codes)}: the run did not finish"
+    return None
+
+
+def check_digest(events: Sequence[dict[str, Any]], expected: str | None) -> str | None:
+    """The final parameters are bit-identical to the clean run's."""
+    actual = final_digest(events)
+    if actual is None:
+        return "no params.digest event: SnapshotManager.close() never ran to the end"
+    if actual != expected:
+        return f"param digest {actual[:12]}… != clean run's {str(expected)[:12]}…"
+    return None
+
+
+def check_snapshots(store: Store) -> str | None:
+    """Every committed snapshot verifies (ops.verify_snapshots) and loads."""
+    try:
+        rows = ops.verify_snapshots(store)
+        bad = [r for r in rows if r.get("status") != "ok"]
+        if bad:
+            return f"snapshot step {bad[0].get('step')} does not verify: {bad[0].get('reason')}"
+        if not rows:
+            return "no committed snapshot"
+        for row in rows:
+            load_verified(store, int(row["step"]))
+    except (StorageError, RuntimeError, ValueError) as exc:  # torch.load's errors included
+        return f"snapshots do not load: {type(exc).__name__}: {exc}"
+    return None
+
+
+def check_lost_steps(events: Sequence[dict[str, Any]], interval: int,
+                     exit_codes: Sequence[int], launch_ts: Sequence[float]) -> str | None:
+    """Each resume starts from the newest committed snapshot; it loses at most the
+    snapshot interval plus the steps whose save was in flight or failed; and the
+    first resume after a preemption exit (75) loses nothing."""
+    committed = [(float(e["ts"]), int(e["snapshot_step"]))
+                 for e in _rank0(events, "snapshot.committed")]
+    staged = [(float(e["ts"]), int(e["snapshot_step"]))
+              for e in _rank0(events, "snapshot.staged")]
+    seen_launches: set[int] = set()
+    for resume in _rank0(events, "resume"):
+        ts, start = float(resume["ts"]), int(resume.get("from_step") or 0)
+        newest = max((s for t, s in committed if t < ts), default=0)
+        if start < newest:
+            return f"resumed from step {start} although step {newest} was committed"
+        launch = sum(1 for t in launch_ts if t <= ts) - 1
+        first_of_launch = launch not in seen_launches
+        seen_launches.add(launch)
+        lost = resume.get("lost_steps")
+        if lost is None:
+            continue
+        if first_of_launch and launch > 0 and exit_codes[launch - 1] == EXIT_PREEMPTED:
+            if lost != 0:
+                return f"lost {lost} steps after a preemption exit (75); expected 0"
+            continue
+        in_flight = max((s for t, s in staged if t < ts), default=0)
+        allowed = interval + max(0, in_flight - start)
+        if lost > allowed:
+            return f"lost {lost} steps resuming from step {start} (allowed {allowed})"
+    return None
+
+
+def check_leftovers(pids: Sequence[int]) -> str | None:
+    """No process of the run is left."""
+    return f"processes left running: {sorted(pids)}" if pids else None
+
+
+def check_secret(secret: str, root: Path, texts: Iterable[str] = ()) -> str | None:
+    """``secret`` appears in no file under ``root`` and in none of ``texts``."""
+    needle = secret.encode()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        if needle in path.read_bytes():
+            return f"the planted credential appears in {path}"
+    if any(secret in t for t in texts):
+        return "the planted credential appears in the command's output"
+    return None

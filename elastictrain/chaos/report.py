@@ -1,0 +1,36 @@
+"""The chaos report: a table for people, one JSON object for machines."""
+
+from __future__ import annotations
+
+import json
+
+from elastictrain.chaos.runner import ChaosReport, TrialResult
+
+_COLUMNS = ("trial", "seed", "faults injected", "restarts", "result", "why")
+
+
+def format_table(report: ChaosReport) -> str:
+    """One row per trial, then a summary line."""
+    rows = [(str(t.trial), str(t.seed), _injected(t), str(t.restarts),
+             "pass" if t.passed else "FAIL", "; ".join(t.failures)) for t in report.trials]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
+              for i, c in enumerate(_COLUMNS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
+              for r in rows]
+    passed = sum(t.passed for t in report.trials)
+    lines.append(f"{passed}/{len(report.trials)} trials passed; clean run "
+                 f"{report.clean_wall_s:.1f}s, digest {str(report.clean_digest)[:12]}…, "
+                 f"workdir {report.workdir}")
+    return "\n".join(lines)
+
+
+def _injected(trial: TrialResult) -> str:
+    parts = list(trial.injected)
+    if trial.storage_faults_injected:
+        parts.append(f"{trial.storage_faults_injected} storage faults")
+    return "; ".join(parts) or "none"
+
+
+def format_json(report: ChaosReport) -> str:
+    return json.dumps(report.to_dict())

@@ -1,0 +1,263 @@
+"""``elastictrain chaos``: run a training script once cleanly, then under seeded faults.
+
+Each run is a real job under ``elastictrain run`` (torchrun, our agent, the
+launcher settings of the project), with its own storage directory, event log
+and a planted fake credential in its storage options. A trial injects its
+schedule (:mod:`.schedule`) by PID and relaunches the job where a fault ends
+it, then :mod:`.checks` decide pass or fail. See docs/chaos.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastictrain.chaos import checks
+from elastictrain.chaos.job import Job, events_of, signal_pid
+from elastictrain.chaos.schedule import FAULT_KINDS, Fault, Schedule, make_schedule
+from elastictrain.errors import ConfigError, ElasticTrainError
+from elastictrain.launch import LaunchSpec
+from elastictrain.storage import open_store
+
+STORAGE_PLACEHOLDER = "{storage}"
+_POLL_S = 0.05
+
+
+@dataclass
+class ChaosOptions:
+    """What ``elastictrain chaos`` runs; ``script`` None means the built-in demo."""
+
+    trials: int = 5
+    seed: int = 0
+    first: int = 0
+    faults: tuple[str, ...] = FAULT_KINDS
+    nproc: int = 2
+    workdir: str | None = None
+    script: str | None = None
+    script_args: list[str] = field(default_factory=list)
+    steps: int = 60
+    snapshot_every: int = 10
+    watchdog_timeout_s: float = 3.0
+    max_restarts: int = 10
+
+    def validate(self) -> None:
+        """One line naming the option, its value and the fix."""
+        for name, value, low in (("--trials", self.trials, 0), ("--first", self.first, 0),
+                                 ("--nproc", self.nproc, 1), ("--steps", self.steps, 1),
+                                 ("--snapshot-every", self.snapshot_every, 1)):
+            if value < low:
+                raise ConfigError(f"{name}={value}: must be >= {low}")
+        if self.script is not None and not Path(self.script).is_file():
+            raise ConfigError(f"script {self.script!r} does not exist; fix: pass the path of "
+                              "a training script after --")
+
+
+@dataclass
+class TrialResult:
+    trial: int
+    seed: int
+    faults: str
+    injected: list[str]
+    restarts: int
+    exit_codes: list[int]
+    storage_faults_injected: int
+    wall_s: float
+    failures: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+@dataclass
+class ChaosReport:
+    clean_digest: str | None
+    clean_wall_s: float
+    interval: int
+    workdir: str
+    trials: list[TrialResult]
+
+    @property
+    def passed(self) -> bool:
+        return all(t.passed for t in self.trials)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["passed"] = self.passed
+        return out
+
+
+def run_chaos(opts: ChaosOptions, progress: Any = sys.stderr) -> ChaosReport:
+    """The clean run, then ``opts.trials`` trials; raises if the clean run fails."""
+    opts.validate()
+    workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="elastictrain-chaos-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    secret = f"chaos-secret-{uuid.uuid4().hex}"  # a fake credential no output may show
+    clean = _Run(opts, workdir / "clean", secret, None)
+    clean.execute()
+    digest = checks.final_digest(clean.events())
+    if clean.job.exit_codes != [0] or digest is None:
+        raise ElasticTrainError(f"the clean run failed (launcher exit codes "
+                                f"{clean.job.exit_codes}); see {clean.job.workdir}/launcher.log")
+    interval = _interval(clean.events(), opts)
+    progress.write(f"clean run: {clean.wall_s:.1f}s, digest {digest[:12]}…, snapshot "
+                   f"interval {interval} steps; workdir {workdir}\n")
+    results = []
+    for trial in range(opts.first, opts.first + opts.trials):
+        schedule = make_schedule(opts.seed, trial, opts.faults, clean.wall_s, opts.nproc)
+        run = _Run(opts, workdir / f"trial-{trial:04d}", secret, schedule,
+                   timeout_s=max(120.0, 8 * clean.wall_s))
+        run.execute()
+        result = run.judge(digest, interval, secret)
+        results.append(result)
+        progress.write(f"trial {trial} seed {schedule.seed}: {schedule.describe()} -> "
+                       f"{'pass' if result.passed else 'FAIL: ' + '; '.join(result.failures)}"
+                       f" ({result.wall_s:.1f}s; replay: --seed {opts.seed} --first {trial} "
+                       "--trials 1)\n")
+    return ChaosReport(digest, round(clean.wall_s, 2), interval, str(workdir), results)
+
+
+def _interval(events: list[dict[str, Any]], opts: ChaosOptions) -> int:
+    """The demo's --snapshot-every, or the widest gap between a script's clean commits."""
+    if opts.script is None:
+        return opts.snapshot_every
+    steps = [0, *(int(e["snapshot_step"]) for e in events
+                  if e.get("event") == "snapshot.committed" and e.get("rank") == 0)]
+    return max(b - a for a, b in itertools.pairwise(steps)) if len(steps) > 1 else 0
+
+
+class _Run:
+    """One job (clean or a trial): launch, inject the schedule, relaunch, clean up."""
+
+    def __init__(self, opts: ChaosOptions, workdir: Path, secret: str,
+                 schedule: Schedule | None, timeout_s: float = 600.0) -> None:
+        self.opts, self.schedule, self.timeout_s = opts, schedule, timeout_s
+        self.storage = workdir / "storage"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.job = Job(self._spec(workdir), self._env(secret), workdir, uuid.uuid4().hex)
+        self.injected: list[str] = []
+        self.timed_out = False
+        self.leftovers: list[int] = []
+        self.launch_ts: list[float] = []
+        self.wall_s = 0.0
+
+    def _spec(self, workdir: Path) -> LaunchSpec:
+        opts, events = self.opts, str(workdir / "events")
+        if opts.script is None:
+            args = [f"--storage={self.storage}", f"--steps={opts.steps}",
+                    f"--snapshot-every={opts.snapshot_every}", f"--events-dir={events}"]
+            module, script = "elastictrain.demo.worker", None
+        else:
+            args = [a.replace(STORAGE_PLACEHOLDER, str(self.storage)) for a in opts.script_args]
+            module, script = None, opts.script
+        return LaunchSpec(nproc_per_node=opts.nproc, module=module, script=script,
+                          script_args=args, max_restarts=opts.max_restarts,
+                          rdzv_id=f"chaos-{uuid.uuid4().hex[:8]}",
+                          log_dir=str(workdir / "torchelastic"), events_dir=events)
+
+    def _env(self, secret: str) -> dict[str, str]:
+        env = {
+            "OMP_NUM_THREADS": "1",
+            "ELASTICTRAIN_STORAGE__URL": str(self.storage),
+            # A fake credential in the storage options (the local store ignores it):
+            # the trial fails if it shows up in any output or event.
+            "ELASTICTRAIN_STORAGE__STORAGE_OPTIONS": json.dumps(
+                {"key": "AKIACHAOSEXAMPLE", "secret": secret}),
+            "ELASTICTRAIN_WATCHDOG__TIMEOUT_S": str(self.opts.watchdog_timeout_s),
+            # A stopped rank during startup holds its peers in the rendezvous or before
+            # the first step: fail those attempts in seconds, not minutes.
+            "ELASTICTRAIN_WATCHDOG__STARTUP_TIMEOUT_S": "30",
+            "ELASTICTRAIN_DIST__INIT_TIMEOUT_S": "30",
+        }
+        if self.schedule is not None and self.schedule.storage is not None:
+            env["ELASTICTRAIN_STORAGE__FAULTS"] = json.dumps(
+                {**asdict(self.schedule.storage), "seed": self.schedule.seed})
+        return env
+
+    def events(self) -> list[dict[str, Any]]:
+        return events_of(self.job.events_dir)
+
+    def execute(self) -> None:
+        pending = list(self.schedule.faults) if self.schedule else []
+        relaunches = 0  # allowed by faults that end a job (a notice, a job kill)
+        started = time.monotonic()
+        try:
+            self._launch()
+            while not self.timed_out:
+                if self.job.launcher_pid is None and self.job.poll() is not None:
+                    if self.job.exit_codes[-1] != 0 and relaunches > 0:
+                        relaunches -= 1
+                        self._launch()
+                        continue
+                    break
+                if pending and time.monotonic() - started >= pending[0].at_s:
+                    note = self._inject(pending[0])
+                    if note is not None:  # else: no target yet, try again
+                        # A notice or a job kill ends the job: one relaunch each.
+                        relaunches += pending.pop(0).kind in ("notice", "relaunch")
+                        self.injected.append(note)
+                self.job.poll()
+                self.timed_out = time.monotonic() - started > self.timeout_s
+                time.sleep(_POLL_S)  # polling the job and the fault clock
+            self.injected += [f"{f.describe()} not injected (job done)" for f in pending]
+            if not self.timed_out:
+                self.leftovers = self.job.wait_gone(10)
+        finally:
+            self.job.close()
+            self.wall_s = time.monotonic() - started
+
+    def _launch(self) -> None:
+        self.launch_ts.append(time.time())
+        self.job.launch()
+
+    def _inject(self, fault: Fault) -> str | None:
+        """Send one fault by PID; None when its target does not exist yet."""
+        job = self.job
+        if job.launcher_pid is None:
+            return None
+        if fault.kind == "relaunch":
+            pids = job.kill_job()
+            return f"relaunch: SIGKILL launcher+workers {pids}"
+        if fault.target == "launcher":
+            signal_pid(job.launcher_pid, signal.SIGTERM)
+            return f"notice: SIGTERM launcher {job.launcher_pid}"
+        workers = job.worker_pids()
+        if not workers:
+            return None
+        rank = sorted(workers)[fault.rank % len(workers)]
+        sig = {"kill": signal.SIGKILL, "notice": signal.SIGTERM, "stop": signal.SIGSTOP}[
+            fault.kind]
+        signal_pid(workers[rank], sig)
+        return f"{fault.kind}: {sig.name} rank{rank} {workers[rank]}"
+
+    def judge(self, digest: str | None, interval: int, secret: str) -> TrialResult:
+        assert self.schedule is not None
+        events = self.events()
+        store = open_store(str(self.storage))
+        found = [
+            checks.check_completed(self.job.exit_codes, self.timed_out),
+            checks.check_digest(events, digest),
+            checks.check_snapshots(store),
+            checks.check_lost_steps(events, interval, self.job.exit_codes, self.launch_ts),
+            checks.check_leftovers(self.leftovers),
+            checks.check_secret(secret, self.job.workdir),
+        ]
+        attempts = {(sum(1 for t in self.launch_ts if t <= float(e["ts"])),
+                     int(e["restart_count"]))
+                    for e in events if e.get("event") == "worker.start"}
+        return TrialResult(
+            trial=self.schedule.trial, seed=self.schedule.seed,
+            faults=self.schedule.describe(), injected=self.injected,
+            restarts=max(len(attempts) - 1, 0), exit_codes=list(self.job.exit_codes),
+            storage_faults_injected=sum(
+                1 for e in events if e.get("event") == "storage.fault_injected"),
+            wall_s=round(self.wall_s, 2), failures=[f for f in found if f is not None])
+

@@ -1,0 +1,123 @@
+"""Seeded fault schedules: what a chaos trial injects, and when.
+
+A trial's seed is derived from the run's ``--seed`` and the trial's index, so
+``elastictrain chaos --seed S --first K --trials 1`` replays trial K alone.
+Times are seconds after the trial's first launch; they are drawn over the clean
+run's wall time, so faults land in every phase (startup, restore, training,
+persist) and later ones often hit a restarted attempt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from elastictrain.errors import ConfigError
+
+# Faults on processes; "storage" switches the fault-injecting store on for the trial.
+PROCESS_FAULTS = ("kill", "relaunch", "notice", "stop")
+FAULT_KINDS = (*PROCESS_FAULTS, "storage")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault on a process.
+
+    Attributes:
+        kind: ``kill`` (SIGKILL a worker), ``relaunch`` (SIGKILL the launcher and its
+            workers, then launch again), ``notice`` (SIGTERM: a preemption notice),
+            ``stop`` (SIGSTOP a worker: the others' watchdogs fire).
+        at_s: seconds after the trial's first launch.
+        target: ``worker`` or ``launcher`` (notices go to either).
+        rank: the worker's rank, modulo the world size.
+    """
+
+    kind: str
+    at_s: float
+    target: str
+    rank: int
+
+    def describe(self) -> str:
+        who = f"rank{self.rank}" if self.target == "worker" else "launcher"
+        return f"{self.kind}({who})@{self.at_s:.1f}s"
+
+
+@dataclass(frozen=True)
+class StorageFaults:
+    """The fault-injecting store's settings for a trial (``[storage.faults]``)."""
+
+    read_error_p: float
+    write_error_p: float
+    latency_s: float
+    crash_after_bytes: int | None
+
+    def describe(self) -> str:
+        parts = [f"read_p={self.read_error_p:g}", f"write_p={self.write_error_p:g}",
+                 f"latency={self.latency_s:g}s"]
+        if self.crash_after_bytes is not None:
+            parts.append(f"crash@{self.crash_after_bytes}B")
+        return "storage(" + ",".join(parts) + ")"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Everything one trial injects."""
+
+    trial: int
+    seed: int
+    faults: tuple[Fault, ...]
+    storage: StorageFaults | None
+
+    def describe(self) -> str:
+        parts = [f.describe() for f in self.faults]
+        if self.storage is not None:
+            parts.append(self.storage.describe())
+        return " ".join(parts) or "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_kinds(text: str) -> tuple[str, ...]:
+    """``kill,notice`` → ("kill", "notice"); one line naming a bad kind."""
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in FAULT_KINDS]
+    if unknown or not kinds:
+        raise ConfigError(f"--faults={text!r}: unknown or empty fault kind {unknown}; fix: "
+                          f"choose from {','.join(FAULT_KINDS)}")
+    return kinds
+
+
+def trial_seed(seed: int, trial: int) -> int:
+    """A trial's seed: stable across runs, machines and Python versions."""
+    return int(hashlib.sha256(f"{seed}:{trial}".encode()).hexdigest()[:12], 16)
+
+
+def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: float,
+                  world_size: int) -> Schedule:
+    """The schedule of trial ``trial``: one or two process faults drawn from ``kinds``
+    at times within ``horizon_s`` (the clean run's wall time), and storage faults on
+    half the trials when ``storage`` is among the kinds (on all when it is the only one).
+    """
+    s = trial_seed(seed, trial)
+    rng = random.Random(s)  # private: never the caller's random streams
+    process_kinds = [k for k in kinds if k in PROCESS_FAULTS]
+    faults: list[Fault] = []
+    if process_kinds:
+        for _ in range(rng.randint(1, 2)):
+            kind = rng.choice(process_kinds)
+            target = rng.choice(("worker", "launcher")) if kind == "notice" else (
+                "launcher" if kind == "relaunch" else "worker")
+            faults.append(Fault(kind=kind, at_s=round(rng.uniform(0.1, 0.9) * horizon_s, 2),
+                                target=target, rank=rng.randrange(world_size)))
+    storage = None
+    if "storage" in kinds and (not process_kinds or rng.random() < 0.5):
+        storage = StorageFaults(
+            read_error_p=rng.choice((0.0, 0.02, 0.05)),
+            write_error_p=rng.choice((0.0, 0.05, 0.1)),
+            latency_s=rng.choice((0.0, 0.01, 0.05)),
+            crash_after_bytes=rng.choice((None, 4096, 65536)))
+    return Schedule(trial=trial, seed=s, faults=tuple(sorted(faults, key=lambda f: f.at_s)),
+                    storage=storage)

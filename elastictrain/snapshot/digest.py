@@ -1,0 +1,19 @@
+"""A digest of a model's parameters: equal digests mean bit-identical weights."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+
+def param_digest(model: nn.Module) -> str:
+    """sha256 over the state_dict tensors' bytes in sorted key order (pass the
+    unwrapped module: DDP prefixes every key with ``module.``)."""
+    digest = hashlib.sha256()
+    state = model.state_dict()
+    for key in sorted(state):
+        tensor = state[key].detach().cpu().contiguous()
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()

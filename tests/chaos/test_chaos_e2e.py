@@ -1,0 +1,45 @@
+"""``elastictrain chaos`` end to end on the demo: a clean run, then two seeded trials of
+real faults (SIGKILL by PID, job kill + relaunch, notices, storage faults) that pass."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.helpers import run_cli
+
+
+def processes_mentioning(path: Path) -> list[int]:
+    """Live processes whose environment names ``path`` (every process of a trial has
+    its TMPDIR there)."""
+    needle = str(path).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and needle in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_chaos_two_trials_on_the_demo_pass(tmp_path: Path) -> None:
+    work = tmp_path / "chaos"
+    result = run_cli(["chaos", "--trials", "2", "--seed", "1", "--steps", "30",
+                      "--snapshot-every", "10", "--storage", str(work), "--json"],
+                     tmp_path, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["clean_digest"] and report["interval"] == 10
+    trials = report["trials"]
+    assert [t["trial"] for t in trials] == [0, 1]
+    for trial in trials:
+        assert trial["failures"] == [] and trial["exit_codes"][-1] == 0
+        injected = [i for i in trial["injected"] if "not injected" not in i]
+        assert injected or trial["storage_faults_injected"], trial
+    # Seed 1 draws a job kill + relaunch in trial 0 and a notice in trial 1.
+    assert any(i.startswith("relaunch") for i in trials[0]["injected"])
+    assert any(i.startswith("notice") for i in trials[1]["injected"])
+    assert "replay: --seed 1 --first 1 --trials 1" in result.stderr
+    assert "chaos-secret-" not in result.stdout + result.stderr  # the planted credential
+    assert processes_mentioning(work) == []
