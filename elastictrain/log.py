@@ -91,7 +91,10 @@ def configure(
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),  # type: ignore[arg-type]
+        # One write() per event, line and newline together: print() writes them
+        # separately, and on an unbuffered stream (PYTHONUNBUFFERED, as under torchrun)
+        # ranks sharing one stdout then interleave into "}{" lines.
+        logger_factory=structlog.WriteLoggerFactory(file=stream),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
 
@@ -112,7 +115,7 @@ def configure_forwarding(send: Callable[[dict[str, Any]], None], level: str = "d
     structlog.configure(
         processors=[structlog.processors.add_log_level, _add_time, forward],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(),
+        logger_factory=structlog.WriteLoggerFactory(),
         cache_logger_on_first_use=False,
     )
 
