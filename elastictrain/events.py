@@ -99,29 +99,36 @@ class EventSink:
     upload: Uploader | None
 
 
-def open_sink(settings: Settings, run_id: str, name: str) -> EventSink:
-    """The event file ``name`` of run ``run_id``, with its uploader on object storage."""
+def open_sink(settings: Settings, run_id: str, name: str, whole_dir: bool = False) -> EventSink:
+    """The event file ``name`` of run ``run_id``, with its uploader on object storage
+    (``whole_dir``: the uploader also copies the other files of the directory)."""
     path = run_events_dir(settings, run_id) / name
     if not is_remote(settings.storage.url):
         return EventSink(path, None)
     store = open_store(settings.storage)
-    return EventSink(path, Uploader(store, f"{EVENTS_DIR}/{run_id}/{name}",
-                                    settings.log.upload_interval_s))
+    return EventSink(path, Uploader(store, f"{EVENTS_DIR}/{run_id}",
+                                    settings.log.upload_interval_s, whole_dir))
 
 
 class Uploader:
-    """Copies a local event file whole to one object, at most every ``interval_s``.
+    """Copies local event files whole to ``<prefix>/<name>``, at most every ``interval_s``.
 
-    ``maybe_upload`` is called after each event and returns at once: the upload
-    runs in a background thread, one at a time, so the training loop never waits
-    on object storage. ``close`` uploads the final content and waits for it.
+    A worker's uploader copies its own file; an agent's (``whole_dir``) copies every
+    changed file of the run's local events directory, so the last events of workers
+    it saw SIGKILLed still reach the storage when the agent exits.
+    ``maybe_upload`` is called after each event and returns at once: the upload runs
+    in a background thread, one at a time, so the training loop never waits on
+    object storage. ``close`` uploads the final content and waits for it.
     """
 
-    def __init__(self, store: Store, key: str, interval_s: float) -> None:
+    def __init__(self, store: Store, prefix: str, interval_s: float,
+                 whole_dir: bool = False) -> None:
         self.store = store
-        self.key = key
+        self.prefix = prefix
         self.interval_s = interval_s
+        self.whole_dir = whole_dir
         self._last = 0.0
+        self._sent: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -132,7 +139,7 @@ class Uploader:
             if busy or now - self._last < self.interval_s:
                 return
             self._last = now
-            self._thread = threading.Thread(target=self._upload_quietly, args=(path,),
+            self._thread = threading.Thread(target=self._upload, args=(path,),
                                             name="elastictrain-events-upload", daemon=True)
             self._thread.start()
 
@@ -141,17 +148,23 @@ class Uploader:
             thread = self._thread
         if thread is not None:
             thread.join()
-        self._upload_quietly(path)
+        self._upload(path)
 
-    def _upload_quietly(self, path: Path) -> None:
-        # A failed upload must not stop training; the next one carries the whole file.
-        # Not logged here: the event would land in the file being uploaded.
+    def _upload(self, path: Path) -> None:
         from elastictrain.errors import StorageError
 
-        try:
-            self.store.write_bytes(self.key, path.read_bytes())
-        except (OSError, StorageError):
-            return
+        files = sorted(path.parent.glob("*.jsonl")) if self.whole_dir else [path]
+        for file in files:
+            # A failed upload must not stop training: the next one carries the whole
+            # file. Not logged: the event would land in a file being uploaded.
+            try:
+                data = file.read_bytes()
+                if self._sent.get(file.name) == len(data):
+                    continue
+                self.store.write_bytes(f"{self.prefix}/{file.name}", data)
+                self._sent[file.name] = len(data)
+            except (OSError, StorageError):
+                continue
 
 
 def read_event_files(location: str | Path, pattern: str = "*.jsonl",
