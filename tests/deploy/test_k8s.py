@@ -81,7 +81,7 @@ def test_pytorchjob_round_trips_through_the_training_operator_sdk_models() -> No
 
     manifest = _load("pytorchjob.yaml")
     client = ApiClient()
-    job = client._ApiClient__deserialize(manifest, "KubeflowOrgV1PyTorchJob")  # type: ignore[attr-defined]
+    job = client._ApiClient__deserialize(manifest, "KubeflowOrgV1PyTorchJob")
     assert isinstance(job, models.KubeflowOrgV1PyTorchJob)
     # The models drop fields they do not know: a round trip equal to the file means
     # every field is one the operator's API has.
