@@ -54,10 +54,14 @@ def _snapshots(args: argparse.Namespace) -> int:
 
 
 def _goodput(args: argparse.Namespace) -> int:
+    from elastictrain import ops
+    from elastictrain.events import is_remote
     from elastictrain.goodput import compute_goodput, format_report
 
+    store = (ops.open_from_cli(args.events_dir, args.storage_options)
+             if is_remote(args.events_dir) else None)
     try:
-        report = compute_goodput(args.events_dir)
+        report = compute_goodput(args.events_dir, store)
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from None
     if args.json:
@@ -162,8 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.set_defaults(func=_chaos)
 
     goodput = sub.add_parser("goodput", help="how much of a run's wall time was training")
-    goodput.add_argument("events_dir", help="a run's events directory "
-                         "(<storage>/events/<run id>)")
+    goodput.add_argument("events_dir", help="a run's events directory or URL "
+                         "(<storage>/events/<run id>, e.g. s3://bucket/run/events/<run id>)")
+    goodput.add_argument("--storage-options", default=None, metavar="JSON",
+                         help="JSON object passed to fsspec for a URL (endpoint, profile)")
     goodput.add_argument("--json", action="store_true")
     goodput.set_defaults(func=_goodput)
     return parser

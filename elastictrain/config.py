@@ -151,6 +151,9 @@ class LogConfig(_Model):
     level: Literal["debug", "info", "warning", "error"] = "info"
     json_output: bool | None = Field(default=None, description="None: JSON off a TTY")
     events_dir: str | None = None
+    # Object storage only: how often a process's event file is copied to
+    # <storage>/events/<run id>/ (and once more at exit).
+    upload_interval_s: float = Field(default=10.0, gt=0, le=3600)
 
 
 class Settings(BaseSettings):

@@ -8,8 +8,15 @@ and splits the wall time into:
 * ``lost_work_s``: steps trained and then lost to a failure (redone after a
   restart);
 * ``snapshot_blocking_s``: time the training loop was blocked staging snapshots;
+* ``pending_s``: gaps between launches in which no worker of the run was up:
+  from the last event of one launch to the first of the next (a Slurm requeue
+  waiting to be scheduled, a pod waiting for a node);
 * ``restart_s``: everything else between attempts and at start-up (failure
   detection, process start, imports, rendezvous, snapshot load).
+
+An attempt is one rank-0 event file: one torchrun restart of one launch
+(``elastictrain.events`` names them), so a requeue or relaunch of the same run
+counts as attempts of its own.
 
 Step times are measured per attempt between its ``resume`` event and its last
 event that names a step (``snapshot.staged``, ``run.finished``, …), so the
@@ -23,7 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from elastictrain.log import read_events
+from elastictrain.events import read_event_files
+from elastictrain.storage import Store
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,7 @@ class Goodput:
     lost_work_s: float
     snapshot_blocking_s: float
     restart_s: float
+    pending_s: float
     attempts: int
     final_step: int
     steps_lost: int
@@ -48,25 +57,26 @@ class Goodput:
         return {**asdict(self), "goodput": round(self.goodput, 4)}
 
 
-def _attempt_files(events_dir: Path) -> list[Path]:
-    return sorted(events_dir.glob("attempt*-rank0.jsonl"))
-
-
-def compute_goodput(events_dir: str | Path) -> Goodput:
+def compute_goodput(events_dir: str | Path, store: Store | None = None) -> Goodput:
     """Account one run's wall time from the event files in ``events_dir``.
+
+    Args:
+        events_dir: a run's events directory, or with ``store`` its URL (the store
+            opened at that URL, e.g. ``s3://bucket/run/events/<run id>``).
 
     Raises:
         FileNotFoundError: no rank-0 event files there (names the directory).
     """
-    files = _attempt_files(Path(events_dir))
-    if not files:
+    attempts = sorted((events for _, events in read_event_files(
+        events_dir, "attempt*-rank0.jsonl", store) if events), key=lambda ev: ev[0]["ts"])
+    if not attempts:
         raise FileNotFoundError(
             f"{events_dir}: no attempt*-rank0.jsonl event files; fix: point at a run's "
             "events directory, e.g. <storage>/events/<run id>"
         )
-    attempts = [read_events(f) for f in files]
     start = min(e["ts"] for events in attempts for e in events)
     end = max(e["ts"] for events in attempts for e in events)
+    pending = _pending_s(attempts)
     step_times: list[float] = []
     first_step: int | None = None
     final_step = 0
@@ -90,13 +100,31 @@ def compute_goodput(events_dir: str | Path) -> Goodput:
     wall = end - start
     productive = (final_step - (first_step or 0)) * step_time
     lost_work = lost * step_time
-    restart = max(0.0, wall - productive - lost_work - blocking)
+    restart = max(0.0, wall - productive - lost_work - blocking - pending)
     return Goodput(
         wall_s=round(wall, 3), productive_s=round(productive, 3),
         lost_work_s=round(lost_work, 3), snapshot_blocking_s=round(blocking, 3),
-        restart_s=round(restart, 3), attempts=len(files), final_step=final_step,
-        steps_lost=lost, step_time_s=round(step_time, 5),
+        restart_s=round(restart, 3), pending_s=round(pending, 3), attempts=len(attempts),
+        final_step=final_step, steps_lost=lost, step_time_s=round(step_time, 5),
     )
+
+
+def _pending_s(attempts: list[list[dict[str, Any]]]) -> float:
+    """Time between launches in which no worker of the run was up: from the last event
+    of every earlier launch to the first of the next (restarts inside one launch are
+    restart time, not pending)."""
+    spans: dict[str, tuple[float, float]] = {}
+    for events in attempts:
+        launch = str(events[0].get("launch_id"))
+        first, last = spans.get(launch, (events[0]["ts"], events[-1]["ts"]))
+        spans[launch] = (min(first, events[0]["ts"]), max(last, events[-1]["ts"]))
+    ordered = sorted(spans.values())
+    pending = 0.0
+    covered_until = ordered[0][1]
+    for first, last in ordered[1:]:
+        pending += max(0.0, first - covered_until)
+        covered_until = max(covered_until, last)
+    return pending
 
 
 def format_report(report: Goodput) -> str:
@@ -104,7 +132,8 @@ def format_report(report: Goodput) -> str:
     wall = report.wall_s or 1.0
     rows = [("productive", report.productive_s), ("lost work", report.lost_work_s),
             ("snapshot blocking", report.snapshot_blocking_s),
-            ("restarts / start-up", report.restart_s)]
+            ("restarts / start-up", report.restart_s),
+            ("pending (no attempt)", report.pending_s)]
     lines = [f"goodput {report.goodput:.1%} of {report.wall_s:.1f}s wall, "
              f"{report.attempts} attempts, final step {report.final_step}, "
              f"{report.steps_lost} steps lost, step {report.step_time_s * 1000:.1f} ms"]

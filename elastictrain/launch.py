@@ -14,7 +14,7 @@ A thin layer over ``torch.distributed.run``, never a fork of it:
 2. **The agent.** :class:`~elastictrain.agent.ElasticTrainAgent` subclasses
    torchrun's ``LocalElasticAgent`` and is the agent torchrun's ``launch_agent``
    builds in this process. It writes agent events to
-   ``<events dir>/agent-<host>-<pid>.jsonl`` beside the workers' logs, does not
+   ``<events dir>/agent-<launch>-<host>-<pid>.jsonl`` beside the workers' logs, does not
    restart a group whose workers exited 75 (preempted after a final snapshot)
    or 78 (fatal), and stops the rest of a failed group with SIGKILL because our
    workers read SIGTERM as a preemption notice (details in ``agent.py``).
@@ -34,7 +34,6 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO
 
 from elastictrain.config import LaunchDefaults, Settings
@@ -219,18 +218,20 @@ def run_torchrun(argv: Sequence[str]) -> int:
 
 
 def _configure_agent_log(settings: Settings, run_id: str) -> str | None:
-    """Agent events go to ``<events dir>/agent-<host>-<pid>.jsonl`` beside the workers'."""
+    """Agent events go to ``<events dir>/agent-<launch>-<host>-<pid>.jsonl`` beside the
+    workers' (``elastictrain.events``)."""
+    from elastictrain import events
     from elastictrain import log as et_log
-    from elastictrain.runtime import default_events_dir
 
-    events_dir = default_events_dir(settings)
     host = socket.gethostname()
-    events_file = (str(Path(events_dir) / f"agent-{host}-{os.getpid()}.jsonl")
-                   if events_dir else None)
-    et_log.configure(settings.log.level, settings.log.json_output, events_file)
+    launch = events.launch_id()
+    # whole_dir: the agent outlives SIGKILLed workers and uploads their files too.
+    sink = events.open_sink(settings, run_id, events.agent_file_name(host, os.getpid(), launch),
+                            whole_dir=True)
+    et_log.configure(settings.log.level, settings.log.json_output, sink.path, upload=sink.upload)
     et_log.bind(run_id=run_id, role="agent", host=host, rank=None, world_size=None,
-                restart_count=0, step=None)
-    return events_file
+                restart_count=0, launch_id=launch, step=None)
+    return str(sink.path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -251,6 +252,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     args = torchrun_parser().parse_args(full)
     os.environ.update(launcher_environ())
+    # One launch id for this launcher and its workers: a requeue or relaunch of the
+    # same run is a new launch in the event log (elastictrain.events).
+    from elastictrain.events import LAUNCH_ID_VAR, new_launch_id
+
+    os.environ[LAUNCH_ID_VAR] = new_launch_id()
     _configure_agent_log(settings, str(args.rdzv_id))
     log = get_logger("elastictrain.agent")
     started = time.monotonic()

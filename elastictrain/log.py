@@ -8,6 +8,7 @@ log), which ``elastictrain`` reads back for summaries and goodput.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import sys
@@ -15,34 +16,56 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
+
+if TYPE_CHECKING:
+    from elastictrain.events import Uploader
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
 
 
 class _EventFileTee:
-    """Processor that appends each event as a JSON line to a file, then passes it on."""
+    """Processor that appends each event as a JSON line to a file, then passes it on;
+    with an uploader (object storage), the file is also copied to the run's storage."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, upload: Uploader | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._path = path
         self._file: IO[str] = path.open("a", encoding="utf-8", buffering=1)
         self._lock = threading.Lock()
+        self._upload = upload
 
     def __call__(self, logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
         line = json.dumps(event, default=str, separators=(",", ":"))
         with self._lock:
-            self._file.write(line + "\n")
+            if not self._file.closed:
+                self._file.write(line + "\n")
+        if self._upload is not None:
+            self._upload.maybe_upload(self._path)
         return event
 
     def close(self) -> None:
-        self._file.close()
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.close()
+        if self._upload is not None:
+            self._upload.close(self._path)
 
 
 _tee: _EventFileTee | None = None
+
+
+@atexit.register
+def _close_tee() -> None:
+    # The last events of a process (exit 75 after the final snapshot…) reach object
+    # storage here; a SIGKILLed process keeps what its last periodic upload carried.
+    if _tee is not None:
+        _tee.close()
 
 
 def _add_time(logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
@@ -55,6 +78,7 @@ def configure(
     json_output: bool | None = None,
     events_file: str | Path | None = None,
     stream: IO[str] | None = None,
+    upload: Uploader | None = None,
 ) -> None:
     """Set up structlog for this process.
 
@@ -63,6 +87,7 @@ def configure(
         json_output: JSON lines when True, console rendering when False;
             None picks JSON unless ``stream`` is a TTY.
         events_file: if given, every event is also appended there as JSON.
+        upload: copies ``events_file`` to object storage (``elastictrain.events``).
         stream: where rendered events go (default stderr, so stdout stays
             free for command output such as ``--json``).
     """
@@ -79,7 +104,7 @@ def configure(
         _add_time,
     ]
     if events_file is not None:
-        _tee = _EventFileTee(Path(events_file))
+        _tee = _EventFileTee(Path(events_file), upload)
         processors.append(_tee)
     processors.append(structlog.processors.format_exc_info)
     renderer: Processor = (
@@ -91,7 +116,10 @@ def configure(
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),  # type: ignore[arg-type]
+        # One write() per event, line and newline together: print() writes them
+        # separately, and on an unbuffered stream (PYTHONUNBUFFERED, as under torchrun)
+        # ranks sharing one stdout then interleave into "}{" lines.
+        logger_factory=structlog.WriteLoggerFactory(file=stream),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
 
@@ -112,7 +140,7 @@ def configure_forwarding(send: Callable[[dict[str, Any]], None], level: str = "d
     structlog.configure(
         processors=[structlog.processors.add_log_level, _add_time, forward],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(),
+        logger_factory=structlog.WriteLoggerFactory(),
         cache_logger_on_first_use=False,
     )
 
@@ -143,8 +171,13 @@ def get_logger(name: str | None = None) -> Any:
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:
     """Parse a JSON-lines event file, skipping a torn last line (a killed writer)."""
+    return parse_event_lines(Path(path).read_text(encoding="utf-8"))
+
+
+def parse_event_lines(text: str) -> list[dict[str, Any]]:
+    """Parse JSON-lines events, skipping torn lines."""
     events: list[dict[str, Any]] = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
             events.append(json.loads(line))
         except json.JSONDecodeError:

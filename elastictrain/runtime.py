@@ -17,12 +17,11 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from elastictrain import events, preempt, watchdog
 from elastictrain import log as et_log
-from elastictrain import preempt, watchdog
 from elastictrain.config import Settings, load_settings
 from elastictrain.dist import DistContext, destroy_process_group, init_process_group
 from elastictrain.env import WorkerEnv
@@ -54,13 +53,9 @@ class Runtime:
 
 
 def default_events_dir(settings: Settings) -> str | None:
-    """Events go beside the snapshots for local storage; elsewhere only if configured."""
-    if settings.log.events_dir:
-        return settings.log.events_dir
-    url = settings.storage.url
-    if "://" in url and not url.startswith("file://"):
-        return None
-    return str(Path(url.removeprefix("file://")) / "events")
+    """The local root of event files (``elastictrain.events``: beside the snapshots for
+    local storage, a spool directory uploaded to the storage for object storage)."""
+    return events.events_root(settings)
 
 
 def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
@@ -72,14 +67,13 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
     settings = settings or load_settings(**overrides)
     env = WorkerEnv.from_environ()
     run_id = settings.run_id or env.run_id
-    events_dir = default_events_dir(settings)
-    events_file = None
-    if events_dir is not None:
-        name = f"attempt{env.restart_count:03d}-rank{env.rank}.jsonl"
-        events_file = Path(events_dir) / name
-    et_log.configure(settings.log.level, settings.log.json_output, events_file)
+    launch = events.launch_id()
+    sink = events.open_sink(settings, run_id,
+                            events.worker_file_name(env.restart_count, env.rank, launch))
+    et_log.configure(settings.log.level, settings.log.json_output, sink.path, upload=sink.upload)
     et_log.bind(run_id=run_id, rank=env.rank, world_size=env.world_size,
-                restart_count=env.restart_count, step=0, **env.scheduler_attempts)
+                restart_count=env.restart_count, launch_id=launch, step=0,
+                **env.scheduler_attempts)
     log = et_log.get_logger("elastictrain")
     log.info("worker.start", pid=os.getpid(), local_rank=env.local_rank)
     _install_excepthook()  # from here an ElasticTrainError exits with its own code
@@ -90,7 +84,7 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
     preempt.install(settings.preempt, poll=env.local_rank == 0)
     watchdog.install(settings.watchdog)
     global _current
-    _current = Runtime(settings, env, ctx, events_dir)
+    _current = Runtime(settings, env, ctx, str(sink.path.parent))
     return _current
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain import ops
-from elastictrain.errors import EXIT_PREEMPTED, StorageError
-from elastictrain.snapshot.reader import load_verified
+from elastictrain.errors import EXIT_PREEMPTED, ElasticTrainError
+from elastictrain.snapshot.reader import verify_snapshot
 from elastictrain.storage import Store
 
 
@@ -59,8 +59,8 @@ def check_snapshots(store: Store) -> str | None:
         if not rows:
             return "no committed snapshot"
         for row in rows:
-            load_verified(store, int(row["step"]))
-    except (StorageError, RuntimeError, ValueError) as exc:  # torch.load's errors included
+            verify_snapshot(store, int(row["step"]), load=True)
+    except ElasticTrainError as exc:  # corrupt, unreadable or unloadable
         return f"snapshots do not load: {type(exc).__name__}: {exc}"
     return None
 

@@ -145,10 +145,12 @@ def run_demo(opts: DemoOptions,
 
 def _worker_env(opts: DemoOptions) -> dict[str, str]:
     """Storage options reach the workers through their environment, never their
-    arguments: torchrun logs a worker's command line."""
-    if not opts.storage_options:
-        return {}
-    return {"ELASTICTRAIN_STORAGE__STORAGE_OPTIONS": json.dumps(opts.storage_options)}
+    arguments: torchrun logs a worker's command line. The URL is there too, so the
+    agent's events reach the run's storage (elastictrain.events)."""
+    env = {"ELASTICTRAIN_STORAGE__URL": opts.storage}
+    if opts.storage_options:
+        env["ELASTICTRAIN_STORAGE__STORAGE_OPTIONS"] = json.dumps(opts.storage_options)
+    return env
 
 
 def elastic_worker_args(opts: DemoOptions) -> list[str]:

@@ -35,6 +35,7 @@ def test_accounts_restart_lost_work_and_blocking(tmp_path: Path) -> None:
     assert report.lost_work_s == pytest.approx(0.4)
     assert report.snapshot_blocking_s == pytest.approx(0.5)
     assert report.restart_s == pytest.approx(8.0 - 3.0 - 0.4 - 0.5)
+    assert report.pending_s == 0.0  # restarts inside one launch are not pending
     assert report.goodput == pytest.approx(3.0 / 8.0)
     assert "goodput 37.5%" in format_report(report)
 
@@ -42,3 +43,31 @@ def test_accounts_restart_lost_work_and_blocking(tmp_path: Path) -> None:
 def test_missing_events_names_the_directory(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         compute_goodput(tmp_path)
+
+
+def test_relaunches_of_one_run_are_attempts_and_their_gap_is_pending(tmp_path: Path) -> None:
+    # Two launches (a Slurm requeue): the first trains 0→50 at 0.1 s/step and is
+    # preempted at t=7 with a final snapshot; the job waits 120 s pending; the second
+    # resumes from 50 at t=129 and finishes step 100 at t=134.
+    write(tmp_path / "attempt000-20261123T100000Z-aaaa-rank0.jsonl", [
+        {"event": "worker.start", "ts": 0.0, "step": 0, "launch_id": "20261123T100000Z-aaaa"},
+        {"event": "resume", "ts": 2.0, "step": 0, "from_step": None, "lost_steps": 0,
+         "launch_id": "20261123T100000Z-aaaa"},
+        {"event": "snapshot.committed", "ts": 7.0, "step": 50,
+         "launch_id": "20261123T100000Z-aaaa"},
+    ])
+    write(tmp_path / "attempt000-20261123T100207Z-bbbb-rank0.jsonl", [
+        {"event": "worker.start", "ts": 127.0, "step": 0, "launch_id": "20261123T100207Z-bbbb"},
+        {"event": "resume", "ts": 129.0, "step": 50, "from_step": 50, "lost_steps": 0,
+         "launch_id": "20261123T100207Z-bbbb"},
+        {"event": "run.finished", "ts": 134.0, "step": 100,
+         "launch_id": "20261123T100207Z-bbbb"},
+    ])
+    report = compute_goodput(tmp_path)
+    assert report.attempts == 2 and report.final_step == 100 and report.steps_lost == 0
+    assert report.step_time_s == pytest.approx(0.1)
+    assert report.productive_s == pytest.approx(10.0)
+    assert report.pending_s == pytest.approx(120.0)
+    assert report.restart_s == pytest.approx(134.0 - 10.0 - 120.0)
+    assert report.goodput == pytest.approx(10.0 / 134.0)
+    assert "pending" in format_report(report)

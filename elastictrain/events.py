@@ -1,0 +1,184 @@
+"""Where a process's event file lives, and how it reaches the run's storage.
+
+Every process of a run (each worker, each ``elastictrain run`` agent) appends its
+events to one JSON-lines file of its own under ``<storage>/events/<run id>/``:
+
+* workers: ``attempt{NNN}-{launch id}-rank{R}.jsonl``; NNN is torchrun's restart
+  count inside one launch, the launch id tells launches of the same run apart (a
+  Slurm requeue, a pod re-created, a SkyPilot recovery all reuse the run id);
+* agents: ``agent-{launch id}-{host}-{pid}.jsonl``.
+
+The launch id is the launcher's UTC start time plus a random suffix, so names
+sort by launch. ``elastictrain run`` sets it for its workers
+(``ELASTICTRAIN_LAUNCH_ID``); under plain torchrun each worker makes its own.
+
+Local storage (a path or ``file://``): the files are written in place. Object
+storage (``s3://`` …): appending is not possible there, so the file is written in
+a local spool directory and uploaded whole, every ``log.upload_interval_s`` and
+when the process exits (see docs/events.md). ``log.events_dir`` overrides the
+local directory (the run id is then not appended).
+"""
+
+from __future__ import annotations
+
+import secrets
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastictrain.config import Settings
+from elastictrain.env import getenv
+from elastictrain.storage import Store, open_store
+
+LAUNCH_ID_VAR = "ELASTICTRAIN_LAUNCH_ID"
+EVENTS_DIR = "events"
+
+
+def new_launch_id() -> str:
+    """A launch id: UTC start time (sorts by launch) and 4 random hex digits."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(2)
+
+
+def launch_id() -> str:
+    """This process's launch id: the launcher's, else a new one (plain torchrun)."""
+    global _own_launch_id
+    given = getenv(LAUNCH_ID_VAR)
+    if given:
+        return given
+    if _own_launch_id is None:
+        _own_launch_id = new_launch_id()
+    return _own_launch_id
+
+
+_own_launch_id: str | None = None
+
+
+def is_remote(url: str) -> bool:
+    """True for object storage (a URL with a scheme other than ``file://``)."""
+    return "://" in url and not url.startswith("file://")
+
+
+def events_root(settings: Settings) -> str:
+    """The local directory under which event files go (before the run id).
+
+    ``log.events_dir`` if set; ``<storage>/events`` for local storage; a spool
+    directory in the temp dir for object storage (uploaded from there).
+    """
+    if settings.log.events_dir:
+        return settings.log.events_dir
+    url = settings.storage.url
+    if is_remote(url):
+        return str(Path(tempfile.gettempdir()) / "elastictrain-events")
+    return str(Path(url.removeprefix("file://")) / EVENTS_DIR)
+
+
+def run_events_dir(settings: Settings, run_id: str) -> Path:
+    """The local directory of one run's event files."""
+    if settings.log.events_dir:
+        return Path(settings.log.events_dir)
+    return Path(events_root(settings)) / run_id
+
+
+def worker_file_name(restart_count: int, rank: int, launch: str) -> str:
+    return f"attempt{restart_count:03d}-{launch}-rank{rank}.jsonl"
+
+
+def agent_file_name(host: str, pid: int, launch: str) -> str:
+    return f"agent-{launch}-{host}-{pid}.jsonl"
+
+
+@dataclass(frozen=True)
+class EventSink:
+    """One process's event file and, on object storage, where it is uploaded to."""
+
+    path: Path
+    upload: Uploader | None
+
+
+def open_sink(settings: Settings, run_id: str, name: str, whole_dir: bool = False) -> EventSink:
+    """The event file ``name`` of run ``run_id``, with its uploader on object storage
+    (``whole_dir``: the uploader also copies the other files of the directory)."""
+    path = run_events_dir(settings, run_id) / name
+    if not is_remote(settings.storage.url):
+        return EventSink(path, None)
+    store = open_store(settings.storage)
+    return EventSink(path, Uploader(store, f"{EVENTS_DIR}/{run_id}",
+                                    settings.log.upload_interval_s, whole_dir))
+
+
+class Uploader:
+    """Copies local event files whole to ``<prefix>/<name>``, at most every ``interval_s``.
+
+    A worker's uploader copies its own file; an agent's (``whole_dir``) copies every
+    changed file of the run's local events directory, so the last events of workers
+    it saw SIGKILLed still reach the storage when the agent exits.
+    ``maybe_upload`` is called after each event and returns at once: the upload runs
+    in a background thread, one at a time, so the training loop never waits on
+    object storage. ``close`` uploads the final content and waits for it.
+    """
+
+    def __init__(self, store: Store, prefix: str, interval_s: float,
+                 whole_dir: bool = False) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.interval_s = interval_s
+        self.whole_dir = whole_dir
+        self._last = 0.0
+        self._sent: dict[str, int] = {}
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def maybe_upload(self, path: Path) -> None:
+        now = time.monotonic()
+        with self._lock:
+            busy = self._thread is not None and self._thread.is_alive()
+            if busy or now - self._last < self.interval_s:
+                return
+            self._last = now
+            self._thread = threading.Thread(target=self._upload, args=(path,),
+                                            name="elastictrain-events-upload", daemon=True)
+            self._thread.start()
+
+    def close(self, path: Path) -> None:
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        self._upload(path)
+
+    def _upload(self, path: Path) -> None:
+        from elastictrain.errors import StorageError
+
+        files = sorted(path.parent.glob("*.jsonl")) if self.whole_dir else [path]
+        for file in files:
+            # A failed upload must not stop training: the next one carries the whole
+            # file. Not logged: the event would land in a file being uploaded.
+            try:
+                data = file.read_bytes()
+                if self._sent.get(file.name) == len(data):
+                    continue
+                self.store.write_bytes(f"{self.prefix}/{file.name}", data)
+                self._sent[file.name] = len(data)
+            except (OSError, StorageError):
+                continue
+
+
+def read_event_files(location: str | Path, pattern: str = "*.jsonl",
+                     store: Store | None = None) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """``(file name, events)`` for each event file directly in ``location``, sorted by
+    name: a local directory, or (with ``store`` opened at that URL) an object prefix."""
+    from fnmatch import fnmatch
+
+    from elastictrain.log import parse_event_lines
+
+    if store is None:
+        for path in sorted(Path(location).glob(pattern)):
+            yield path.name, parse_event_lines(path.read_text(encoding="utf-8"))
+        return
+    for name in sorted(store.list_dir("")):
+        if fnmatch(name, pattern):
+            yield name, parse_event_lines(store.read_bytes(name).decode("utf-8"))

@@ -1,0 +1,203 @@
+"""deploy/k8s and deploy/skypilot recipes against their real schemas, the semantics a
+schema cannot see, and each container command run the way the kubelet runs it: PID 1 of
+its own PID namespace, sent SIGTERM, must take a final snapshot and exit with the code
+the manifest maps."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import REPO, child_env, events, free_port, pid_alive, wait_for
+
+yaml = pytest.importorskip("yaml")
+
+pytestmark = [pytest.mark.deploy]
+
+K8S = REPO / "deploy" / "k8s"
+DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
+ENTRYPOINT = REPO / "deploy" / "docker" / "entrypoint.sh"
+K8S_VERSION = "1.30.0"
+LAUNCHER_GRACE_S = 90  # launch.shutdown_timeout_s default: SIGTERM -> SIGKILL for workers
+
+
+def _load(name: str) -> dict[str, Any]:
+    return dict(yaml.safe_load((K8S / name).read_text()))
+
+
+def _pytorchjob_pod() -> dict[str, Any]:
+    return dict(_load("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]["Worker"]["template"])
+
+
+def _jobset_job() -> dict[str, Any]:
+    return dict(_load("jobset.yaml")["spec"]["replicatedJobs"][0]["template"])
+
+
+def _container(pod_spec: dict[str, Any]) -> dict[str, Any]:
+    (container,) = pod_spec["containers"]
+    return dict(container)
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+# -- schemas ---------------------------------------------------------------------------------
+def test_pod_templates_validate_strictly_as_kubernetes_objects() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "t"},
+           "spec": _pytorchjob_pod()["spec"]}
+    kv.validate(pod, K8S_VERSION, strict=True)
+    # The JobSet's Job template as a batch/v1 Job: podFailurePolicy included (an
+    # onPodConditions pattern without `status` is rejected here).
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "t"},
+           "spec": _jobset_job()["spec"]}
+    kv.validate(job, K8S_VERSION, strict=True)
+
+
+def test_pod_failure_policy_without_status_is_rejected() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    spec = _jobset_job()["spec"]
+    for rule in spec["podFailurePolicy"]["rules"]:
+        for cond in rule.get("onPodConditions", []):
+            cond.pop("status")
+    with pytest.raises(kv.ValidationError):
+        kv.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "t"},
+                     "spec": spec}, K8S_VERSION, strict=True)
+
+
+def test_pytorchjob_round_trips_through_the_training_operator_sdk_models() -> None:
+    pytest.importorskip("kubeflow.training")
+    from kubeflow.training import models
+    from kubeflow.training.api_client import ApiClient
+
+    manifest = _load("pytorchjob.yaml")
+    client = ApiClient()
+    job = client._ApiClient__deserialize(manifest, "KubeflowOrgV1PyTorchJob")
+    assert isinstance(job, models.KubeflowOrgV1PyTorchJob)
+    # The models drop fields they do not know: a round trip equal to the file means
+    # every field is one the operator's API has.
+    assert client.sanitize_for_serialization(job) == manifest
+    assert job.spec.elastic_policy.rdzv_id  # else every event says run_id "none"
+
+
+def test_jobset_matches_the_schema_written_from_the_jobset_api() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((Path(__file__).parent / "jobset_schema.json").read_text())
+    jsonschema.validate(_load("jobset.yaml"), schema)
+    text = (K8S / "jobset.yaml").read_text()
+    assert "jobset.x-k8s.io/v1alpha2" in text and re.search(r"JobSet >= v0\.\d+\.\d+", text)
+
+
+def test_skypilot_task_validates_with_skypilots_schema() -> None:
+    pytest.importorskip("sky")
+    from sky.utils import common_utils, schemas
+
+    task = yaml.safe_load((REPO / "deploy" / "skypilot" / "spot-job.yaml").read_text())
+    common_utils.validate_schema(task, schemas.get_task_schema(), "Invalid task YAML: ")
+    # Installed from the repository (no such package on the index).
+    assert task["workdir"] == "." and "pip install -e" in task["setup"]
+    assert 75 in task["resources"]["job_recovery"]["recover_on_exit_codes"]
+
+
+# -- semantics -------------------------------------------------------------------------------
+def test_exit_code_policies_grace_storage_and_store_fix() -> None:
+    jobset_rules = _jobset_job()["spec"]["podFailurePolicy"]["rules"]
+    by_code = {code: r["action"] for r in jobset_rules
+               for code in r.get("onExitCodes", {}).get("values", [])}
+    assert by_code == {75: "Ignore", 78: "FailJob"}
+    pt_env = _env(_container(_pytorchjob_pod()["spec"]))
+    assert int(pt_env["ELASTICTRAIN_EXIT_PREEMPTED_AS"]) >= 128  # retryable for ExitCode
+    assert _load("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]["Worker"][
+        "restartPolicy"] == "ExitCode"
+    for pod_spec in (_pytorchjob_pod()["spec"], _jobset_job()["spec"]["template"]["spec"]):
+        container = _container(pod_spec)
+        env = _env(container)
+        grace = float(env.get("ELASTICTRAIN_PREEMPT__GRACE_PERIOD_S", 30))
+        assert pod_spec["terminationGracePeriodSeconds"] >= max(grace, LAUNCHER_GRACE_S)
+        assert env["ELASTICTRAIN_STORAGE__URL"].startswith("s3://")
+        assert pod_spec.get("serviceAccountName") or container.get("envFrom")  # credentials
+        assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+        assert container["command"][0] != "/bin/sh" and "args" not in container
+        assert container["image"].split(":")[0].endswith("/elastictrain")
+
+
+def test_dockerfile_builds_the_image_the_recipes_name() -> None:
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ARG BASE_IMAGE=\S+", text, re.M) and "FROM ${BASE_IMAGE}" in text
+    assert "ARG TORCH_INDEX=" in text and "nvidia/cuda" in text
+    assert 'ENTRYPOINT ["/usr/local/bin/elastictrain-entrypoint"]' in text
+    assert "COPY deploy/docker/entrypoint.sh /usr/local/bin/elastictrain-entrypoint" in text
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
+    assert (REPO / "deploy" / "skypilot" / "spot-job.yaml").exists()
+    assert os.access(ENTRYPOINT, os.X_OK)
+
+
+# -- the container command as PID 1 ----------------------------------------------------------
+def _local_command(container: dict[str, Any], storage: Path) -> list[str]:
+    """The manifest's command with local storage, one node, a free port, few steps."""
+    out = []
+    for arg in container["command"]:
+        if arg == "/usr/local/bin/elastictrain-entrypoint":
+            arg = str(ENTRYPOINT)
+        elif arg.startswith("--storage="):
+            arg = f"--storage={storage}"
+        elif arg.startswith("--steps="):
+            arg = "--steps=100000"
+        elif arg.startswith("--nnodes="):
+            arg = "--nnodes=1"
+        elif arg.startswith("--rdzv-endpoint="):
+            arg = f"--rdzv-endpoint=127.0.0.1:{free_port()}"
+        out.append(arg)
+    return [*out, "--snapshot-every=10"]
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs unshare and root for a PID namespace")
+@pytest.mark.parametrize(("manifest", "expected"), [("pytorchjob", 138), ("jobset", 75)])
+def test_container_command_as_pid_1_takes_final_snapshot_on_sigterm(
+        tmp_path: Path, manifest: str, expected: int) -> None:
+    pod_spec = _pytorchjob_pod()["spec"] if manifest == "pytorchjob" else \
+        _jobset_job()["spec"]["template"]["spec"]
+    container = _container(pod_spec)
+    storage = tmp_path / "run"
+    env = {k: v for k, v in _env(container).items() if not k.startswith("ELASTICTRAIN_PREEMPT__")
+           or k.endswith("GRACE_PERIOD_S")}
+    env.update(ELASTICTRAIN_STORAGE__URL=str(storage), PYTHONPATH=str(REPO))
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc", *_local_command(container, storage)]
+    with (tmp_path / "pod.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env=child_env(tmp_path, **env), start_new_session=True)
+    try:
+        ev = storage / "events"
+        wait_for(lambda: ev.exists() and any(e.get("rank") == 0 and e["step"] >= 10 for e in
+                                             events(ev, "snapshot.committed")),
+                 240, "a first snapshot")
+        pid1 = _namespace_init(proc.pid)
+        os.kill(pid1, signal.SIGTERM)  # what the kubelet does on pod deletion
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    log_text = (tmp_path / "pod.log").read_text(errors="replace")
+    assert rc == expected, log_text[-3000:]
+    saved = [e for e in events(ev, "preempt.saved") if e["rank"] == 0]
+    assert saved and saved[0]["within_grace"] is True
+    assert any(e["exit_code"] == 75 for e in events(ev, "agent.finished"))
+    assert not pid_alive(pid1)
+
+
+def _namespace_init(unshare_pid: int) -> int:
+    """The unshare child: PID 1 of the new namespace, the container's process."""
+    children = Path(f"/proc/{unshare_pid}/task/{unshare_pid}/children").read_text().split()
+    (child,) = children
+    return int(child)
