@@ -17,6 +17,7 @@ from elastictrain.errors import EXIT_USAGE, ConfigError, ElasticTrainError
 def _demo(args: argparse.Namespace) -> int:
     from elastictrain.demo.runner import DemoOptions, print_result, run_demo
     from elastictrain.ops import parse_storage_options
+    from elastictrain.view.live import view_wanted
 
     opts = DemoOptions(storage=args.storage, nproc=args.nproc, steps=args.steps,
                        snapshot_every=args.snapshot_every, keep=args.keep,
@@ -25,6 +26,7 @@ def _demo(args: argparse.Namespace) -> int:
                        add_node_at=args.add_node_at, batch_size=args.batch_size,
                        global_batch_size=args.global_batch_size, samples=args.samples,
                        record_samples=args.record_samples,
+                       live=view_wanted(json_output=args.json, quiet=args.quiet),
                        storage_options=parse_storage_options(args.storage_options))
     result = run_demo(opts)
     print_result(result, args.json)
@@ -86,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                       '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; '
                       "leave credentials to the environment (AWS_*, a profile, a role)")
     demo.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    demo.add_argument("--quiet", action="store_true",
+                      help="no live view on a terminal, only the summary at the end")
     elastic = demo.add_argument_group("elastic", "world-size changes and batch policy")
     elastic.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
                          help="agents (nodes) on this machine, e.g. 1:2 (default 1)")

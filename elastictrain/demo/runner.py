@@ -10,6 +10,7 @@ import json
 import sys
 import time
 import uuid
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from elastictrain.launch import LaunchSpec, start_torchrun
 from elastictrain.log import read_events
 from elastictrain.runtime import default_events_dir
 from elastictrain.storage import open_store
+from elastictrain.view.live import LiveView, live_view
 
 
 @dataclass
@@ -41,6 +43,7 @@ class DemoOptions:
     global_batch_size: int | None = None
     samples: int | None = None
     record_samples: str | None = None
+    live: bool = False  # the live terminal view (elastictrain.view.live)
     # fsspec storage_options (may hold credentials): never printed, never on a command line.
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -109,9 +112,17 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     started = time.monotonic()
     with open(Path(events_dir) / "launcher.log", "w") as agent_log:
         proc = start_torchrun(spec, stdout=agent_log, extra_env=_worker_env(opts))
-        exit_code = proc.wait()
+        with _live_view(opts, run_id, events_dir):
+            exit_code = proc.wait()
     wall = time.monotonic() - started
     return summarize(events_dir, store.url, exit_code, wall)
+
+
+def _live_view(opts: DemoOptions, run_id: str, events_dir: str
+               ) -> AbstractContextManager[LiveView | None]:
+    """The live view of this run's events while the job runs (when ``opts.live``)."""
+    return live_view(opts.live, open_store(events_dir), "", f"elastictrain demo {run_id}",
+                     opts.steps, footer="Ctrl-C stops the job")
 
 
 def _worker_env(opts: DemoOptions) -> dict[str, str]:
@@ -141,7 +152,8 @@ def run_multinode_demo(opts: DemoOptions, run_id: str, events_dir: str,
                      add_node_at=opts.add_node_at, worker_args=worker_args, run_id=run_id,
                      events_dir=Path(events_dir))
     started = time.monotonic()
-    exit_code = run_nodes(plan)
+    with _live_view(opts, run_id, events_dir):
+        exit_code = run_nodes(plan)
     result = summarize(events_dir, opts.storage, exit_code, time.monotonic() - started)
     result.membership = membership_timings(plan.membership, events_dir)
     return result

@@ -124,6 +124,7 @@ class SnapshotManager:
         self._last_handle: SaveHandle | None = None
         self._clock = clock
         self._last_save_time = clock()
+        self._last_progress = clock()
         self._progress = _ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
         self._rng_rule = "none"
         self._preempt = preempt.current()
@@ -204,11 +205,13 @@ class SnapshotManager:
         return fields
 
     # -- the training loop's side ----------------------------------------------------
-    def step(self, per_rank_samples: int | None = None) -> SaveHandle | None:
+    def step(self, per_rank_samples: int | None = None, loss: Any = None) -> SaveHandle | None:
         """Record one completed optimizer step; save if one is due.
 
         Args:
             per_rank_samples: samples each rank consumed (default: the sampler's batch size).
+            loss: this step's loss (float or 0-d tensor) for the periodic
+                ``train.progress`` event; read only when that event is due.
         """
         self._saver.raise_if_failed()  # a background persist that gave up stops training here
         self.step_count += 1
@@ -218,12 +221,23 @@ class SnapshotManager:
         if self._progress is not None:
             self._progress.write(self.step_count)
         watchdog.beat(self.step_count)
+        self._report_progress(loss)
         due, stop = self._save_due()
         if stop is not None:
             preempt.finish(stop, self)  # final snapshot of this step, then exit 75
         if due:
             return self.save()
         return None
+
+    def _report_progress(self, loss: Any) -> None:
+        """A ``train.progress`` event at most every ``progress_every_s`` (the views' step
+        rate and loss), so the training path never logs per step."""
+        every = self.config.progress_every_s
+        now = self._clock()
+        if every is None or now - self._last_progress < every:
+            return
+        self._last_progress = now
+        log.info("train.progress", loss=None if loss is None else round(float(loss), 6))
 
     def _save_due(self) -> tuple[bool, preempt.StopRequest | None]:
         every = self.config.every_steps
