@@ -63,6 +63,16 @@ def _goodput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    from elastictrain.view.status import follow, open_status, show
+
+    status = open_status(args.storage, args.storage_options, args.run_id)
+    if not args.follow:
+        show(status, json_output=args.json)
+        return 0
+    return 0 if follow(status, json_output=args.json, timeout_s=args.timeout) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastictrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "(<storage>/events/<run id>)")
     goodput.add_argument("--json", action="store_true")
     goodput.set_defaults(func=_goodput)
+
+    status = sub.add_parser("status", help="attempt, steps, last snapshot and recent failures "
+                            "of a run, read from its storage")
+    status.add_argument("storage", help="the run's storage root: a directory or URL "
+                        "(s3://bucket/run), as given to demo or run")
+    status.add_argument("--storage-options", default=None, metavar="JSON",
+                        help="JSON object passed to fsspec (e.g. endpoint, profile)")
+    status.add_argument("--run-id", default=None,
+                        help="which run, when several wrote events there (default: newest)")
+    status.add_argument("--json", action="store_true", help="print the state as JSON")
+    status.add_argument("--follow", action="store_true",
+                        help="keep showing the run until it ends (exit 0) or --timeout "
+                        "passes (exit 1)")
+    status.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="with --follow: give up after this long")
+    status.set_defaults(func=_status)
     return parser
 
 

@@ -48,6 +48,8 @@ class RunState:
     last_ts: float | None = None
     finished: str | None = None  # "finished", "preempted", "fatal", … once the run ended
     events: int = 0
+    agent_seen: bool = False  # launched by elastictrain run/demo: the agent logs the end
+    ended: bool = False  # nothing more will be written (the launcher or, without one, rank 0)
     lines: deque[Line] = field(default_factory=deque)
     _samples: deque[tuple[float, int]] = field(default_factory=deque)
     _notice_ts: float | None = None
@@ -60,6 +62,11 @@ class RunState:
         self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
         self.run_id = event.get("run_id") or self.run_id
         name = str(event.get("event", ""))
+        if event.get("role") == "agent":
+            self.agent_seen = True
+            self.ended = self.ended or name == "agent.finished"
+        elif name == "run.finished" and not self.agent_seen:
+            self.ended = True
         restart_count = event.get("restart_count")
         if name == "agent.attempt_started" and isinstance(restart_count, int):
             self._new_attempt(restart_count, event.get("world_size"), ts)
