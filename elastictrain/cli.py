@@ -74,29 +74,37 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastictrain", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="elastictrain",
+        description="Fault-tolerant, elastic PyTorch training: run jobs under torchrun, "
+        "watch them, and manage their snapshots.",
+        epilog="Exit codes: 0 finished, 2 usage error, 75 preempted after a final snapshot "
+        "(resume me), 78 fatal (do not retry). Docs: docs/README.md")
     sub = parser.add_subparsers(dest="command", required=True)
 
     # `run` hands its whole command line to torchrun's parser (see main); listed for --help.
-    sub.add_parser("run", add_help=False, help="torchrun with elastictrain's defaults: "
-                   "elastictrain run [torchrun options] SCRIPT [ARGS] (exit 75: preempted)")
+    sub.add_parser("run", add_help=False, help="run SCRIPT under torchrun with restarts and "
+                   "elastictrain's defaults: elastictrain run [torchrun options] SCRIPT [ARGS]")
 
     demo = sub.add_parser("demo", help="train a small GPT under torchrun, kill it, resume it")
     demo.add_argument("--storage", default="./elastictrain-demo",
-                      help="snapshot location: a directory, file://, memory-less URL (s3://…)")
+                      help="where snapshots and events go: a directory or a URL such as "
+                      "s3://bucket/run (default ./elastictrain-demo)")
     demo.add_argument("--nproc", type=int, default=2, help="workers (default 2, CPU, gloo)")
-    demo.add_argument("--steps", type=int, default=300)
-    demo.add_argument("--snapshot-every", type=int, default=25)
-    demo.add_argument("--keep", type=int, default=3, help="snapshots to retain")
+    demo.add_argument("--steps", type=int, default=300, help="train this many steps (default 300)")
+    demo.add_argument("--snapshot-every", type=int, default=25, metavar="N",
+                      help="take a snapshot every N steps (default 25)")
+    demo.add_argument("--keep", type=int, default=3, help="snapshots to keep (default 3)")
     demo.add_argument("--kill-at", type=int, action="append", default=[], metavar="STEP",
-                      help="SIGKILL a worker at STEP (repeatable; attempt i kills at the i-th)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--events-dir", default=None, help="where event logs go (default: "
-                      "<storage>/events for local storage)")
+                      help="kill a worker with SIGKILL at STEP; repeat it to kill again "
+                      "after each restart")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument("--events-dir", default=None, help="where the event logs go (default: "
+                      "STORAGE/events for local storage)")
     demo.add_argument("--storage-options", default=None, metavar="JSON",
                       help="JSON object passed to fsspec, e.g. "
                       '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; '
-                      "leave credentials to the environment (AWS_*, a profile, a role)")
+                      "keep credentials in the environment (AWS_*, a profile, a role)")
     demo.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     demo.add_argument("--quiet", action="store_true",
                       help="no live view on a terminal, only the summary at the end")
