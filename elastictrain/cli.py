@@ -19,6 +19,7 @@ from elastictrain.errors import EXIT_USAGE, ConfigError, ElasticTrainError
 def _demo(args: argparse.Namespace) -> int:
     from elastictrain.demo.runner import DemoOptions, print_result, run_demo
     from elastictrain.ops import parse_storage_options
+    from elastictrain.view.live import view_wanted
 
     opts = DemoOptions(storage=args.storage, nproc=args.nproc, steps=args.steps,
                        snapshot_every=args.snapshot_every, keep=args.keep,
@@ -27,6 +28,7 @@ def _demo(args: argparse.Namespace) -> int:
                        add_node_at=args.add_node_at, batch_size=args.batch_size,
                        global_batch_size=args.global_batch_size, samples=args.samples,
                        record_samples=args.record_samples,
+                       live=view_wanted(json_output=args.json, quiet=args.quiet),
                        storage_options=parse_storage_options(args.storage_options))
     result = run_demo(opts)
     print_result(result, args.json)
@@ -86,31 +88,51 @@ def _chaos(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _status(args: argparse.Namespace) -> int:
+    from elastictrain.view.status import follow, open_status, show
+
+    status = open_status(args.storage, args.storage_options, args.run_id)
+    if not args.follow:
+        show(status, json_output=args.json)
+        return 0
+    return 0 if follow(status, json_output=args.json, timeout_s=args.timeout) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastictrain", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="elastictrain",
+        description="Fault-tolerant, elastic PyTorch training: run jobs under torchrun, "
+        "watch them, and manage their snapshots.",
+        epilog="Exit codes: 0 finished, 2 usage error, 75 preempted after a final snapshot "
+        "(resume me), 78 fatal (do not retry). Docs: docs/README.md")
     sub = parser.add_subparsers(dest="command", required=True)
 
     # `run` hands its whole command line to torchrun's parser (see main); listed for --help.
-    sub.add_parser("run", add_help=False, help="torchrun with elastictrain's defaults: "
-                   "elastictrain run [torchrun options] SCRIPT [ARGS] (exit 75: preempted)")
+    sub.add_parser("run", add_help=False, help="run SCRIPT under torchrun with restarts and "
+                   "elastictrain's defaults: elastictrain run [torchrun options] SCRIPT [ARGS]")
 
     demo = sub.add_parser("demo", help="train a small GPT under torchrun, kill it, resume it")
     demo.add_argument("--storage", default="./elastictrain-demo",
-                      help="snapshot location: a directory, file://, memory-less URL (s3://…)")
+                      help="where snapshots and events go: a directory or a URL such as "
+                      "s3://bucket/run (default ./elastictrain-demo)")
     demo.add_argument("--nproc", type=int, default=2, help="workers (default 2, CPU, gloo)")
-    demo.add_argument("--steps", type=int, default=300)
-    demo.add_argument("--snapshot-every", type=int, default=25)
-    demo.add_argument("--keep", type=int, default=3, help="snapshots to retain")
+    demo.add_argument("--steps", type=int, default=300, help="train this many steps (default 300)")
+    demo.add_argument("--snapshot-every", type=int, default=25, metavar="N",
+                      help="take a snapshot every N steps (default 25)")
+    demo.add_argument("--keep", type=int, default=3, help="snapshots to keep (default 3)")
     demo.add_argument("--kill-at", type=int, action="append", default=[], metavar="STEP",
-                      help="SIGKILL a worker at STEP (repeatable; attempt i kills at the i-th)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--events-dir", default=None, help="where event logs go (default: "
-                      "<storage>/events for local storage)")
+                      help="kill a worker with SIGKILL at STEP; repeat it to kill again "
+                      "after each restart")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument("--events-dir", default=None, help="where the event logs go (default: "
+                      "STORAGE/events for local storage)")
     demo.add_argument("--storage-options", default=None, metavar="JSON",
                       help="JSON object passed to fsspec, e.g. "
                       '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; '
-                      "leave credentials to the environment (AWS_*, a profile, a role)")
+                      "keep credentials in the environment (AWS_*, a profile, a role)")
     demo.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    demo.add_argument("--quiet", action="store_true",
+                      help="no live view on a terminal, only the summary at the end")
     elastic = demo.add_argument_group("elastic", "world-size changes and batch policy")
     elastic.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
                          help="agents (nodes) on this machine, e.g. 1:2 (default 1)")
@@ -172,6 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
                          help="JSON object passed to fsspec for a URL (endpoint, profile)")
     goodput.add_argument("--json", action="store_true")
     goodput.set_defaults(func=_goodput)
+
+    status = sub.add_parser("status", help="attempt, steps, last snapshot and recent failures "
+                            "of a run, read from its storage")
+    status.add_argument("storage", help="the run's storage root: a directory or URL "
+                        "(s3://bucket/run), as given to demo or run")
+    status.add_argument("--storage-options", default=None, metavar="JSON",
+                        help="JSON object passed to fsspec (e.g. endpoint, profile)")
+    status.add_argument("--run-id", default=None,
+                        help="which run, when several wrote events there (default: newest)")
+    status.add_argument("--json", action="store_true", help="print the state as JSON")
+    status.add_argument("--follow", action="store_true",
+                        help="keep showing the run until it ends (exit 0) or --timeout "
+                        "passes (exit 1)")
+    status.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="with --follow: give up after this long")
+    status.set_defaults(func=_status)
     return parser
 
 

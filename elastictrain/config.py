@@ -94,6 +94,9 @@ class SnapshotConfig(_Model):
     restore_mode: Literal["auto", "each", "broadcast"] = "auto"
     max_consecutive_failures: int = Field(default=3, ge=1)
     retry_backoff_s: float = Field(default=0.5, gt=0)
+    # Seconds between `train.progress` events (step, loss) per rank; a time check per
+    # step, no per-step logging. None: no such events (views then see snapshot steps).
+    progress_every_s: float | None = Field(default=5.0, gt=0)
 
 
 class DistConfig(_Model):

@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from elastictrain.launch import LaunchSpec, start_torchrun
 from elastictrain.log import read_events
 from elastictrain.runtime import default_events_dir
 from elastictrain.storage import open_store
+from elastictrain.view.live import LiveView, live_view
 
 
 @dataclass
@@ -44,6 +46,7 @@ class DemoOptions:
     global_batch_size: int | None = None
     samples: int | None = None
     record_samples: str | None = None
+    live: bool = False  # the live terminal view (elastictrain.view.live)
     # fsspec storage_options (may hold credentials): never printed, never on a command line.
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -134,13 +137,21 @@ def run_demo(opts: DemoOptions,
                                                     extra_env=_worker_env(opts)))
         if on_start is not None:
             on_start(job)
-        exit_code = job.wait()
+        with _live_view(opts, run_id, events_dir):
+            exit_code = job.wait()
     result = summarize(events_dir, store.url, exit_code, time.monotonic() - started)
     if job.interrupted is not None:
         result.interrupted = job.interrupted
         if job.forced:  # as if the signal had killed the demo
             result.exit_code = 128 + int(signal.Signals[job.interrupted])
     return result
+
+
+def _live_view(opts: DemoOptions, run_id: str, events_dir: str
+               ) -> AbstractContextManager[LiveView | None]:
+    """The live view of this run's events while the job runs (when ``opts.live``)."""
+    return live_view(opts.live, open_store(events_dir), "", f"elastictrain demo {run_id}",
+                     opts.steps, footer="Ctrl-C stops the job")
 
 
 def _worker_env(opts: DemoOptions) -> dict[str, str]:
@@ -172,7 +183,8 @@ def run_multinode_demo(opts: DemoOptions, run_id: str, events_dir: str,
                      add_node_at=opts.add_node_at, worker_args=worker_args, run_id=run_id,
                      events_dir=Path(events_dir))
     started = time.monotonic()
-    exit_code = run_nodes(plan)
+    with _live_view(opts, run_id, events_dir):
+        exit_code = run_nodes(plan)
     result = summarize(events_dir, opts.storage, exit_code, time.monotonic() - started)
     result.membership = membership_timings(plan.membership, events_dir)
     return result

@@ -89,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # one core per worker; the other is left for background work
     overrides: dict[str, Any] = {"storage": {"url": args.storage},
-                 "snapshot": {"every_steps": args.snapshot_every, "keep": args.keep}}
+                 "snapshot": {"every_steps": args.snapshot_every, "keep": args.keep,
+                              "progress_every_s": 1.0}}  # the live view's step rate
     if args.events_dir:
         overrides["log"] = {"events_dir": args.events_dir}
     rt = et.init(et.load_settings(None, **overrides))
@@ -126,11 +127,11 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
     gate(None)
     while snap.step_count < args.steps:
         for micro_batches in et.optimizer_steps(loader):
-            trained = train_step(ddp, optimizer, micro_batches)
+            trained, loss = train_step(ddp, optimizer, micro_batches)
             scheduler.step()
             if recorder is not None:  # before snap.step(): a snapshot implies the record
                 recorder.record(snap.step_count + 1, snap.epoch, trained)
-            snap.step()
+            snap.step(loss=loss)
             if snap.step_count == resumed_at + 1:  # time to first step, for the summary
                 log.info("demo.first_step")
             kill_if_scheduled(kills, snap.step_count, rt, snap)
@@ -151,8 +152,9 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
 
 
 def train_step(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               micro_batches: list[tuple[et.Micro, Any]]) -> list[int]:
-    """One optimizer step over its micro-batches; returns the sample indices trained.
+               micro_batches: list[tuple[et.Micro, Any]]) -> tuple[list[int], torch.Tensor]:
+    """One optimizer step over its micro-batches; returns the sample indices trained
+    and the last micro-batch's loss (a tensor: read only when reported).
 
     All but the last backward run under ``no_sync`` (gradients accumulate locally;
     the last one all-reduces); each mean loss is scaled so the step's gradient is
@@ -160,6 +162,7 @@ def train_step(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     optimizer.zero_grad(set_to_none=True)
     trained: list[int] = []
+    loss = torch.zeros(())
     for micro, (index, x, y) in micro_batches:
         accumulate = isinstance(ddp, DistributedDataParallel) and not micro.last
         with ddp.no_sync() if accumulate else contextlib.nullcontext():  # type: ignore[operator]
@@ -168,7 +171,7 @@ def train_step(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer,
             (loss if micro.loss_scale == 1.0 else loss * micro.loss_scale).backward()
         trained += index.tolist()
     optimizer.step()
-    return trained
+    return trained, loss.detach()
 
 
 @torch.no_grad()

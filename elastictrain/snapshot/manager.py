@@ -156,6 +156,7 @@ class SnapshotManager:
         self._last_handle: SaveHandle | None = None
         self._clock = clock
         self._last_save_time = clock()
+        self._last_progress = clock()
         self._progress = _ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
         self._rng_rule = "none"
         self._preempt = preempt.current()
@@ -247,8 +248,12 @@ class SnapshotManager:
         return fields
 
     # -- the training loop's side ----------------------------------------------------
-    def step(self) -> SaveHandle | None:
+    def step(self, loss: Any = None) -> SaveHandle | None:
         """Record one completed optimizer step; save if one is due.
+
+        Args:
+            loss: this step's loss (float or 0-d tensor) for the periodic
+                ``train.progress`` event; read only when that event is due.
 
         Raises:
             SnapshotWriteFailed: a background persist gave up; raised on every rank at
@@ -262,6 +267,7 @@ class SnapshotManager:
         if self._progress is not None:
             self._progress.write(self.step_count)
         watchdog.beat(self.step_count)
+        self._report_progress(loss)
         due, stop, failed_step = self._decide()
         if stop is not None:
             self._stop_preempted(stop)
@@ -270,6 +276,16 @@ class SnapshotManager:
         if due:
             return self.save()
         return None
+
+    def _report_progress(self, loss: Any) -> None:
+        """A ``train.progress`` event at most every ``progress_every_s`` (the views' step
+        rate and loss), so the training path never logs per step."""
+        every = self.config.progress_every_s
+        now = self._clock()
+        if every is None or now - self._last_progress < every:
+            return
+        self._last_progress = now
+        log.info("train.progress", loss=None if loss is None else round(float(loss), 6))
 
     def _decide(self) -> tuple[bool, preempt.StopRequest | None, int]:
         """(save due, agreed stop, step of a failed save or 0): the same on every rank.

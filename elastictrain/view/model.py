@@ -1,0 +1,249 @@
+"""Reduce a run's events into its current state: one reducer for every view.
+
+The live view, ``elastictrain status`` and its ``--json`` all read a
+:class:`RunState`; nothing here touches a terminal or storage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+RATE_WINDOW_S = 10.0  # the step rate is measured over this much recent wall time
+
+
+@dataclass
+class Line:
+    """One event worth a line in a view."""
+
+    ts: float
+    kind: str  # "failure", "restart", "resume", "membership", "preempt", "snapshot", "end"
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ts": self.ts, "kind": self.kind, "text": self.text}
+
+
+@dataclass
+class RunState:
+    """What the events of one run say so far.
+
+    Args:
+        total_steps: the run's target step when the caller knows it (the demo).
+        max_lines: how many recent event lines are kept.
+    """
+
+    total_steps: int | None = None
+    max_lines: int = 200
+    run_id: str | None = None
+    attempt: int = 0
+    world_size: int | None = None
+    step: int = 0
+    rank_steps: dict[int, int] = field(default_factory=dict)
+    loss: float | None = None
+    last_snapshot: dict[str, Any] | None = None
+    first_ts: float | None = None
+    last_ts: float | None = None
+    finished: str | None = None  # "finished", "preempted", "fatal", … once the run ended
+    events: int = 0
+    agent_seen: bool = False  # launched by elastictrain run/demo: the agent logs the end
+    ended: bool = False  # nothing more will be written (the launcher or, without one, rank 0)
+    lines: deque[Line] = field(default_factory=deque)
+    _samples: deque[tuple[float, int]] = field(default_factory=deque)
+    _notice_ts: float | None = None
+
+    def apply(self, event: dict[str, Any]) -> None:
+        """Fold one event into the state (events of a run, in time order)."""
+        self.events += 1
+        ts = float(event.get("ts") or 0.0)
+        self.first_ts = ts if self.first_ts is None else min(self.first_ts, ts)
+        self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
+        self.run_id = event.get("run_id") or self.run_id
+        name = str(event.get("event", ""))
+        if event.get("role") == "agent":
+            self.agent_seen = True
+            self.ended = self.ended or name == "agent.finished"
+        elif name == "run.finished" and not self.agent_seen:
+            self.ended = True
+        restart_count = event.get("restart_count")
+        if name == "agent.attempt_started" and isinstance(restart_count, int):
+            self._new_attempt(restart_count, event.get("world_size"), ts)
+        elif event.get("role") != "agent" and isinstance(restart_count, int):
+            if restart_count > self.attempt:
+                self._new_attempt(restart_count, event.get("world_size"), ts)
+            self._worker_event(name, event, ts)
+        handler = _LINES.get(name)
+        if handler is not None:
+            line = handler(self, event)
+            if line is not None:
+                self._add_line(ts, *line)
+
+    def _new_attempt(self, attempt: int, world_size: Any, ts: float) -> None:
+        if attempt != self.attempt:
+            self._samples.clear()  # the rate of one attempt; a restart starts it over
+            self.rank_steps.clear()
+        self.attempt = max(self.attempt, attempt)
+        if isinstance(world_size, int):
+            self.world_size = world_size
+
+    def _worker_event(self, name: str, event: dict[str, Any], ts: float) -> None:
+        if event.get("restart_count") != self.attempt:
+            return  # a late line of an older attempt
+        rank, step, world = event.get("rank"), event.get("step"), event.get("world_size")
+        if isinstance(world, int):
+            self.world_size = world
+        if isinstance(rank, int) and isinstance(step, int):
+            # A resume may go back in steps; any other event only moves a rank forward.
+            self.rank_steps[rank] = step if name == "resume" else \
+                max(step, self.rank_steps.get(rank, 0))
+            self.step = max(self.rank_steps.values())
+            self._sample(ts, self.step)
+        if name == "train.progress" and event.get("loss") is not None:
+            self.loss = float(event["loss"])
+        elif name == "snapshot.committed":
+            self.last_snapshot = {"step": event.get("snapshot_step"), "ts": ts,
+                                  "size_bytes": event.get("size_bytes"),
+                                  "tier": event.get("tier"),
+                                  "duration_s": event.get("duration_s")}
+
+    def _sample(self, ts: float, step: int) -> None:
+        self._samples.append((ts, step))
+        while self._samples and ts - self._samples[0][0] > RATE_WINDOW_S:
+            self._samples.popleft()
+
+    def _add_line(self, ts: float, kind: str, text: str) -> None:
+        self.lines.append(Line(ts, kind, text))
+        while len(self.lines) > self.max_lines:
+            self.lines.popleft()
+
+    # -- derived -------------------------------------------------------------------------
+    @property
+    def rate(self) -> float | None:
+        """Steps per second over the recent window of the current attempt."""
+        if len(self._samples) < 2:
+            return None
+        (t0, s0), (t1, s1) = self._samples[0], self._samples[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
+
+    def snapshot_age_s(self, now: float | None = None) -> float | None:
+        if self.last_snapshot is None:
+            return None
+        return max(0.0, (now or time.time()) - float(self.last_snapshot["ts"]))
+
+    def failures(self) -> list[Line]:
+        return [line for line in self.lines if line.kind == "failure"]
+
+    def to_dict(self, now: float | None = None) -> dict[str, Any]:
+        """The state as plain JSON-able values (``status --json``)."""
+        age = self.snapshot_age_s(now)
+        return {
+            "run_id": self.run_id, "attempt": self.attempt, "attempts": self.attempt + 1,
+            "world_size": self.world_size, "step": self.step, "total_steps": self.total_steps,
+            "rank_steps": {str(r): s for r, s in sorted(self.rank_steps.items())},
+            "rate_steps_s": None if self.rate is None else round(self.rate, 3),
+            "loss": self.loss,
+            "last_snapshot": None if self.last_snapshot is None else {
+                **self.last_snapshot, "age_s": None if age is None else round(age, 1)},
+            "finished": self.finished, "first_ts": self.first_ts, "last_ts": self.last_ts,
+            "events": self.events,
+            "failures": [line.to_dict() for line in self.failures()],
+            "lines": [line.to_dict() for line in self.lines],
+        }
+
+
+# -- one line per event that matters ---------------------------------------------------------
+_Out = tuple[str, str] | None
+
+
+def _worker_failed(state: RunState, e: dict[str, Any]) -> _Out:
+    how = f"killed by {e['signal']}" if e.get("signal") else \
+        f"exited {e.get('exit_code')} ({e.get('meaning')})"
+    return "failure", f"worker rank {e.get('worker_rank')} {how}"
+
+
+def _demo_kill(state: RunState, e: dict[str, Any]) -> _Out:
+    return "failure", f"demo kills rank {e.get('rank')} ({e.get('signal')}) at step {e.get('step')}"
+
+
+def _restart(state: RunState, e: dict[str, Any]) -> _Out:
+    reason = str(e.get("reason", "failure")).replace("_", " ")
+    return "restart", (f"restart after {reason}, attempt {e.get('from_restart_count')}, "
+                       f"{e.get('remaining_restarts')} restarts left")
+
+
+def _resume(state: RunState, e: dict[str, Any]) -> _Out:
+    if e.get("rank") != 0:
+        return None  # every rank resumes from the same step: one line per attempt
+    world = e.get("world_size")
+    if e.get("from_step") is None:
+        return "resume", f"attempt {e.get('restart_count')}: fresh start at world size {world}"
+    text = (f"attempt {e.get('restart_count')}: resumed from step {e['from_step']} "
+            f"(lost {e.get('lost_steps') if e.get('lost_steps') is not None else '?'} steps)")
+    if e.get("world_size_changed"):
+        text += f", world size {e.get('saved_world_size')} -> {world}"
+    return "resume", text
+
+
+def _membership(state: RunState, e: dict[str, Any]) -> _Out:
+    return "membership", (f"membership change: world size {e.get('old_world_size')} -> "
+                          f"{e.get('new_world_size')}")
+
+
+def _notice(state: RunState, e: dict[str, Any]) -> _Out:
+    first = state._notice_ts is None
+    state._notice_ts = state._notice_ts or float(e.get("ts") or 0.0)
+    if not first:
+        return None  # each rank logs the notice it saw; one line is enough
+    return "preempt", (f"preemption notice ({e.get('source')}), grace "
+                       f"{e.get('grace_period_s')} s")
+
+
+def _preempt_saved(state: RunState, e: dict[str, Any]) -> _Out:
+    return "preempt", (f"final snapshot of step {e.get('snapshot_step')} committed "
+                       f"{e.get('duration_s')} s after the notice")
+
+
+def _watchdog(state: RunState, e: dict[str, Any]) -> _Out:
+    return "failure", (f"watchdog fired on rank {e.get('rank')}: no progress for "
+                       f"{e.get('idle_s')} s in {e.get('phase')} (last step {e.get('last_step')})")
+
+
+def _snapshot_failed(state: RunState, e: dict[str, Any]) -> _Out:
+    then = f"retrying in {e.get('retry_in_s')} s" if e.get("will_retry") else "giving up"
+    return "failure", (f"snapshot {e.get('snapshot_step')} failed (try {e.get('attempt')}): "
+                       f"{e.get('error_type')}, {then}")
+
+
+def _snapshot_corrupt(state: RunState, e: dict[str, Any]) -> _Out:
+    return "failure", f"snapshot {e.get('snapshot_step')} corrupt: {e.get('action')}"
+
+
+def _run_finished(state: RunState, e: dict[str, Any]) -> _Out:
+    state.finished = state.finished or "finished"
+    state.step = max(state.step, int(e.get("final_step") or 0))
+    if e.get("final_loss") is not None:
+        state.loss = float(e["final_loss"])
+    return "end", f"training finished at step {e.get('final_step')}"
+
+
+def _agent_end(state: RunState, e: dict[str, Any]) -> _Out:
+    outcome = str(e.get("outcome") or ("preempted" if e.get("event") == "agent.preempted"
+                                       else "fatal"))
+    state.finished = outcome
+    if e.get("event") == "agent.finished":
+        return "end", f"launcher exited {e.get('exit_code')} ({outcome})"
+    return ("preempt" if outcome == "preempted" else "failure"), \
+        f"workers exited {e.get('exit_codes')}: {outcome}, no restart"
+
+
+_LINES = {
+    "agent.worker_failed": _worker_failed, "demo.kill": _demo_kill,
+    "agent.restart": _restart, "resume": _resume,
+    "agent.membership_changed": _membership, "preempt.notice": _notice,
+    "preempt.saved": _preempt_saved, "watchdog.fired": _watchdog,
+    "snapshot.failed": _snapshot_failed, "snapshot.corrupt": _snapshot_corrupt,
+    "run.finished": _run_finished, "agent.preempted": _agent_end,
+    "agent.fatal": _agent_end, "agent.finished": _agent_end,
+}
