@@ -219,6 +219,9 @@ class SnapshotManager:
             self._progress.write(self.step_count)
         watchdog.beat(self.step_count)
         due, stop = self._save_due()
+        if self.ctx.is_writer and not due and not self._saver.staging.prepared:
+            # Staging slabs allocated off the loop now, so the first save blocks like the rest.
+            self._saver.staging.prepare_async(self._state([capture_rng()] * self.ctx.world_size))
         if stop is not None:
             preempt.finish(stop, self)  # final snapshot of this step, then exit 75
         if due:
