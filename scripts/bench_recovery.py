@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchlib import load_average, noisy
+
 T_START = time.time()  # first thing: a worker's process start as seen by itself
 
 REPO = Path(__file__).resolve().parents[1]
@@ -454,12 +456,19 @@ def main(argv: list[str] | None = None) -> None:
         return worker_bare(args)
     if args.worker_mode == "et":
         return worker_et(args)
+    load_before = load_average()
     results = [_round(run_size(size, args.nproc, args.keep)) for size in args.size_mb]
+    load_after = load_average()
+    flagged = noisy(load_before, load_after, None)
     if args.json:
         print(json.dumps({"bench": "recovery", "nproc": args.nproc, "cpus": os.cpu_count(),
-                          "load_avg_1m": round(os.getloadavg()[0], 2), "results": results}))
+                          "load_avg_before": round(load_before, 2),
+                          "load_avg_after": round(load_after, 2), "noisy": flagged,
+                          "results": results}))
     else:
         print(table(results))
+        print(f"load average before/after {load_before:.2f}/{load_after:.2f}"
+              + ("  (NOISY: other work was running)" if flagged else ""))
 
 
 if __name__ == "__main__":

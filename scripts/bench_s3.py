@@ -8,25 +8,29 @@ and stops, or any S3 endpoint with ``--endpoint``), a state of ``--size-mb``:
 * ``persist``: elastictrain's ``persist_snapshot`` of the state: ``torch.save``
   streamed into a multipart upload, checksummed, then the manifest PUT;
 * ``raw get``: s3fs ``cat_file`` of those bytes;
-* ``restore``: discovery (fresh listing, manifest) and the verified load of the
-  payload: ``torch.load`` streams it from the object while its size and checksum
-  are checked on the same reads (no whole-payload copy in memory).
+* ``boto3 put`` / ``boto3 get``: the same bytes through boto3's transfer manager
+  (concurrent multipart upload, parallel ranged GETs into one buffer): a second
+  raw baseline, to show where the server (moto: one Python process) is the limit;
+* ``restore``: discovery (fresh listing, manifest) and the verified read (size and
+  checksum) of the payload: the storage work. ``restore_with_load`` is the whole restore:
+  ``torch.load`` streams the payload while its size and checksum are checked on the
+  same reads (``restore_with_load_vs_raw_get``).
 
 Rounds interleave raw and elastictrain so that load on a shared machine hits both;
-times are medians. Ratios are elastictrain's throughput over raw's (1.0 = as fast as
+times are medians with [min-max]. Ratios are elastictrain's throughput over raw's (1.0 = as fast as
 a bare PUT/GET of the same bytes; the target is >= 0.9). A separate, untimed round
 measures peak Python memory (tracemalloc) of persist and of a raw put, beyond the
 state itself. Numbers on a loaded 2-core box are noisy: compare ratios from one run.
 
-    python scripts/bench_s3.py [--size-mb 48] [--rounds 5] [--json]
+    python scripts/bench_s3.py [--sizes 48 512] [--rounds 5] [--json [FILE]] [--plot FILE.png]
     python scripts/bench_s3.py --endpoint http://127.0.0.1:9000 --bucket b  # MinIO…
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
-import json
 import os
 import signal
 import socket
@@ -41,11 +45,21 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from benchlib import (
+    busy_loop_ratio,
+    fmt,
+    load_average,
+    noisy,
+    plot_curve,
+    ratio_spread,
+    spread,
+    write_json,
+)
 
 from elastictrain import log as et_log
 from elastictrain.config import StorageConfig
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot, serialize_payload
-from elastictrain.snapshot.reader import find_latest_verified
+from elastictrain.snapshot.reader import newest_first, verify_snapshot
 from elastictrain.snapshot.retention import prune
 from elastictrain.storage import open_store
 
@@ -56,7 +70,8 @@ MIB = 2**20
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = StorageConfig()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size-mb", type=float, default=48.0, help="state size (default 48)")
+    p.add_argument("--sizes", "--size-mb", dest="sizes", type=float, nargs="+", default=[48.0],
+                   help="state sizes in MB, one run each (default 48)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--part-size-mb", type=float, default=defaults.part_size_bytes / MIB)
     p.add_argument("--multipart-threshold-mb", type=float,
@@ -65,8 +80,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=defaults.upload_concurrency)
     p.add_argument("--endpoint", default=None, help="an S3 endpoint (default: start moto)")
     p.add_argument("--bucket", default="elastictrain-bench")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p.parse_args(argv)
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="write the curve as JSON to FILE (no FILE or -: stdout)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the curve")
+    args = p.parse_args(argv)
+    if args.rounds < 3:
+        p.error(f"--rounds {args.rounds}: at least 3 (medians of fewer say nothing)")
+    for size in args.sizes:
+        if size <= 0:
+            p.error(f"--sizes {size:g}: every size must be > 0 MB")
+    return args
 
 
 def free_port() -> int:
@@ -125,7 +148,18 @@ def peak_python_bytes(fn: Callable[[], Any]) -> int:
         tracemalloc.stop()
 
 
-def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
+def boto3_client(endpoint: str, options: dict[str, Any]) -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        aws_access_key_id=options.get("key"),
+                        aws_secret_access_key=options.get("secret"))
+
+
+def run(args: argparse.Namespace, endpoint: str, size_mb: float) -> dict[str, Any]:
+    from boto3.s3.transfer import TransferConfig
+
+    load_before = load_average()
     options: dict[str, Any] = {"client_kwargs": {"endpoint_url": endpoint}}
     if not os.environ.get("AWS_ACCESS_KEY_ID"):
         options.update(key="bench", secret="bench")  # moto accepts anything
@@ -137,11 +171,24 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
     fs = store.fs
     if not fs.exists(args.bucket):
         fs.mkdir(args.bucket)  # no region: moto rejects a location constraint
-    state = make_state(args.size_mb)
+    state = make_state(size_mb)
     buf = io.BytesIO()
     serialize_payload(state, buf, "crc32")
     raw = buf.getvalue()
     raw_key = f"{args.bucket}/bench-raw/state.pt"
+    client = boto3_client(endpoint, options)
+    transfer = TransferConfig(multipart_threshold=config.multipart_threshold_bytes,
+                              multipart_chunksize=config.part_size_bytes,
+                              max_concurrency=args.concurrency)
+    boto_key = "bench-raw/boto3.pt"
+
+    def boto3_put() -> None:
+        client.upload_fileobj(io.BytesIO(raw), args.bucket, boto_key, Config=transfer)
+
+    def boto3_get() -> None:
+        out = io.BytesIO()
+        client.download_fileobj(args.bucket, boto_key, out, Config=transfer)
+        assert out.getbuffer().nbytes == len(raw)
     step = 0
 
     def persist() -> None:
@@ -151,35 +198,48 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
                             checksum_algorithm="crc32")
         persist_snapshot(store, state, meta)
 
-    found: list[Any] = []
+    def restore(load: bool = False) -> None:
+        """Discovery (fresh listing, manifest) and the verified read (the storage work);
+        with ``load``, deserialized on the same streamed reads (a whole restore)."""
+        newest = next(c for c in newest_first(store) if c.manifest is not None)
+        found = verify_snapshot(store, newest.step, manifest=newest.manifest, load=load)
+        assert found.manifest.total_bytes == len(raw)
 
-    def restore() -> None:
-        """Discovery (fresh listing, manifest) and the verified, streamed load."""
-        found[:] = [find_latest_verified(store)]
-        assert found[0] is not None and found[0].manifest.total_bytes == len(raw)
-
-    times: dict[str, list[float]] = {"raw_put": [], "persist": [], "raw_get": [], "restore": []}
+    times: dict[str, list[float]] = {"raw_put": [], "boto3_put": [], "persist": [],
+                                     "raw_get": [], "boto3_get": [], "restore": [],
+                                     "restore_with_load": []}
     persist()
     restore()
     fs.pipe_file(raw_key, raw)  # warm-up: connections, credentials, code paths
+    boto3_put()
+    free_core = busy_loop_ratio(lambda: fs.cat_file(raw_key), repeats=3)
     for _ in range(args.rounds):
         times["raw_put"].append(timed(lambda: fs.pipe_file(raw_key, raw)))
+        times["boto3_put"].append(timed(boto3_put))
         times["persist"].append(timed(persist))
         times["raw_get"].append(timed(lambda: fs.cat_file(raw_key)))
+        times["boto3_get"].append(timed(boto3_get))
         times["restore"].append(timed(restore))
+        times["restore_with_load"].append(timed(lambda: restore(load=True)))
         prune(store, keep=1, newest_step=step)  # keep the server's memory flat
     peaks = {"persist_peak_python_bytes": peak_python_bytes(persist),
              "raw_put_peak_python_bytes": peak_python_bytes(lambda: fs.pipe_file(raw_key, raw))}
     fs.rm(f"{args.bucket}/bench-raw", recursive=True)
     store.delete("", recursive=True)
-    return summarize(args, endpoint, len(raw), times, peaks)
+    load_after = load_average()
+    probe = {"load_avg_before": load_before, "load_avg_after": load_after,
+             "get_rate_ratio_with_busy_loop": round(free_core, 3),
+             "noisy": noisy(load_before, load_after, free_core)}
+    return summarize(args, endpoint, len(raw), times, peaks, probe)
 
 
 def summarize(args: argparse.Namespace, endpoint: str, size: int,
-              times: dict[str, list[float]], peaks: dict[str, int]) -> dict[str, Any]:
+              times: dict[str, list[float]], peaks: dict[str, int],
+              probe: dict[str, Any]) -> dict[str, Any]:
     median = {k: statistics.median(v) for k, v in times.items()}
-    mb_s = {k: round(size / MB / v, 1) for k, v in median.items()}
+    mb_s = {k: round(size / MB / v, 1) for k, v in median.items() }
     return {
+        **probe,
         "endpoint": endpoint, "size_bytes": size, "rounds": args.rounds,
         "part_size_bytes": int(args.part_size_mb * MIB), "upload_concurrency": args.concurrency,
         "multipart_threshold_bytes": int(args.multipart_threshold_mb * MIB),
@@ -188,24 +248,43 @@ def summarize(args: argparse.Namespace, endpoint: str, size: int,
         **{f"{k}_mb_s": v for k, v in mb_s.items()},
         "persist_vs_raw_put": round(median["raw_put"] / median["persist"], 3),
         "restore_vs_raw_get": round(median["raw_get"] / median["restore"], 3),
+        "spread_s": {k: spread(v) for k, v in times.items()},
+        "persist_vs_raw_put_spread": ratio_spread(times["raw_put"], times["persist"]),
+        "restore_vs_raw_get_spread": ratio_spread(times["raw_get"], times["restore"]),
+        "persist_vs_boto3_put": round(median["boto3_put"] / median["persist"], 3),
+        "restore_vs_boto3_get": round(median["boto3_get"] / median["restore"], 3),
+        "persist_peak_bytes_over_state": round(peaks["persist_peak_python_bytes"] / size, 3),
+        "restore_with_load_vs_raw_get": round(
+            median["raw_get"] / median["restore_with_load"], 3),
         **peaks,
         "all_times_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
     }
 
 
 def table(r: dict[str, Any]) -> str:
+    sp = r["spread_s"]
     lines = [
         f"elastictrain S3 bench: {r['size_bytes'] / MB:.1f} MB state at {r['endpoint']}, "
         f"median of {r['rounds']} rounds; persist as {r['persist_upload']} (threshold "
         f"{r['multipart_threshold_bytes'] / MIB:g} MiB, parts {r['part_size_bytes'] / MIB:g} MiB"
         f" x {r['upload_concurrency']})",
-        f"  {'':26} {'time_s':>8} {'MB/s':>8}",
-        f"  {'raw s3fs pipe_file (PUT)':26} {r['raw_put_s']:8.3f} {r['raw_put_mb_s']:8.1f}",
-        f"  {'elastictrain persist':26} {r['persist_s']:8.3f} {r['persist_mb_s']:8.1f}"
-        f"   persist_vs_raw_put {r['persist_vs_raw_put']:.2f}",
-        f"  {'raw s3fs cat_file (GET)':26} {r['raw_get_s']:8.3f} {r['raw_get_mb_s']:8.1f}",
-        f"  {'elastictrain restore':26} {r['restore_s']:8.3f} {r['restore_mb_s']:8.1f}"
-        f"   restore_vs_raw_get {r['restore_vs_raw_get']:.2f}",
+        f"load average before/after {r['load_avg_before']:.2f}/{r['load_avg_after']:.2f}; GET "
+        f"rate with a busy-loop process beside it: {r['get_rate_ratio_with_busy_loop']:.0%} of "
+        "without" + ("  (NOISY: other work was running)" if r["noisy"] else ""),
+        f"  {'':26} {'time_s median [min-max]':>23} {'MB/s':>8}",
+        f"  {'raw s3fs pipe_file (PUT)':26} {fmt(sp['raw_put']):>23} {r['raw_put_mb_s']:8.1f}",
+        f"  {'raw boto3 upload_fileobj':26} {fmt(sp['boto3_put']):>23} {r['boto3_put_mb_s']:8.1f}",
+        f"  {'elastictrain persist':26} {fmt(sp['persist']):>23} {r['persist_mb_s']:8.1f}"
+        f"   vs s3fs {fmt(r['persist_vs_raw_put_spread'], 2)}, vs boto3 "
+        f"{r['persist_vs_boto3_put']:.2f}",
+        f"  {'raw s3fs cat_file (GET)':26} {fmt(sp['raw_get']):>23} {r['raw_get_mb_s']:8.1f}",
+        f"  {'raw boto3 download_fileobj':26} {fmt(sp['boto3_get']):>23} "
+        f"{r['boto3_get_mb_s']:8.1f}",
+        f"  {'elastictrain restore':26} {fmt(sp['restore']):>23} {r['restore_mb_s']:8.1f}"
+        f"   vs s3fs {fmt(r['restore_vs_raw_get_spread'], 2)}, vs boto3 "
+        f"{r['restore_vs_boto3_get']:.2f}",
+        f"  {'restore with torch.load':26} {fmt(sp['restore_with_load']):>23} {'':8}"
+        f"   restore_with_load_vs_raw_get {r['restore_with_load_vs_raw_get']:.2f}",
         f"  peak Python memory beyond the state: persist "
         f"{r['persist_peak_python_bytes'] / MB:.1f} MB, raw put "
         f"{r['raw_put_peak_python_bytes'] / MB:.1f} MB (plus the raw bytes themselves)",
@@ -213,16 +292,31 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(path: str, points: list[dict[str, Any]]) -> None:
+    sizes = [p["size_bytes"] / MB for p in points]
+    names = {"raw_put": "s3fs put", "boto3_put": "boto3 put", "persist": "elastictrain persist",
+             "raw_get": "s3fs get", "boto3_get": "boto3 get", "restore": "elastictrain restore"}
+    series = {label: [{k: p["size_bytes"] / MB / p["spread_s"][key][j]
+                       for k, j in (("median", "median"), ("min", "max"), ("max", "min"))}
+                      for p in points] for key, label in names.items()}
+    plot_curve(path, "elastictrain on S3 (moto server) vs raw clients", sizes, series, "MB/s")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     et_log.configure("warning")  # events of every persist would drown the table
-    if args.endpoint:
-        result = run(args, args.endpoint)
-    else:
-        with moto_server() as endpoint:
-            result = run(args, endpoint)
-    print(json.dumps(result) if args.json else table(result))
+    points = []
+    with contextlib.ExitStack() as stack:
+        endpoint = args.endpoint or stack.enter_context(moto_server())
+        for size in args.sizes:
+            points.append(run(args, endpoint, size))
+    if args.json is not None:
+        write_json(args.json, {"sizes_mb": args.sizes, "points": points})
+    if args.json != "-":
+        print("\n\n".join(table(p) for p in points))
+    if args.plot:
+        plot(args.plot, points)
 
 
 if __name__ == "__main__":

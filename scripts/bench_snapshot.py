@@ -1,6 +1,7 @@
 """Snapshot benchmark: elastictrain async vs torch.save and DCP async_save, in one run.
 
-    python scripts/bench_snapshot.py [--size-mb 1024] [--saves 3] [--dir /tmp] [--json]
+    python scripts/bench_snapshot.py [--sizes 64 256 1024 4096] [--saves 3] [--dir /tmp]
+                                     [--json [FILE]] [--plot FILE.png]
 
 Setup (printed with the results):
 
@@ -34,11 +35,19 @@ of the payload by one process (``restore_vs_raw_read``, the headline) and by
 both ranks at once (``restore_vs_raw_read_all_ranks``, like for like with
 "each").
 
-``--json`` prints one object: ``blocking_ratio_vs_sync``,
+Each size is one run of everything below; ``--sizes`` gives the scaling curve: a
+table per size, then one line per size with blocking, durable-after, persist and
+restore throughput against the raw baselines of the same run, as medians with
+[min-max] (every figure is measured >= 3 times: ``--saves``, ``--restore-reps``).
+
+``--json FILE`` (``-`` or no FILE: stdout) writes ``{"sizes_mb", "points": [...]}``,
+one object per size: ``blocking_ratio_vs_sync``,
 ``step_rate_ratio_during_persist``, ``persist_vs_raw_write``,
 ``restore_vs_raw_read`` (+ ``_warm``, ``_all_ranks``),
 ``staging_bytes_over_state_bytes``, ``targets`` (met or not), ``setup``,
-``methods`` (per-method figures), ``restore_s``, ``staging``.
+``methods`` (per-method figures, with ``spread``), ``restore_s`` (+ ``restore_spread_s``),
+``staging``, ``curve`` (the throughputs). ``--plot FILE.png`` draws the curve
+(needs ``pip install 'elastictrain[plot]'``).
 """
 
 from __future__ import annotations
@@ -49,7 +58,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +69,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
+from benchlib import busy_loop_ratio, fmt, load_average, noisy, plot_curve, spread, write_json
 
 from elastictrain import log as et_log
 from elastictrain.config import SnapshotConfig
@@ -221,6 +230,7 @@ class MethodResult:
     peak_rss_mb: float
     helper_peak_rss_mb: float
     saves: list[dict[str, float]]
+    spread: dict[str, dict[str, float]]
 
 
 def measure(method: Any, trainer: Trainer, saves: int, root: Path,
@@ -248,8 +258,8 @@ def measure(method: Any, trainer: Trainer, saves: int, root: Path,
             trainer.step()
     peak, helper = peak_rss_mb(), helpers_peak_rss_mb()
     method.close()
-    raw = statistics.median([raw_before, raw_write_s(root, trainer.state_bytes(), repeats=1),
-                             raw_write_initial_s])
+    raws = [raw_before, raw_write_s(root, trainer.state_bytes(), repeats=1), raw_write_initial_s]
+    raw = statistics.median(raws)
     measured = figures[1:]
     blocking = statistics.median(f.blocking_s for f in measured)
     durable = statistics.median(f.durable_s for f in measured)
@@ -262,7 +272,10 @@ def measure(method: Any, trainer: Trainer, saves: int, root: Path,
         if background else None,
         persist_vs_raw_write=raw / (persist if background else blocking), raw_write_s=raw,
         peak_rss_mb=peak, helper_peak_rss_mb=helper,
-        saves=[{k: round(v, 4) for k, v in asdict(f).items() if k != "window"} for f in measured])
+        saves=[{k: round(v, 4) for k, v in asdict(f).items() if k != "window"} for f in measured],
+        spread={"blocking_s": spread([f.blocking_s for f in measured]),
+                "durable_s": spread([f.durable_s for f in measured]),
+                "persist_s": spread([f.persist_s for f in measured]), "raw_write_s": spread(raws)})
 
 
 def step_rate_ratio(steps: list[tuple[float, float]],
@@ -279,26 +292,6 @@ def step_rate_ratio(steps: list[tuple[float, float]],
 
 
 # -- baselines ----------------------------------------------------------------------
-def busy_loop_ratio(trainer: Trainer, steps: int = 6) -> float:
-    """Step rate while a pure busy-loop process runs, over the rate without it: about 1.0
-    when the machine really has a free core, about 0.5 when other work already uses it."""
-    def rate() -> float:
-        started = time.perf_counter()
-        for _ in range(steps):
-            trainer.step()
-        return steps / (time.perf_counter() - started)
-
-    alone = rate()
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        with_hog = rate()
-    finally:
-        hog.kill()
-        hog.wait()
-    trainer.steps.clear()
-    return with_hog / alone
-
-
 def raw_write_s(root: Path, nbytes: int, repeats: int = 3) -> float:
     data: Any = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy()
     times = []
@@ -429,13 +422,12 @@ def restore_worker(rank: int, world: int, port: int, root: str, size_mb: float, 
     dist.destroy_process_group()
 
 
-def measure_restore_2ranks(root: Path, size_mb: float, reps: int) -> dict[str, float]:
-    """Median restore and raw-read times (seconds) from 2 spawned gloo ranks."""
+def measure_restore_2ranks(root: Path, size_mb: float, reps: int) -> dict[str, list[float]]:
+    """Restore and raw-read times (seconds, every repetition) from 2 spawned gloo ranks."""
     out = root.parent / "restore.json"
     torch_mp.spawn(restore_worker, args=(2, free_port(), str(root), size_mb, reps, str(out)),
                    nprocs=2, join=True)
-    raw = json.loads(out.read_text())
-    return {k: statistics.median(v) for k, v in raw.items()}
+    return dict(json.loads(out.read_text()))
 
 
 # -- the run ------------------------------------------------------------------------
@@ -447,14 +439,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    load_before = os.getloadavg()
+def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
+    load_before = load_average()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)  # DCP wants a group
-    trainer = Trainer.build(args.size_mb)
+    trainer = Trainer.build(size_mb)
     trainer.step()  # AdamW creates its state on the first step
     state = trainer.state_bytes()
-    free_core = busy_loop_ratio(trainer)
+    free_core = busy_loop_ratio(trainer.step)
+    trainer.steps.clear()
     raw_w = raw_write_s(root, state)
     default = SnapshotConfig().persister
     methods: list[Any] = [SyncTorchSave(root, trainer),
@@ -468,8 +461,9 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                         and m.name.endswith("[default]")) / state
     flat = staging_flatness(root, args.staging_size_mb, args.staging_saves, default)
     dist.destroy_process_group()
-    restore = measure_restore_2ranks(et_root, args.size_mb, args.restore_reps)
-    load_after = os.getloadavg()
+    restore_all = measure_restore_2ranks(et_root, size_mb, args.restore_reps)
+    restore = {k: statistics.median(v) for k, v in restore_all.items()}
+    load_after = load_average()
     sync = results[0]
     ours = next(r for r in results if r.name.endswith("[default]"))
     restore_mode = resolve_mode(open_store(str(et_root)), SnapshotConfig().restore_mode)
@@ -489,18 +483,42 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         **summary,
         "targets": {k: {"target": f"{op} {v}", "met": _met(summary.get(k), op, v)}
                     for k, (op, v) in TARGETS.items()},
-        "setup": {"size_mb": args.size_mb, "state_bytes": state, "saves": args.saves,
+        "setup": {"size_mb": size_mb, "state_bytes": state, "saves": args.saves,
                   "torch": torch.__version__, "cpus": os.cpu_count(),
                   "training_threads": torch.get_num_threads(), "save_ranks": 1,
                   "restore_ranks": 2, "backend": "gloo", "storage": str(root),
                   "default_persister": default, "default_restore_mode": restore_mode,
                   "load_avg_before": load_before, "load_avg_after": load_after,
                   "step_rate_ratio_with_busy_loop": free_core,
-                  "noisy": max(load_before[0], load_after[0]) > 1.5 or free_core < 0.9},
+                  "noisy": noisy(load_before, load_after, free_core)},
         "raw_write_s": raw_w,
         "methods": [asdict(r) for r in results],
         "restore_s": restore,
+        "restore_spread_s": {k: spread(v) for k, v in restore_all.items()},
         "staging": flat,
+        "curve": curve_point(state, ours, sync, restore_all, restore_mode),
+    }
+
+
+def throughput(nbytes: int, seconds: dict[str, float]) -> dict[str, float]:
+    """MB/s from a time spread (the slowest time gives the lowest rate)."""
+    return {"median": nbytes / 1e6 / seconds["median"], "min": nbytes / 1e6 / seconds["max"],
+            "max": nbytes / 1e6 / seconds["min"]}
+
+
+def curve_point(state: int, ours: MethodResult, sync: MethodResult,
+                restore: dict[str, list[float]], mode: str) -> dict[str, Any]:
+    """One size's point of the scaling curve: seconds and MB/s, each with its spread."""
+    return {
+        "state_bytes": state,
+        "blocking_s": ours.spread["blocking_s"], "durable_s": ours.spread["durable_s"],
+        "sync_save_s": sync.spread["blocking_s"],
+        "persist_mb_s": throughput(state, ours.spread["persist_s"]),
+        "raw_write_mb_s": throughput(state, ours.spread["raw_write_s"]),
+        "restore_cold_mb_s": throughput(state, spread(restore[f"restore_{mode}_cold"])),
+        "raw_read_cold_mb_s": throughput(state, spread(restore["raw_read_cold"])),
+        "restore_warm_mb_s": throughput(state, spread(restore[f"restore_{mode}_warm"])),
+        "raw_read_warm_mb_s": throughput(state, spread(restore["raw_read_warm"])),
     }
 
 
@@ -521,8 +539,8 @@ def table(report: dict[str, Any]) -> str:
         "core left to background work",
         f"saves: 1 rank (gloo group of 1), median of {setup['saves']} after a warm-up save; "
         f"restore: {setup['restore_ranks']} ranks over gloo; storage {setup['storage']}",
-        f"load average before/after: {setup['load_avg_before'][0]:.2f}/"
-        f"{setup['load_avg_after'][0]:.2f}; step rate with a busy-loop process beside the "
+        f"load average before/after: {setup['load_avg_before']:.2f}/"
+        f"{setup['load_avg_after']:.2f}; step rate with a busy-loop process beside the "
         f"loop: {setup['step_rate_ratio_with_busy_loop']:.0%} of without (100%: a core is free)"
         + ("  (NOISY: other work was running)" if setup["noisy"] else ""),
         "",
@@ -576,19 +594,54 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def curve_table(points: list[dict[str, Any]]) -> str:
+    """The scaling curve: one line per size, medians with [min-max]."""
+    lines = [
+        "scaling curve (elastictrain default; medians [min-max]; MB/s = state bytes / time)",
+        f"{'size MB':>8s} {'blocking s':>21s} {'sync save s':>21s} {'durable s':>21s} "
+        f"{'persist MB/s':>21s} {'raw write MB/s':>21s} {'restore MB/s':>21s} "
+        f"{'raw read MB/s':>21s} {'load':>5s} noisy",
+    ]
+    for p in points:
+        c, setup = p["curve"], p["setup"]
+        load = max(setup["load_avg_before"], setup["load_avg_after"])
+        lines.append(
+            f"{setup['size_mb']:8g} {fmt(c['blocking_s']):>21s} {fmt(c['sync_save_s']):>21s} "
+            f"{fmt(c['durable_s']):>21s} {fmt(c['persist_mb_s'], 0):>21s} "
+            f"{fmt(c['raw_write_mb_s'], 0):>21s} {fmt(c['restore_cold_mb_s'], 0):>21s} "
+            f"{fmt(c['raw_read_cold_mb_s'], 0):>21s} {load:5.2f} {setup['noisy']}")
+    lines.append("restore and raw read: cold (payload evicted from the page cache), 2 ranks")
+    return "\n".join(lines)
+
+
+def plot(path: str, points: list[dict[str, Any]]) -> None:
+    sizes = [p["setup"]["size_mb"] for p in points]
+    keys = {"elastictrain persist": "persist_mb_s", "raw write+fsync": "raw_write_mb_s",
+            "elastictrain restore (cold)": "restore_cold_mb_s",
+            "raw read (cold)": "raw_read_cold_mb_s"}
+    plot_curve(path, "elastictrain snapshot throughput vs state size (local disk)", sizes,
+               {name: [p["curve"][key] for p in points] for name, key in keys.items()}, "MB/s")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size-mb", type=float, default=1024, help="state size (model + AdamW)")
+    p.add_argument("--sizes", "--size-mb", dest="sizes", type=float, nargs="+", default=[1024],
+                   help="state sizes in MB (model + AdamW), one run each")
     p.add_argument("--saves", type=int, default=3, help="measured saves per method")
     p.add_argument("--staging-saves", type=int, default=50)
     p.add_argument("--staging-size-mb", type=float, default=32)
     p.add_argument("--restore-reps", type=int, default=3)
     p.add_argument("--dir", default=tempfile.gettempdir(), help="storage parent directory")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="write the curve as JSON to FILE (no FILE or -: stdout)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the curve")
     args = p.parse_args(argv)
-    for name in ("size_mb", "saves", "staging_saves", "staging_size_mb", "restore_reps"):
+    for name in ("saves", "staging_saves", "staging_size_mb", "restore_reps"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be > 0")
+    for size in args.sizes:
+        if size <= 0:
+            p.error(f"--sizes {size:g}: every size must be > 0 MB")
     return args
 
 
@@ -598,13 +651,23 @@ def main(argv: list[str] | None = None) -> None:
     et_log.configure(level="warning", stream=sys.stderr)
     stdout = os.dup(1)
     os.dup2(2, 1)  # helpers and DCP print; stdout carries only the result
-    root = Path(tempfile.mkdtemp(prefix="elastictrain-bench-", dir=args.dir))
+    points = []
     try:
-        report = run(args, root)
+        for size in args.sizes:
+            root = Path(tempfile.mkdtemp(prefix="elastictrain-bench-", dir=args.dir))
+            try:
+                points.append(run(args, root, size))
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
         os.dup2(stdout, 1)
-    print(json.dumps(report) if args.json else table(report), flush=True)
+    if args.json is not None:
+        write_json(args.json, {"sizes_mb": args.sizes, "points": points})
+    if args.json != "-":
+        print("\n\n".join(table(p) for p in points), flush=True)
+        print("\n" + curve_table(points), flush=True)
+    if args.plot:
+        plot(args.plot, points)
 
 
 if __name__ == "__main__":

@@ -269,6 +269,8 @@ class SnapshotManager:
         watchdog.beat(self.step_count)
         self._report_progress(loss)
         due, stop, failed_step = self._decide()
+        if self.ctx.is_writer and not due:
+            self._saver.prepare_ahead(lambda: self._state([capture_rng()] * self.ctx.world_size))
         if stop is not None:
             self._stop_preempted(stop)
         if failed_step:

@@ -20,6 +20,7 @@ for loops that hold the GIL far more): measured in docs/persister.md.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 from elastictrain import watchdog
@@ -94,6 +95,12 @@ class Saver:
                  duration_s=round(time.perf_counter() - started, 4), persister=self.kind)
         self._last = self.persister.submit(staged, meta)
         return self._last
+
+    def prepare_ahead(self, make_state: Callable[[], Any]) -> None:
+        """Allocate the staging slabs off the training loop, once, so the first save
+        blocks only as long as the later ones (``make_state`` is called only then)."""
+        if not self.staging.prepared:
+            self.staging.prepare_async(make_state())
 
     def failed_step(self) -> int:
         """The step of the last save if it failed and was not yet reported, else 0."""

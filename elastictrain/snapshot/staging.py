@@ -1,9 +1,11 @@
 """Staging: copy training state out of the live model into reusable CPU buffers.
 
 This is the only part of a save that blocks training. Buffers are allocated
-on the first save and reused by every later one (a fresh allocation per save
-is several times slower, docs/storage.md, and memory would grow), so staging
-memory stays at the state's size. The same walk checks that every value will
+once and reused by every later save (a fresh allocation per save is several
+times slower, docs/storage.md, and memory would grow), so staging memory stays
+at the state's size. ``prepare_async`` allocates them, and faults their pages
+in, on a background thread before the first save, so the first save blocks
+as briefly as the later ones (docs/performance.md). The same walk checks that every value will
 load back under ``weights_only=True`` (:mod:`.loadable`).
 
 Buffers are views into a few large slabs, one per top-level key of the state
@@ -23,11 +25,13 @@ reads them, so only their handles cross the process boundary, once.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from typing import Any
 
 import torch
 
+from elastictrain.errors import UnsafeStateError
 from elastictrain.snapshot.loadable import check_key, check_leaf, registered_types
 
 _ALIGN = 64  # bytes; keeps every view aligned for vectorised copies and dtype views
@@ -51,6 +55,8 @@ class StagingBuffers:
         self.share_memory = share_memory
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self.allocations = 0
+        self.prepared = False
+        self._preparing: threading.Thread | None = None
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +64,27 @@ class StagingBuffers:
         storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
                     for b in self._buffers.values()}
         return sum(storages.values())
+
+    def prepare_async(self, state: Any) -> None:
+        """Allocate the buffers ``state`` needs on a background thread, without copying.
+
+        Staging is the same afterwards; only the first ``stage`` gets cheaper: it
+        finds its slabs allocated and their pages already mapped (a fresh 1 GiB slab
+        costs about a second in page faults or in creating its shared memory). The
+        next ``stage`` waits for this to finish. A state that would not load back is
+        left alone: the save reports it, as always.
+        """
+        if self.prepared:
+            return
+        self.prepared = True
+        leaves: dict[tuple[Any, ...], torch.Tensor] = {}
+        try:
+            _collect(state, (), leaves, registered_types())  # on the caller's thread
+        except UnsafeStateError:
+            return
+        self._preparing = threading.Thread(target=self._allocate_missing, args=(leaves, True),
+                                           name="et-staging-prepare", daemon=True)
+        self._preparing.start()
 
     def stage(self, state: Any) -> Any:
         """Return ``state`` with every tensor replaced by its staged CPU copy.
@@ -71,6 +98,10 @@ class StagingBuffers:
             UnsafeStateError: a value or dict key that ``torch.load(weights_only=True)``
                 would refuse (checked before anything is copied).
         """
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        self.prepared = True
         leaves: dict[tuple[Any, ...], torch.Tensor] = {}
         _collect(state, (), leaves, registered_types())
         for path in set(self._buffers) - set(leaves):
@@ -97,7 +128,8 @@ class StagingBuffers:
             return tuple(self._walk(v, (*path, i), needs_sync) for i, v in enumerate(node))
         return node
 
-    def _allocate_missing(self, leaves: dict[tuple[Any, ...], torch.Tensor]) -> None:
+    def _allocate_missing(self, leaves: dict[tuple[Any, ...], torch.Tensor],
+                          touch: bool = False) -> None:
         groups: dict[tuple[Any, torch.dtype, bool], list[tuple[Any, ...]]] = defaultdict(list)
         for path, src in leaves.items():
             buf = self._buffers.get(path)
@@ -105,10 +137,10 @@ class StagingBuffers:
                 top = path[0] if path else None  # one slab per top-level key and dtype
                 groups[(top, src.dtype, src.is_cuda)].append(path)
         for (_, dtype, on_cuda), paths in groups.items():
-            self._allocate_slab(dtype, on_cuda, [(p, leaves[p].shape) for p in paths])
+            self._allocate_slab(dtype, on_cuda, [(p, leaves[p].shape) for p in paths], touch)
 
     def _allocate_slab(self, dtype: torch.dtype, on_cuda: bool,
-                       items: list[tuple[tuple[Any, ...], torch.Size]]) -> None:
+                       items: list[tuple[tuple[Any, ...], torch.Size]], touch: bool) -> None:
         itemsize = torch.empty((), dtype=dtype).element_size()
         offsets, total = [], 0
         for _, shape in items:
@@ -117,7 +149,9 @@ class StagingBuffers:
         pin = on_cuda and torch.cuda.is_available() and not self.share_memory
         slab = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
         if self.share_memory:
-            slab.share_memory_()
+            slab.share_memory_()  # writes every page of the new shared memory
+        elif touch:
+            slab.zero_()  # fault the pages in now rather than in the first save's copy
         self.allocations += 1
         for (path, shape), offset in zip(items, offsets, strict=True):
             nbytes = shape.numel() * itemsize

@@ -9,7 +9,7 @@ a message.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -50,6 +50,19 @@ class Store(Protocol):
 
     def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
         """Stream an object."""
+        ...
+
+    def read_into(self, path: str, buffer: Any, offset: int = 0) -> int:
+        """Fill the writable ``buffer`` (bytearray, memoryview, numpy array…) with the
+        object's bytes from ``offset`` on, straight into it: object stores fetch it
+        as parallel ranged GETs, holding at most a few parts besides ``buffer``.
+
+        Returns:
+            The bytes read: always the buffer's size.
+
+        Raises:
+            StorageError: the object ends before the buffer is full.
+        """
         ...
 
     def list_dir(self, path: str) -> list[str]:

@@ -103,6 +103,10 @@ class FaultyStore:
         self._maybe_fail("read", path)
         return self.inner.open_read(path)
 
+    def read_into(self, path: str, buffer: Any, offset: int = 0) -> int:
+        self._maybe_fail("read", path)
+        return self.inner.read_into(path, buffer, offset)
+
     def list_dir(self, path: str) -> list[str]:
         self._maybe_fail("list", path)
         return self.inner.list_dir(path)

@@ -23,6 +23,7 @@ import copy
 import io
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -235,6 +236,10 @@ class ShardedSaver:
     def _log_staged(self, step: int, started: float) -> None:
         log.info("snapshot.staged", snapshot_step=step, size_bytes=self._staging.nbytes,
                  duration_s=round(time.perf_counter() - started, 4), persister="sharded")
+
+    def prepare_ahead(self, make_state: Callable[[], Any]) -> None:
+        """Nothing ahead: DCP's stager allocates at the first save (docs/sharded.md)."""
+        return None
 
     def failed_step(self) -> int:
         """The step of the last save if it failed and was not yet reported, else 0."""

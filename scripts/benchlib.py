@@ -1,0 +1,115 @@
+"""What every benchmark here shares: spread of repeated figures, the noise probes,
+and the curve's JSON and plot.
+
+One copy, imported by ``bench_snapshot.py``, ``bench_s3.py`` and ``bench_recovery.py``
+(run them from the repository root or with ``scripts/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+# Above this 1-minute load average per core, or below this busy-loop ratio, a run is noisy.
+NOISY_LOAD_PER_CPU = 0.75
+NOISY_BUSY_LOOP_RATIO = 0.9
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of repeated measurements (the median is the figure quoted)."""
+    if not values:
+        raise ValueError("spread of no values")
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def ratio_spread(numerator: Sequence[float], denominator: Sequence[float]) -> dict[str, float]:
+    """``median(numerator) / median(denominator)`` with its extremes: the lowest and
+    highest ratio the two sets of measurements allow."""
+    num, den = spread(numerator), spread(denominator)
+    return {"median": num["median"] / den["median"], "min": num["min"] / den["max"],
+            "max": num["max"] / den["min"]}
+
+
+def fmt(s: dict[str, float], digits: int = 3) -> str:
+    """``median [min-max]``."""
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+
+def load_average() -> float:
+    """The 1-minute load average."""
+    return os.getloadavg()[0]
+
+
+def busy_loop_ratio(work: Callable[[], None], repeats: int = 6) -> float:
+    """Rate of ``work`` with a pure busy-loop process beside it over the rate without:
+    about 1.0 when a core is really free, about 0.5 when other work already uses it."""
+    def rate() -> float:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            work()
+        return repeats / (time.perf_counter() - started)
+
+    alone = rate()
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with_hog = rate()
+    finally:
+        hog.kill()
+        hog.wait()
+    return with_hog / alone
+
+
+def noisy(load_before: float, load_after: float, busy_ratio: float | None) -> bool:
+    """Whether other work on the machine makes the run's figures unreliable."""
+    cpus = os.cpu_count() or 1
+    loaded = max(load_before, load_after) > NOISY_LOAD_PER_CPU * cpus
+    return loaded or (busy_ratio is not None and busy_ratio < NOISY_BUSY_LOOP_RATIO)
+
+
+def write_json(path: str, report: Any) -> None:
+    """Write the report (``-``: stdout)."""
+    text = json.dumps(report, indent=1)
+    if path == "-":
+        print(text, flush=True)
+    else:
+        Path(path).write_text(text + "\n")
+
+
+def plot_curve(path: str, title: str, sizes_mb: Sequence[float],
+               series: dict[str, Sequence[dict[str, float]]], ylabel: str) -> None:
+    """Draw each series' median against state size, with min-max error bars, to a PNG.
+
+    Raises:
+        SystemExit: matplotlib is missing (it is the optional ``plot`` extra).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit(f"--plot {path}: matplotlib is not installed; fix: "
+                         "pip install 'elastictrain[plot]'") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in series.items():
+        medians = [p["median"] for p in points]
+        low = [p["median"] - p["min"] for p in points]
+        high = [p["max"] - p["median"] for p in points]
+        ax.errorbar(sizes_mb, medians, yerr=[low, high], marker="o", capsize=3, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("state size (MB)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,71 @@
+"""The first save: staging slabs are allocated ahead, off the training loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastictrain.errors import UnsafeStateError
+from elastictrain.snapshot.staging import StagingBuffers
+from tests.unit.test_async_snapshot import ASYNC, make, train
+
+
+def _wait_prepared(buffers: StagingBuffers) -> None:
+    thread = buffers._preparing
+    assert thread is not None, "nothing is being prepared"
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("share_memory", [False, True])
+def test_prepared_buffers_are_the_ones_the_first_stage_uses(share_memory: bool) -> None:
+    state = {"model": {"w": torch.randn(64, 32), "b": torch.randn(32)},
+             "optimizer": {"state": {0: {"exp_avg": torch.randn(64, 32),
+                                         "step": torch.tensor(3.0)}},
+                           "param_groups": [{"lr": 0.1, "params": [0]}]},
+             "rng": [torch.randint(0, 255, (16,), dtype=torch.uint8)], "step": 7}
+    buffers = StagingBuffers(share_memory=share_memory)
+    buffers.prepare_async(state)
+    _wait_prepared(buffers)
+    prepared = buffers.allocations
+    assert prepared > 0 and buffers.nbytes >= 64 * 32 * 4 * 2
+    staged = buffers.stage(state)
+    assert buffers.allocations == prepared  # the first stage allocated nothing
+    assert torch.equal(staged["model"]["w"], state["model"]["w"])
+    assert torch.equal(staged["optimizer"]["state"][0]["exp_avg"],
+                       state["optimizer"]["state"][0]["exp_avg"])
+    assert staged["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()
+    assert staged["model"]["w"].is_shared() == share_memory
+
+
+def test_prepare_leaves_an_unsafe_state_to_the_save() -> None:
+    buffers = StagingBuffers()
+    state = {"model": {"w": torch.randn(4)}, "extras": {"f": object()}}
+    buffers.prepare_async(state)
+    assert buffers._preparing is None and buffers.allocations == 0
+    with pytest.raises(UnsafeStateError, match="extras"):
+        buffers.stage(state)
+
+
+@pytest.mark.parametrize("persister", ASYNC)
+def test_first_save_finds_its_slabs_allocated_after_the_first_step(tmp_path: Path,
+                                                                    persister: str) -> None:
+    model, opt, snap = make(str(tmp_path / "run"), persister, every_steps=3)
+    staging = snap._saver.staging
+    train(model, opt, snap, until=1)  # AdamW's state exists from here on
+    assert staging.prepared
+    _wait_prepared(staging)
+    before_save = staging.allocations
+    assert before_save > 0
+    train(model, opt, snap, until=3)  # step 3 saves
+    snap.wait()
+    assert staging.allocations == before_save  # model, optimizer and RNG were all ahead
+    snap.close()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    model2, _, again = make(str(tmp_path / "run"), persister, seed=1, every_steps=3)
+    assert again.restore().from_step == 3
+    again.close()
+    for name, value in model2.state_dict().items():
+        assert torch.equal(value, expected[name])
