@@ -19,7 +19,10 @@ ENV_PREFIX = "ELASTICTRAIN_"
 CONFIG_FILE_VAR = "ELASTICTRAIN_CONFIG"
 # ELASTICTRAIN_* names read outside Settings; every other one must name a setting
 # (config.check_environment), so a knob read with getenv() is listed here.
-OUTSIDE_SETTINGS = frozenset({CONFIG_FILE_VAR})
+SIGNING_KEY_VAR = "ELASTICTRAIN_SIGNING_KEY"  # a secret: never a setting, never logged
+LAUNCH_ID_VAR = "ELASTICTRAIN_LAUNCH_ID"  # set by the launcher for its workers
+# The ELASTICTRAIN_* names that are not Settings fields (the misspelling check allows them).
+OUTSIDE_SETTINGS = frozenset({CONFIG_FILE_VAR, SIGNING_KEY_VAR, LAUNCH_ID_VAR})
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -130,7 +133,6 @@ def getenv(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
-SIGNING_KEY_VAR = "ELASTICTRAIN_SIGNING_KEY"
 _MIN_SIGNING_KEY_CHARS = 16
 
 

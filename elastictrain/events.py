@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.config import Settings
-from elastictrain.env import getenv
+from elastictrain.env import LAUNCH_ID_VAR, getenv
 from elastictrain.storage import Store, open_store
 
-LAUNCH_ID_VAR = "ELASTICTRAIN_LAUNCH_ID"
 EVENTS_DIR = "events"
 
 
