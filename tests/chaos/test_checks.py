@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from elastictrain.snapshot.writer import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 
 from elastictrain.chaos import checks
 from elastictrain.chaos.job import MARKER_VAR, processes_with_marker
