@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 
 from elastictrain.chaos import checks
 from elastictrain.chaos.job import MARKER_VAR, processes_with_marker
 from elastictrain.snapshot import layout
+from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.reader import read_manifest
 from elastictrain.storage import open_store
 from tests.helpers import child_env, kill_session, pid_alive, wait_for
