@@ -114,7 +114,7 @@ def test_auto_accepted_from_the_environment_and_bounds_checked(
     monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT__EVERY_STEPS", "AUTO")
     snap = load_settings().snapshot
     assert (snap.every_seconds, snap.every_steps, snap.auto) == ("auto", "auto", True)
-    with pytest.raises(ConfigError, match="auto_min_interval_s=10.0 is above"):
+    with pytest.raises(ConfigError, match=r"auto_min_interval_s=10\.0 is above"):
         load_settings(snapshot={"auto_min_interval_s": 10, "auto_max_interval_s": 5})
 
 
@@ -127,10 +127,12 @@ def test_manager_saves_on_the_automatic_interval(tmp_path: Path, trigger: str,
     monkeypatch.setenv("ELASTICTRAIN_LOG__EVENTS_DIR", str(events_dir))
     clock = _Clock()
     ctx = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
-    others = {"every_steps": None} if trigger == "every_seconds" else {}
+    triggers: dict[str, Any] = {trigger: "auto"}
+    if trigger == "every_seconds":
+        triggers["every_steps"] = None
     snap = SnapshotManager(str(tmp_path / "s"), model=torch.nn.Linear(2, 2), ctx=ctx,
                            clock=clock, auto_mtbf_prior_s=1.0, auto_min_interval_s=5.0,
-                           auto_max_interval_s=50.0, **{trigger: "auto", **others})
+                           auto_max_interval_s=50.0, **triggers)
     saved = []
     with capture_logs() as logs:
         for _ in range(16):
