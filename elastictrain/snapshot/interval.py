@@ -26,6 +26,8 @@ log = get_logger("elastictrain.snapshot")
 _LOG_CHANGE = 0.1
 # Weight of a new cost measurement in the running estimate of C.
 _COST_WEIGHT = 0.3
+# How many failures' worth of evidence the MTBF prior counts for once failures are seen.
+_PRIOR_WEIGHT = 0.5
 # Events that end an attempt without losing work: not failures for the MTBF.
 _CLEAN_ENDS = frozenset({"run.finished", "preempt.saved"})
 
@@ -35,15 +37,18 @@ def young_daly_s(cost_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * max(cost_s, 0.0) * max(mtbf_s, 0.0))
 
 
-def estimate_mtbf_s(uptime_s: float, failures: int, prior_s: float, prior_weight: float = 1.0
-                    ) -> float:
+def estimate_mtbf_s(uptime_s: float, failures: int, prior_s: float) -> float:
     """Mean time between failures from observed uptime and failures, with a prior.
 
-    The prior counts as ``prior_weight`` failures observed over ``prior_weight * prior_s``
-    seconds (a Gamma prior on an exponential failure rate), so a run with no failures
-    yet starts at the prior and moves towards its own record as it accumulates.
+    Before the first failure: the prior, or the uptime so far when that is longer (a
+    run that has not failed for that long has at least that MTBF). After failures: the
+    posterior mean of a Gamma prior on the failure rate worth ``_PRIOR_WEIGHT`` of a
+    failure, so the run's own record soon dominates (docs/interval.md).
     """
-    return (prior_weight * prior_s + max(uptime_s, 0.0)) / (prior_weight + failures)
+    uptime_s = max(uptime_s, 0.0)
+    if failures == 0:
+        return max(prior_s, uptime_s)
+    return (_PRIOR_WEIGHT * prior_s + uptime_s) / (_PRIOR_WEIGHT + failures)
 
 
 @dataclass(frozen=True)

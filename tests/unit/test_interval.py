@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from elastictrain.snapshot.interval import (
     young_daly_s,
 )
 from elastictrain.snapshot.manager import SnapshotManager
+from tests.helpers import REPO
 
 
 class _Clock:
@@ -37,8 +40,9 @@ class _Clock:
 def test_young_daly_and_the_mtbf_prior() -> None:
     assert young_daly_s(2.0, 3600.0) == pytest.approx(120.0)
     assert estimate_mtbf_s(0.0, 0, prior_s=3600.0) == 3600.0  # no record: the prior
-    # 4 failures in 400 s with a 1-failure prior of 3600 s: (3600 + 400) / 5.
-    assert estimate_mtbf_s(400.0, 4, prior_s=3600.0) == pytest.approx(800.0)
+    assert estimate_mtbf_s(7200.0, 0, prior_s=3600.0) == 7200.0  # no failure in 2 h
+    # 4 failures in 400 s with a half-failure prior of 3600 s: (1800 + 400) / 4.5.
+    assert estimate_mtbf_s(400.0, 4, prior_s=3600.0) == pytest.approx(2200.0 / 4.5)
     assert estimate_mtbf_s(1e6, 1000, prior_s=3600.0) == pytest.approx(1e6 / 1000, rel=0.01)
     assert interval_steps(10.0, 3.0) == 3 and interval_steps(0.1, 3.0) == 1
 
@@ -68,20 +72,20 @@ def test_failure_history_counts_attempts_across_restarts_and_relaunches(tmp_path
 
 def test_policy_bounds_reasons_and_reevaluation() -> None:
     clock = _Clock()
-    policy = IntervalPolicy(3600.0, 1.0, 600.0, FailureHistory(400.0, 4), clock)
+    policy = IntervalPolicy(3600.0, 1.0, 600.0, FailureHistory(450.0, 4), clock)
     with capture_logs() as logs:
         assert policy.evaluate() == 1.0  # no cost measured yet: the minimum, to measure it
         policy.observe_cost(2.0)
-        assert policy.evaluate() == pytest.approx(math.sqrt(2 * 2.0 * 800.0))
-        clock.now = 4000.0  # a long run without failures raises the MTBF estimate
-        assert policy.evaluate() == pytest.approx(math.sqrt(2 * 2.0 * 1600.0))
+        assert policy.evaluate() == pytest.approx(math.sqrt(2 * 2.0 * 500.0))
+        clock.now = 2250.0  # a long attempt without failures raises the MTBF estimate
+        assert policy.evaluate() == pytest.approx(math.sqrt(2 * 2.0 * 1000.0))
         policy.observe_cost(1e6)
         assert policy.evaluate() == 600.0
     intervals = [e for e in logs if e["event"] == "snapshot.interval"]
     assert [e["reason"] for e in intervals] == [
         "no_cost_yet", "young_daly", "young_daly", "max_bound"]
-    assert intervals[1]["cost_s"] == 2.0 and intervals[1]["mtbf_s"] == 800.0
-    assert intervals[2]["mtbf_s"] == 1600.0 and intervals[1]["failures"] == 4
+    assert intervals[1]["cost_s"] == 2.0 and intervals[1]["mtbf_s"] == 500.0
+    assert intervals[2]["mtbf_s"] == 1000.0 and intervals[1]["failures"] == 4
 
 
 def test_policy_logs_only_when_the_interval_moves() -> None:
@@ -162,3 +166,15 @@ def test_manager_interval_grows_to_the_bound_with_a_long_mtbf(tmp_path: Path) ->
     assert saved == [2, 12, 22]
     reasons = [e["reason"] for e in logs if e["event"] == "snapshot.interval"]
     assert reasons == ["no_cost_yet", "max_bound"]
+
+
+def test_simulation_auto_within_five_percent_of_the_best_fixed_interval() -> None:
+    """scripts/simulate_interval.py, small and seeded: the manager's own policy against
+    a grid of fixed intervals chosen in hindsight on the same failure traces."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "simulate_interval.py"), "--mtbf", "120",
+         "600", "--dist", "exponential", "weibull", "--trials", "2", "--seed", "1",
+         "--json"], capture_output=True, text=True, timeout=300, check=True)
+    out = json.loads(result.stdout)
+    assert len(out["rows"]) == 4 and all(r["failures"] > 50 for r in out["rows"])
+    assert out["worst_ratio"] <= 1.05, out
