@@ -54,16 +54,23 @@ def _snapshots(args: argparse.Namespace) -> int:
 
 
 def _goodput(args: argparse.Namespace) -> int:
-    from elastictrain.goodput import compute_goodput, format_report
+    from elastictrain.goodput import compute_goodput
+
+    from elastictrain.accounting.split import format_split, split_run
 
     try:
         report = compute_goodput(args.events_dir)
+        split = split_run(args.events_dir)
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from None
+    if args.plot:
+        from elastictrain.accounting.plot import plot_split
+
+        plot_split(split, args.plot)
     if args.json:
-        print(json.dumps(report.to_dict()))
+        print(json.dumps({**report.to_dict(), "split": split.to_dict()}))
     else:
-        print(format_report(report))
+        print(format_split(split))
     return 0
 
 
@@ -130,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     goodput.add_argument("events_dir", help="a run's events directory "
                          "(<storage>/events/<run id>)")
     goodput.add_argument("--json", action="store_true")
+    goodput.add_argument("--plot", metavar="FILE.png", help="draw the timeline and the split "
+                         "(needs elastictrain[plot])")
     goodput.set_defaults(func=_goodput)
     return parser
 

@@ -13,12 +13,12 @@ docs/interval.md and ``scripts/simulate_interval.py``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from elastictrain.log import get_logger, read_events
+from elastictrain.accounting.attempts import read_attempts
+from elastictrain.log import get_logger
 
 log = get_logger("elastictrain.snapshot")
 
@@ -69,31 +69,11 @@ def failure_history(events_dir: str | Path | None) -> FailureHistory:
     if events_dir is None:
         return FailureHistory()
     uptime, failures = 0.0, 0
-    for events in _attempts(Path(events_dir)):
+    for events in read_attempts(events_dir):
         uptime += events[-1]["ts"] - events[0]["ts"]
         if not any(e.get("event") in _CLEAN_ENDS for e in events):
             failures += 1
     return FailureHistory(uptime, failures)
-
-
-def _attempts(events_dir: Path) -> Iterable[list[dict[str, Any]]]:
-    try:
-        files = sorted(events_dir.glob("attempt*-rank0.jsonl"))
-    except OSError:
-        return
-    for path in files:
-        try:
-            events = [e for e in read_events(path) if "ts" in e]
-        except (OSError, ValueError):
-            continue
-        current: list[dict[str, Any]] = []
-        for event in events:
-            if event.get("event") == "worker.start" and current:
-                yield current
-                current = []
-            current.append(event)
-        if current:
-            yield current
 
 
 class IntervalPolicy:
