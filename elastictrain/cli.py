@@ -54,9 +54,8 @@ def _snapshots(args: argparse.Namespace) -> int:
 
 
 def _goodput(args: argparse.Namespace) -> int:
-    from elastictrain.goodput import compute_goodput
-
     from elastictrain.accounting.split import format_split, split_run
+    from elastictrain.goodput import compute_goodput
 
     try:
         report = compute_goodput(args.events_dir)
