@@ -57,6 +57,7 @@ def _snapshots(args: argparse.Namespace) -> int:
 
 def _goodput(args: argparse.Namespace) -> int:
     from elastictrain import ops
+    from elastictrain.accounting.split import format_split, split_run
     from elastictrain.events import is_remote
     from elastictrain.goodput import compute_goodput, format_report
 
@@ -64,12 +65,19 @@ def _goodput(args: argparse.Namespace) -> int:
              if is_remote(args.events_dir) else None)
     try:
         report = compute_goodput(args.events_dir, store)
+        # The per-cause split reads local event files (object storage: the totals only).
+        split = split_run(args.events_dir) if store is None else None
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from None
+    if args.plot and split is not None:
+        from elastictrain.accounting.plot import plot_split
+
+        plot_split(split, args.plot)
     if args.json:
-        print(json.dumps(report.to_dict()))
+        print(json.dumps({**report.to_dict(),
+                          "split": split.to_dict() if split is not None else None}))
     else:
-        print(format_report(report))
+        print(format_split(split) if split is not None else format_report(report))
     return 0
 
 
@@ -193,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     goodput.add_argument("--storage-options", default=None, metavar="JSON",
                          help="JSON object passed to fsspec for a URL (endpoint, profile)")
     goodput.add_argument("--json", action="store_true")
+    goodput.add_argument("--plot", metavar="FILE.png", help="draw the timeline and the split "
+                         "(needs elastictrain[plot])")
     goodput.set_defaults(func=_goodput)
 
     status = sub.add_parser("status", help="attempt, steps, last snapshot and recent failures "

@@ -15,9 +15,17 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -84,8 +92,13 @@ class StorageConfig(_Model):
 class SnapshotConfig(_Model):
     """When and how snapshots are taken, kept and restored."""
 
-    every_steps: int | None = Field(default=100, ge=1)
-    every_seconds: float | None = Field(default=None, gt=0)
+    # "auto": the Young/Daly interval from measured cost and failure history
+    # (snapshot/interval.py), bounded by auto_min/max_interval_s.
+    every_steps: Annotated[int, Field(ge=1)] | Literal["auto"] | None = 100
+    every_seconds: Annotated[float, Field(gt=0)] | Literal["auto"] | None = None
+    auto_mtbf_prior_s: float = Field(default=3600.0, gt=0)
+    auto_min_interval_s: float = Field(default=1.0, gt=0)
+    auto_max_interval_s: float = Field(default=3600.0, gt=0)
     keep: int = Field(default=3, ge=1)
     mode: Literal["sync", "async"] = "async"
     persister: Literal["thread", "process"] = "thread"  # measured: docs/persister.md
@@ -97,6 +110,41 @@ class SnapshotConfig(_Model):
     # Seconds between `train.progress` events (step, loss) per rank; a time check per
     # step, no per-step logging. None: no such events (views then see snapshot steps).
     progress_every_s: float | None = Field(default=5.0, gt=0)
+
+    @field_validator("every_steps", "every_seconds", mode="before")
+    @classmethod
+    def _auto_or_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """One clear error for a trigger that is neither a number in range nor "auto"."""
+        if value is None:
+            return None
+        steps = info.field_name == "every_steps"
+        fix = ("must be a whole number of steps >= 1, 'auto' or unset" if steps
+               else "must be a number of seconds > 0, 'auto' or unset")
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, bool):
+            raise ValueError(fix)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(fix) from None
+        if (steps and (number < 1 or not number.is_integer())) or number <= 0:
+            raise ValueError(fix)
+        return int(number) if steps else number
+
+    @model_validator(mode="after")
+    def _check_auto(self) -> SnapshotConfig:
+        if self.auto_min_interval_s > self.auto_max_interval_s:
+            raise ValueError(
+                f"snapshot.auto_min_interval_s={self.auto_min_interval_s} is above "
+                f"snapshot.auto_max_interval_s={self.auto_max_interval_s}; fix: lower the "
+                "minimum or raise the maximum")
+        return self
+
+    @property
+    def auto(self) -> bool:
+        """Whether the interval is chosen automatically (either trigger is ``"auto"``)."""
+        return "auto" in (self.every_steps, self.every_seconds)
 
 
 class DistConfig(_Model):

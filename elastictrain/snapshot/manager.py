@@ -48,6 +48,7 @@ from elastictrain.errors import (
 from elastictrain.log import bind_step, get_logger
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.digest import param_digest
+from elastictrain.snapshot.interval import IntervalPolicy, failure_history, interval_steps
 from elastictrain.snapshot.persister import SaveHandle
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world, restore_rng
@@ -157,6 +158,13 @@ class SnapshotManager:
         self._clock = clock
         self._last_save_time = clock()
         self._last_progress = clock()
+        self._last_save_step = 0
+        # The writer alone chooses an automatic interval; it rides the agreement below.
+        self._auto = (IntervalPolicy(
+            self.config.auto_mtbf_prior_s, self.config.auto_min_interval_s,
+            self.config.auto_max_interval_s,
+            failure_history(runtime.default_events_dir(settings)), clock)
+            if self.config.auto and self.ctx.is_writer else None)
         self._progress = _ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
         self._rng_rule = "none"
         self._preempt = preempt.current()
@@ -298,17 +306,32 @@ class SnapshotManager:
         The step path stays collective-free otherwise: ``save`` agrees on a failure.
         """
         every = self.config.every_steps
-        due = every is not None and self.step_count % every == 0
+        due = isinstance(every, int) and self.step_count % every == 0
         seconds = self.config.every_seconds
         elapsed: bool | None = None  # None: no time trigger to check at this step
-        if seconds is not None and not due:
-            elapsed = self._clock() - self._last_save_time >= seconds
+        if (seconds is not None or self.config.auto) and not due:
+            elapsed = self._time_due()
         if self._preempt is None and elapsed is None:
             return due, None, 0
         notice = self._preempt.flags() if self._preempt is not None else []
         agreed = self.ctx.all_reduce_max([int(bool(elapsed)), self._failed_step(), *notice])
         stop = self._preempt.agreed(agreed[2:]) if self._preempt is not None else None
         return due or bool(agreed[0]), stop, agreed[1]
+
+    def _time_due(self) -> bool:
+        """This rank's vote for a save now: a fixed ``every_seconds`` that elapsed, or
+        (the writer only) the automatic interval."""
+        since = self._clock() - self._last_save_time
+        seconds = self.config.every_seconds
+        if isinstance(seconds, float) and since >= seconds:
+            return True
+        if self._auto is None:
+            return False
+        steps = self.step_count - self._last_save_step
+        interval = self._auto.evaluate(step_time_s=since / steps if steps else None)
+        if self.config.every_steps == "auto" and steps:
+            return steps >= interval_steps(interval, since / steps)
+        return since >= interval
 
     def _failed_step(self) -> int:
         """This rank's contribution to agreeing on a failed persist (the writer's)."""
@@ -333,6 +356,7 @@ class SnapshotManager:
         with watchdog.busy("snapshot.save"):
             gathered = self.ctx.all_gather_object((capture_rng(), self._failed_step()))
             self._last_save_time = self._clock()
+            self._last_save_step = self.step_count
             failed_step = gathered[0][1]
             if failed_step:
                 self._raise_failed(failed_step)
@@ -350,6 +374,8 @@ class SnapshotManager:
             )
             rng = [state for state, _ in gathered]
             self._last_handle = self._saver.save(self._state(rng), meta, started)
+            if self._auto is not None:  # what the loop waited for: back-pressure + staging
+                self._auto.observe_cost(time.perf_counter() - started)
             return self._last_handle
 
     def _stop_preempted(self, stop: preempt.StopRequest) -> NoReturn:

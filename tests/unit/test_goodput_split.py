@@ -1,0 +1,121 @@
+"""The per-cause split of a run's wall time on a synthetic event log whose every second
+is known: a kill, a preemption, a relaunch that hung, and a finish; and its plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastictrain.accounting.plot import plot_split
+from elastictrain.accounting.split import CAUSES, format_split, split_run
+from elastictrain.errors import ConfigError
+from tests.helpers import run_cli
+
+
+def _write(path: Path, *events: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        for event in events:
+            f.write(json.dumps(event) + "\n")
+
+
+def _ev(name: str, ts: float, step: int | None = 0, **fields: Any) -> dict[str, Any]:
+    return {"event": name, "ts": ts, "step": step, **fields}
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "events"
+    d.mkdir()
+    _write(d / "agent-host-1.jsonl", _ev("agent.start", 0.0, None),
+           _ev("agent.worker_failed", 6.6, None, signal="SIGKILL", exit_code=-9),
+           _ev("agent.finished", 37.0, None))
+    # Attempt 0: 10 steps at 0.25 s, snapshot of step 10 blocks 0.5 s, killed at step
+    # 14 (silently: the next attempt reports 4 lost steps) -> ends at 6.5 s.
+    _write(d / "attempt000-rank0.jsonl", _ev("worker.start", 1.0),
+           _ev("resume", 3.0, from_step=None, lost_steps=0),
+           _ev("snapshot.staged", 5.5, 10, snapshot_step=10, duration_s=0.5),
+           _ev("snapshot.committed", 5.5, 10, snapshot_step=10))
+    # Attempt 1: restore 0.5 s; a save waits 1 s for the one in flight (back-pressure,
+    # inside the staged duration: counted once); preempted with a 1 s drain at step 25.
+    _write(d / "attempt001-rank0.jsonl", _ev("worker.start", 8.0),
+           _ev("snapshot.loaded", 9.5, 10, duration_s=0.5),
+           _ev("resume", 10.0, 10, from_step=10, lost_steps=4),
+           _ev("snapshot.backpressure", 12.0, 20, wait_s=1.0),
+           _ev("snapshot.staged", 12.5, 20, snapshot_step=20, duration_s=1.5),
+           _ev("preempt.notice", 14.0, 24),
+           _ev("preempt.saved", 15.0, 25, duration_s=1.0))
+    # A relaunch appends to the file of restart 0: it hangs 4 s after 5 steps (lost).
+    _write(d / "attempt000-rank0.jsonl", _ev("worker.start", 20.0),
+           _ev("snapshot.loaded", 21.0, 25, duration_s=0.5),
+           _ev("resume", 21.0, 25, from_step=25, lost_steps=0),
+           _ev("watchdog.fired", 30.0, 30, idle_s=4.0))
+    _write(d / "attempt002-rank0.jsonl", _ev("worker.start", 31.0),
+           _ev("resume", 33.0, 25, from_step=25, lost_steps=5),
+           _ev("run.finished", 36.0, 35))
+    return d
+
+
+def test_every_second_lands_in_one_cause(run_dir: Path) -> None:
+    split = split_run(run_dir)
+    assert split.wall_s == pytest.approx(37.0)
+    expected = {"productive": 2.0 + 2.5 + 0.0 + 3.0, "lost_work": 1.0 + 5.0,
+                "snapshot_blocking": 0.5 + 1.5, "restore": 1.0, "preempt_drain": 1.0,
+                "hang": 4.0, "restart": 3.0 + 2.5 + 0.5 + 5.5 + 3.0 + 1.0}
+    assert split.seconds == pytest.approx(expected)
+    assert sum(split.seconds.values()) == pytest.approx(split.wall_s)
+    assert split.blocking_by_tier == pytest.approx({"durable": 2.0})
+    got = [(a.from_step, a.to_step, a.lost_steps, a.ended_by) for a in split.attempts]
+    assert got == [(None, 14, 4, "SIGKILL"), (10, 25, 0, "preempted"),
+                   (25, 30, 5, "hang (watchdog)"), (25, 35, 0, "finished")]
+    # Lost work is the end of the killed attempt: after the snapshot it resumed from.
+    lost = [s for s in split.attempts[0].spans if s.cause == "lost_work"]
+    assert [(s.start, s.end) for s in lost] == [(5.5, 6.5)]
+    assert split.attempts[0].commits == [(5.5, 10, "durable")]
+
+
+def test_report_and_json_close_to_100_percent(run_dir: Path) -> None:
+    split = split_run(run_dir)
+    data = split.to_dict()
+    assert set(data["seconds"]) == set(CAUSES)
+    assert sum(data["fractions"].values()) == pytest.approx(1.0, abs=1e-3)
+    text = format_split(split)
+    assert text.startswith("goodput 20.3% of 37.0s wall, 4 attempts, final step 35, "
+                           "9 steps lost")
+    assert "hang (watchdog)" in text and "#2 hang (watchdog)" in text
+
+
+def test_missing_events_is_one_clear_line(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="fix: point at a run's events directory"):
+        split_run(tmp_path)
+
+
+def test_plot_writes_a_png(run_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = plot_split(split_run(run_dir), tmp_path / "split.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install(run_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'elastictrain\[plot\]'"):
+        plot_split(split_run(run_dir), tmp_path / "split.png")
+    assert not (tmp_path / "split.png").exists()
+
+
+def test_cli_json_and_plot(run_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "cli.png"
+    result = run_cli(["goodput", str(run_dir), "--json", "--plot", str(png)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["split"]["wall_s"] == pytest.approx(37.0)
+    assert png.stat().st_size > 0
+    bad = run_cli(["goodput", str(run_dir), "--plot", str(tmp_path / "no" / "x.png")],
+                  tmp_path)
+    assert bad.returncode != 0 and "fix: pass a path in a writable directory" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
