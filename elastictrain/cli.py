@@ -49,6 +49,8 @@ def _snapshots(args: argparse.Namespace) -> int:
         rows = ops.prune_snapshots(store, args.keep)
     if not rows and args.snap_cmd in ("list", "verify"):
         print(ops.nothing_found(store, getattr(args, "step", None)), file=sys.stderr)
+        if args.json:
+            ops.print_rows(rows, as_json=True)  # still one JSON document on stdout: []
         return 1 if args.snap_cmd == "verify" else 0
     ops.print_rows(rows, args.json)
     failed = any(r.get("status") == "corrupt" for r in rows)

@@ -18,14 +18,9 @@ from tests.helpers import REPO, run_cli
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```([\w+-]*)\n(.*?)^```", re.S | re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-# Pages other branches of this project add (issues 9-13); links to them are checked
-# once they exist. The lead removes this allowance after merging those branches.
-PROVIDED_BY_OTHER_BRANCHES = {"restore.md", "trust.md", "faults.md", "configuration.md",
-                              "exit-codes.md", "chaos.md", "deploy.md", "events.md",
-                              "storage.md"}
 
 
 def blocks(lang: set[str]) -> list[tuple[Path, str]]:
@@ -95,8 +90,6 @@ def test_relative_links_resolve() -> None:
             if "://" in target or target.startswith("#"):
                 continue
             path = (page.parent / target.split("#")[0]).resolve()
-            if path.name in PROVIDED_BY_OTHER_BRANCHES and not path.exists():
-                continue
             assert path.exists(), f"{page.name} links to {target}, which does not exist"
 
 
