@@ -35,6 +35,8 @@ class RunningJob:
     launcher: subprocess.Popen[bytes]
     interrupted: str | None = None
     forced: bool = False
+    # Where the demo says what a signal does (the live view's lines while it draws).
+    announce: Callable[[str], None] | None = None
 
     def worker_pids(self) -> list[int]:
         """Every worker this job started so far (``worker.start`` events carry the pid)."""
@@ -48,15 +50,18 @@ class RunningJob:
         name = signal.Signals(signum).name
         if self.interrupted is None:
             self.interrupted = name
-            _say(f"{name}: asking the job for a final snapshot "
+            self._say(f"{name}: asking the job for a final snapshot "
                  f"(launcher pid {self.launcher.pid}); Ctrl-C again to force")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.launcher.pid, signal.SIGTERM)
             return
         self.forced = True
-        _say(f"{name} again: killing the launcher (pid {self.launcher.pid}) and workers "
+        self._say(f"{name} again: killing the launcher (pid {self.launcher.pid}) and workers "
              f"{self.worker_pids()} with SIGKILL; no final snapshot")
         self.kill()
+
+    def _say(self, message: str) -> None:
+        (self.announce or _say)(message)
 
     def kill(self) -> None:
         """SIGKILL the launcher's session and every worker of this job still running."""

@@ -137,7 +137,9 @@ def run_demo(opts: DemoOptions,
                                                     extra_env=_worker_env(opts)))
         if on_start is not None:
             on_start(job)
-        with _live_view(opts, run_id, events_dir):
+        with _live_view(opts, run_id, events_dir) as view:
+            if view is not None:
+                job.announce = view.note
             exit_code = job.wait()
     result = summarize(events_dir, store.url, exit_code, time.monotonic() - started)
     if job.interrupted is not None:
