@@ -54,19 +54,70 @@ def choose_persister(config: SnapshotConfig, store: Store) -> str:
     return config.persister
 
 
-class Saver:
+class InFlightSave:
+    """The last save, whether its failure was reported, and the waits on it: shared by
+    :class:`Saver` and the sharded saver. A wait counts bytes written through
+    ``counted`` (``watchdog.wait_moving``): a persist that keeps moving is no hang."""
+
+    def __init__(self, store: Store) -> None:
+        self._counted = CountingStore(store)  # bytes written: progress for the watchdog
+        self._last: SaveHandle | None = None
+        self._reported: SaveHandle | None = None
+
+    @property
+    def counted_store(self) -> Store:
+        """The store every persist of this saver writes through."""
+        return cast(Store, self._counted)
+
+    def failed_step(self) -> int:
+        """The step of the last save if it failed and was not yet reported, else 0."""
+        last = self._last
+        if last is not None and last.state == SaveState.FAILED and last is not self._reported:
+            return last.step
+        return 0
+
+    def take_failure(self) -> BaseException | None:
+        """The last save's SnapshotWriteFailed if not yet reported; reported from now on."""
+        if not self.failed_step():
+            return None
+        assert self._last is not None
+        self._reported = self._last
+        return self._last.error
+
+    def wait_in_flight(self, step: int) -> None:
+        """Back-pressure: wait for the save in flight (never raises), logged if it waited."""
+        last = self._last
+        if last is None or last.done():
+            return
+        started = time.perf_counter()
+        self._join()
+        log.info("snapshot.backpressure", snapshot_step=step, waiting_for_step=last.step,
+                 wait_s=round(time.perf_counter() - started, 4))
+
+    def wait(self) -> None:
+        """Block until the last save is durable; raise its failure if not yet reported."""
+        self._join()
+        failure = self.take_failure()
+        if failure is not None:
+            raise failure
+
+    def _join(self) -> None:
+        last = self._last
+        if last is not None:
+            watchdog.wait_moving(last.join, lambda: self._counted.bytes_written)
+
+
+class Saver(InFlightSave):
     """Stages state and hands it to a background persister, one save at a time."""
 
     def __init__(self, store: Store, config: SnapshotConfig) -> None:
         self.store = store
         self.kind = choose_persister(config, store)
         self.staging = StagingBuffers(share_memory=self.kind == "process")
-        self._counted = CountingStore(store)  # bytes written: progress for the watchdog
+        super().__init__(store)
         self._keep = config.keep
         self._policy = RetryPolicy(config.max_consecutive_failures, config.retry_backoff_s)
         self._persister: Persister | None = None
-        self._last: SaveHandle | None = None
-        self._reported: SaveHandle | None = None
 
     def warm_up(self) -> None:
         """Start the persister now (a helper process imports torch for seconds), from
@@ -102,38 +153,6 @@ class Saver:
         if not self.staging.prepared:
             self.staging.prepare_async(make_state())
 
-    def failed_step(self) -> int:
-        """The step of the last save if it failed and was not yet reported, else 0."""
-        last = self._last
-        if last is not None and last.state == SaveState.FAILED and last is not self._reported:
-            return last.step
-        return 0
-
-    def take_failure(self) -> BaseException | None:
-        """The last save's SnapshotWriteFailed if not yet reported; reported from now on."""
-        if not self.failed_step():
-            return None
-        assert self._last is not None
-        self._reported = self._last
-        return self._last.error
-
-    def wait_in_flight(self, step: int) -> None:
-        """Back-pressure: wait for the save in flight (never raises), logged if it waited."""
-        last = self._last
-        if last is None or last.done():
-            return
-        started = time.perf_counter()
-        self._join()
-        log.info("snapshot.backpressure", snapshot_step=step, waiting_for_step=last.step,
-                 wait_s=round(time.perf_counter() - started, 4))
-
-    def wait(self) -> None:
-        """Block until the last save is durable; raise its failure if not yet reported."""
-        self._join()
-        failure = self.take_failure()
-        if failure is not None:
-            raise failure
-
     def close(self) -> None:
         """Wait for the save in flight and stop the persister; raise a failure not yet raised."""
         try:
@@ -143,14 +162,8 @@ class Saver:
                 self._persister.close()
                 self._persister = None
 
-    def _join(self) -> None:
-        """Wait for the last save; a persist that keeps writing bytes is not a hang."""
-        last = self._last
-        if last is not None:
-            watchdog.wait_moving(last.join, lambda: self._counted.bytes_written)
-
     def _start_persister(self) -> Persister:
-        store = cast(Store, self._counted)
+        store = self.counted_store
         if self.kind == "sync":
             return SyncPersister(store, self._keep, self._policy)
         if self.kind == "thread":

@@ -44,6 +44,7 @@ from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.persister import SaveHandle, SaveState
 from elastictrain.snapshot.retention import prune
+from elastictrain.snapshot.saver import InFlightSave
 from elastictrain.snapshot.sharded.commit import commit_sharded
 from elastictrain.snapshot.sharded.dcp_io import (
     RankPart,
@@ -134,7 +135,7 @@ def _local_bytes(state: Any) -> int:
     return 0
 
 
-class ShardedSaver:
+class ShardedSaver(InFlightSave):
     """Saves model + optimizer shards from every rank through DCP; rank 0 commits.
 
     The same interface as ``Saver`` (``save``, ``failed_step``, ``take_failure``,
@@ -149,8 +150,7 @@ class ShardedSaver:
         self._model, self._optimizer = model, optimizer
         self._group = background_group(ctx)
         self._staging = _ReusedStaging()
-        self._last: SaveHandle | None = None
-        self._reported: SaveHandle | None = None
+        super().__init__(store)
 
     @property
     def group(self) -> Any | None:
@@ -182,7 +182,7 @@ class ShardedSaver:
             committed.append(commit_sharded(self.store, meta, token, parts,
                                             dump_metadata(metadata), train_bytes))
 
-        writer = StoreWriter(self.store, layout.step_dir(meta.step), token,
+        writer = StoreWriter(self.counted_store, layout.step_dir(meta.step), token,
                              meta.checksum_algorithm, on_finish)
         kwargs: dict[str, Any] = {"storage_writer": writer, "planner": DefaultSavePlanner(),
                                   "process_group": self._group,
@@ -241,42 +241,9 @@ class ShardedSaver:
         """Nothing ahead: DCP's stager allocates at the first save (docs/sharded.md)."""
         return None
 
-    def failed_step(self) -> int:
-        """The step of the last save if it failed and was not yet reported, else 0."""
-        last = self._last
-        if last is not None and last.state == SaveState.FAILED and last is not self._reported:
-            return last.step
-        return 0
-
-    def take_failure(self) -> BaseException | None:
-        """The last save's SnapshotWriteFailed if not yet reported; reported from now on."""
-        if not self.failed_step():
-            return None
-        assert self._last is not None
-        self._reported = self._last
-        return self._last.error
-
-    def wait(self) -> None:
-        """Block until the last save is durable; raise its failure if not yet reported."""
-        if self._last is not None:
-            self._last.join()
-        failure = self.take_failure()
-        if failure is not None:
-            raise failure
-
     def close(self) -> None:
         """Wait for the save in flight; raise a failure not yet raised."""
         self.wait()
-
-    def wait_in_flight(self, step: int) -> None:
-        """Back-pressure: wait for the save in flight (never raises), logged if it waited."""
-        last = self._last
-        if last is None or last.done():
-            return
-        started = time.perf_counter()
-        last.join()
-        log.info("snapshot.backpressure", snapshot_step=step, waiting_for_step=last.step,
-                 wait_s=round(time.perf_counter() - started, 4))
 
 
 def _serialize(state: dict[str, Any]) -> bytes:
