@@ -39,7 +39,7 @@ from elastictrain.errors import (
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout, signing
 from elastictrain.snapshot.checksum import HashingWriter
-from elastictrain.snapshot.manifest import Manifest, ObjectEntry
+from elastictrain.snapshot.manifest import FORMAT_VERSION, Manifest, ObjectEntry
 from elastictrain.snapshot.reader import read_manifest, verify_snapshot
 from elastictrain.storage.api import Store
 
@@ -159,9 +159,12 @@ def _no_check() -> None:
     return None
 
 
-def _manifest(meta: SnapshotMeta, size: int, checksum: str,
-              name: str = layout.PAYLOAD) -> Manifest:
+def build_manifest(meta: SnapshotMeta, objects: list[ObjectEntry],
+                   format_version: int = FORMAT_VERSION) -> Manifest:
+    """The manifest of ``meta``'s snapshot naming ``objects``, signed when a signing key
+    is set (every format: replicated and sharded)."""
     return signing.sign(Manifest(
+        format_version=format_version,
         run_id=meta.run_id,
         step=meta.step,
         epoch=meta.epoch,
@@ -169,10 +172,15 @@ def _manifest(meta: SnapshotMeta, size: int, checksum: str,
         torch_version=torch.__version__,
         elastictrain_version=elastictrain.__version__,
         checksum_algorithm=meta.checksum_algorithm,
-        objects=[ObjectEntry(name=name, size_bytes=size, checksum=checksum)],
+        objects=objects,
         dataset_len=meta.dataset_len,
         global_batch_size=meta.global_batch_size,
     ))
+
+
+def _manifest(meta: SnapshotMeta, size: int, checksum: str,
+              name: str = layout.PAYLOAD) -> Manifest:
+    return build_manifest(meta, [ObjectEntry(name=name, size_bytes=size, checksum=checksum)])
 
 
 def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: str,

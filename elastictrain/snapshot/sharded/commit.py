@@ -14,15 +14,12 @@ from __future__ import annotations
 import re
 import time
 
-import torch
-
-import elastictrain
 from elastictrain.config import ChecksumAlgorithm
 from elastictrain.errors import SnapshotCorrupt, StorageConflictError, StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import checksum_bytes, new_hasher
-from elastictrain.snapshot.commit import SnapshotMeta
+from elastictrain.snapshot.commit import SnapshotMeta, build_manifest
 from elastictrain.snapshot.manifest import (
     SHARDED_FORMAT_VERSION,
     ItemEntry,
@@ -57,19 +54,7 @@ def commit_sharded(store: Store, meta: SnapshotMeta, token: str, parts: list[Ran
         store.write_bytes(f"{directory}/{name}", data)
         objects.append(ObjectEntry(name=name, size_bytes=len(data), rank=0,
                                    checksum=checksum_bytes(data, algorithm)))
-    manifest = Manifest(
-        format_version=SHARDED_FORMAT_VERSION,
-        run_id=meta.run_id,
-        step=meta.step,
-        epoch=meta.epoch,
-        world_size=meta.world_size,
-        torch_version=torch.__version__,
-        elastictrain_version=elastictrain.__version__,
-        checksum_algorithm=algorithm,
-        objects=objects,
-        dataset_len=meta.dataset_len,
-        global_batch_size=meta.global_batch_size,
-    )
+    manifest = build_manifest(meta, objects, SHARDED_FORMAT_VERSION)
     try:
         store.write_bytes(f"{directory}/{layout.MANIFEST}", manifest.to_json(), if_absent=True)
     except StorageConflictError:
