@@ -15,23 +15,13 @@ import torch
 from structlog.testing import capture_logs
 
 from elastictrain import preempt, watchdog
-from elastictrain.config import PreemptConfig, WatchdogConfig
+from elastictrain.config import WatchdogConfig
 from elastictrain.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED, ConfigError
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 from tests.fault_stores import FailingStore, GatedStore, TricklingStore, read_journal
 from tests.helpers import wait_for
-
-
-@pytest.fixture
-def watcher() -> Iterator[preempt.PreemptionWatcher]:
-    installed = preempt.install(PreemptConfig(signals=[]), poll=False)
-    assert installed is not None
-    try:
-        yield installed
-    finally:
-        preempt.uninstall()
 
 
 @pytest.fixture

@@ -128,14 +128,6 @@ class CountingCtx:
         return [obj]
 
 
-@pytest.fixture
-def watcher() -> Iterator[preempt.PreemptionWatcher]:
-    installed = preempt.install(PreemptConfig(signals=[]), poll=False)
-    assert installed is not None
-    try:
-        yield installed
-    finally:
-        preempt.uninstall()
 
 
 def test_one_all_reduce_per_step_carries_time_trigger_and_notice(

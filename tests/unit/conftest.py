@@ -1,0 +1,20 @@
+"""Fixtures shared by the unit tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from elastictrain import preempt
+from elastictrain.config import PreemptConfig
+
+
+@pytest.fixture
+def watcher() -> Iterator[preempt.PreemptionWatcher]:
+    installed = preempt.install(PreemptConfig(signals=[]), poll=False)
+    assert installed is not None
+    try:
+        yield installed
+    finally:
+        preempt.uninstall()
