@@ -1,0 +1,1 @@
+"""``elastictrain chaos``: a training script under seeded faults, checked after each trial."""
