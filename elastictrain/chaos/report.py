@@ -19,10 +19,29 @@ def format_table(report: ChaosReport) -> str:
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
               for r in rows]
     passed = sum(t.passed for t in report.trials)
+    kinds = by_kind(report)
+    if kinds:
+        lines.append("by fault kind (trials where it was injected): " + ", ".join(
+            f"{kind} {c['passed']}/{c['trials']} passed" for kind, c in kinds.items()))
     lines.append(f"{passed}/{len(report.trials)} trials passed; clean run "
                  f"{report.clean_wall_s:.1f}s, digest {str(report.clean_digest)[:12]}…, "
                  f"workdir {report.workdir}")
     return "\n".join(lines)
+
+
+def by_kind(report: ChaosReport) -> dict[str, dict[str, int]]:
+    """Per fault kind, the trials where it was actually injected and how many passed
+    (a fault drawn for after the job ended counts for none)."""
+    counts: dict[str, dict[str, int]] = {}
+    for trial in report.trials:
+        kinds = {note.split(":", 1)[0] for note in trial.injected if "not injected" not in note}
+        if trial.storage_faults_injected:
+            kinds.add("storage")
+        for kind in kinds:
+            count = counts.setdefault(kind, {"trials": 0, "passed": 0})
+            count["trials"] += 1
+            count["passed"] += int(trial.passed)
+    return dict(sorted(counts.items()))
 
 
 def _injected(trial: TrialResult) -> str:
@@ -33,4 +52,4 @@ def _injected(trial: TrialResult) -> str:
 
 
 def format_json(report: ChaosReport) -> str:
-    return json.dumps(report.to_dict())
+    return json.dumps({**report.to_dict(), "by_kind": by_kind(report)})
