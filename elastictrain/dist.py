@@ -47,10 +47,6 @@ class DistContext:
         if self.initialized:
             torch_dist.barrier()
 
-    def agree_any(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is True on any rank (one small all-reduce)."""
-        return bool(self.all_reduce_max([int(flag)])[0])
-
     def all_reduce_max(self, values: list[int]) -> list[int]:
         """Element-wise max of small integer vectors across ranks."""
         if not self.initialized:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 
 SNAPSHOTS = "snapshots"
-EVENTS = "events"
 MANIFEST = "MANIFEST.json"
 PAYLOAD = "state.pt"
 PARTIAL_PREFIX = ".partial-"
