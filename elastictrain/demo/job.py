@@ -1,11 +1,11 @@
 """A launched demo job, and what Ctrl-C or SIGTERM to the demo does to it.
 
-The launcher runs in its own session (so it can be stopped as a unit), so a
-terminal's Ctrl-C reaches only the demo process. While the demo waits, the
-first SIGINT or SIGTERM is passed on to the launcher as SIGTERM, the notice
-path: every worker takes a final snapshot and the launcher exits 75. A second
-signal forces: SIGKILL to the launcher's session and to each worker by PID
-(workers run in sessions of their own).
+Each launcher (one, or one per node with ``--nnodes``) runs in its own session
+(so it can be stopped as a unit), so a terminal's Ctrl-C reaches only the demo
+process. While the demo waits, the first SIGINT or SIGTERM is passed on to every
+launcher as SIGTERM, the notice path: every worker takes a final snapshot and
+the launchers exit 75. A second signal forces: SIGKILL to each launcher's session
+and to each worker by PID (workers run in sessions of their own).
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ from elastictrain.log import read_events
 
 @dataclass
 class RunningJob:
-    """The demo's job while it runs: its event log and its launcher process.
+    """The demo's job while it runs: its event log and its launcher processes (a node
+    started later is appended to ``launchers``).
 
     ``interrupted`` is the name of the first signal the demo received (None while
     nobody asked it to stop); ``forced`` is True once a second one killed the job.
     """
 
     events_dir: str
-    launcher: subprocess.Popen[bytes]
+    launchers: list[subprocess.Popen[bytes]]
     interrupted: str | None = None
     forced: bool = False
     # Where the demo says what a signal does (the live view's lines while it draws).
@@ -48,25 +49,28 @@ class RunningJob:
     def interrupt(self, signum: int) -> None:
         """First signal: ask the job for a final snapshot; second: kill it."""
         name = signal.Signals(signum).name
+        pids = [p.pid for p in self.launchers if p.poll() is None]
         if self.interrupted is None:
             self.interrupted = name
-            self._say(f"{name}: asking the job for a final snapshot "
-                 f"(launcher pid {self.launcher.pid}); Ctrl-C again to force")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.launcher.pid, signal.SIGTERM)
+            self._say(f"{name}: asking the job for a final snapshot (launcher pid "
+                      f"{_pids(pids)}); Ctrl-C again to force")
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
             return
         self.forced = True
-        self._say(f"{name} again: killing the launcher (pid {self.launcher.pid}) and workers "
-             f"{self.worker_pids()} with SIGKILL; no final snapshot")
+        self._say(f"{name} again: killing the launcher (pid {_pids(pids)}) and workers "
+                  f"{self.worker_pids()} with SIGKILL; no final snapshot")
         self.kill()
 
     def _say(self, message: str) -> None:
         (self.announce or _say)(message)
 
     def kill(self) -> None:
-        """SIGKILL the launcher's session and every worker of this job still running."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.launcher.pid, signal.SIGKILL)
+        """SIGKILL each launcher's session and every worker of this job still running."""
+        for launcher in self.launchers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)
         for pid in self.worker_pids():
             if self._is_ours(pid):
                 with contextlib.suppress(ProcessLookupError):
@@ -82,13 +86,26 @@ class RunningJob:
         return f"--events-dir={self.events_dir}".encode() in cmdline
 
     def wait(self) -> int:
-        """Wait for the launcher with SIGINT/SIGTERM routed to :meth:`interrupt`; then
-        make sure no worker of the job is left. Returns the launcher's exit code."""
-        with _handling(self.interrupt):
-            code = self.launcher.wait()
+        """Wait for the launchers with SIGINT/SIGTERM routed to :meth:`interrupt`; then
+        make sure no worker of the job is left. Returns the first non-zero exit code."""
+        with self.signals_routed():
+            codes = [launcher.wait() for launcher in self.launchers]
+        self.reap()
+        return next((c for c in codes if c != 0), 0)
+
+    def signals_routed(self) -> contextlib.AbstractContextManager[None]:
+        """While inside, SIGINT and SIGTERM to the demo go to :meth:`interrupt`."""
+        return _handling(self.interrupt)
+
+    def reap(self) -> None:
+        """After an interrupt, once the launchers are gone: a worker they could not stop
+        is not left behind."""
         if self.interrupted is not None:
-            self.kill()  # the launcher is gone; a worker it could not stop is not left
-        return code
+            self.kill()
+
+
+def _pids(pids: list[int]) -> str:
+    return ", ".join(map(str, pids)) or "none running"
 
 
 def _say(message: str) -> None:

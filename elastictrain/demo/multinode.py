@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from elastictrain import preempt
+from elastictrain.demo.job import RunningJob
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
 from elastictrain.log import get_logger, read_events
@@ -48,6 +50,7 @@ from elastictrain.log import get_logger, read_events
 log = get_logger("elastictrain.demo")
 
 PARK_TIMEOUT_S = 300.0
+_PARK_POLL = threading.Event()  # never set: an interruptible sleep
 GATE_TIMEOUT_S = 600.0  # the runner's wait for a gate: a whole small demo fits in it
 STOP_GRACE_S = 30.0
 
@@ -105,7 +108,9 @@ class Park:
 def wait_at_gates(parks: list[Park], directory: Path, step: int | None, world_size: int,
                   restart_count: int, rank: int, timeout_s: float = PARK_TIMEOUT_S) -> None:
     """If a gate applies here, write its marker and wait (the runner kills this worker,
-    or its agent restarts it, meanwhile); after ``timeout_s`` train on."""
+    or its agent restarts it, meanwhile); after ``timeout_s``, or at once when a
+    preemption notice arrives (Ctrl-C on the demo), train on: the next step takes the
+    final snapshot."""
     for park in parks:
         if not park.applies(step, world_size, restart_count):
             continue
@@ -116,7 +121,13 @@ def wait_at_gates(parks: list[Park], directory: Path, step: int | None, world_si
         tmp.write_text(json.dumps(marker))
         tmp.rename(gate / f"rank{rank}-pid{os.getpid()}.json")  # whole or absent
         log.warning("demo.parked", gate=park.name, pid=os.getpid())
-        threading.Event().wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            watcher = preempt.current()
+            if watcher is not None and watcher.notice is not None:
+                log.warning("demo.park_notice", gate=park.name)
+                return
+            _PARK_POLL.wait(0.1)  # the notice arrives in a signal handler: poll it
         log.warning("demo.park_timeout", gate=park.name, timeout_s=timeout_s)
 
 
@@ -156,28 +167,42 @@ class NodesPlan:
         return hi * self.nproc, (hi - 1) * self.nproc
 
 
-def run_nodes(plan: NodesPlan) -> int:
+def run_nodes(plan: NodesPlan, job: RunningJob) -> int:
     """Run the job on several agents; returns the exit code of the surviving agents
-    (0 when all finished). Records membership changes in ``plan.membership``."""
+    (0 when all finished). Records membership changes in ``plan.membership``.
+
+    SIGINT/SIGTERM to the demo meanwhile go to ``job`` (a notice to every agent; a
+    second one kills): the runner then kills and adds no node and waits for the agents.
+    """
     hi = plan.bounds[1]
     port = free_port()
     gates = plan.events_dir / "gates"
     nodes: list[Node] = []
+
+    def start(index: int, park: list[str]) -> None:
+        nodes.append(_start(plan, index, port, park))
+        job.launchers.append(nodes[-1].proc)
+        if job.interrupted is not None:  # the signal came while this node started
+            _signal_group(nodes[-1].proc.pid, signal.SIGTERM)
+
     try:
-        first = hi if plan.kill_node_at is not None or plan.add_node_at is None else hi - 1
-        for i in range(first):
-            nodes.append(_start(plan, i, port, _park_args(plan, i, first, gates)))
-        if plan.kill_node_at is not None:
-            markers = _wait_markers(gates / "kill", plan.nproc, nodes)
-            _kill_node(nodes[-1], [m["pid"] for m in markers])
-            plan.membership.append({"change": "node_killed", "node": nodes[-1].index,
-                                    "after_step": plan.kill_node_at, "ts": time.time()})
-        if plan.add_node_at is not None:
-            _wait_markers(gates / "add", 1, nodes)
-            nodes.append(_start(plan, len(nodes), port, []))
-            plan.membership.append({"change": "node_added", "node": nodes[-1].index,
-                                    "after_step": plan.add_node_at, "ts": time.time()})
-        codes = [n.proc.wait() for n in nodes if not n.killed]
+        with job.signals_routed():
+            first = hi if plan.kill_node_at is not None or plan.add_node_at is None else hi - 1
+            for i in range(first):
+                if job.interrupted is None:
+                    start(i, _park_args(plan, i, first, gates))
+            if plan.kill_node_at is not None:
+                markers = _wait_markers(gates / "kill", plan.nproc, nodes, job)
+                if markers is not None:
+                    _kill_node(nodes[-1], [m["pid"] for m in markers])
+                    plan.membership.append({"change": "node_killed", "node": nodes[-1].index,
+                                            "after_step": plan.kill_node_at, "ts": time.time()})
+            if plan.add_node_at is not None and _wait_markers(gates / "add", 1, nodes, job):
+                start(len(nodes), [])
+                plan.membership.append({"change": "node_added", "node": nodes[-1].index,
+                                        "after_step": plan.add_node_at, "ts": time.time()})
+            codes = [n.proc.wait() for n in nodes if not n.killed]
+        job.reap()
         return next((c for c in codes if c != 0), 0)
     finally:
         for node in nodes:
@@ -238,10 +263,14 @@ def _start(plan: NodesPlan, index: int, port: int, extra_args: list[str]) -> Nod
     return Node(index, proc, events, log_file)
 
 
-def _wait_markers(directory: Path, count: int, nodes: list[Node]) -> list[dict[str, Any]]:
-    """Poll for ``count`` park markers; fail if every agent exited or time runs out."""
+def _wait_markers(directory: Path, count: int, nodes: list[Node],
+                  job: RunningJob) -> list[dict[str, Any]] | None:
+    """Poll for ``count`` park markers; None once the demo was interrupted (nothing
+    more to orchestrate); fail if every agent exited or time runs out."""
     deadline = time.monotonic() + GATE_TIMEOUT_S
     while time.monotonic() < deadline:
+        if job.interrupted is not None:
+            return None
         found = sorted(directory.glob("rank*.json")) if directory.exists() else []
         if len(found) >= count:
             return [json.loads(p.read_text()) for p in found]

@@ -133,15 +133,20 @@ def run_demo(opts: DemoOptions,
                       events_dir=events_dir)
     started = time.monotonic()
     with open(Path(events_dir) / "launcher.log", "w") as agent_log:
-        job = RunningJob(events_dir, start_torchrun(spec, stdout=agent_log,
-                                                    extra_env=_worker_env(opts)))
+        job = RunningJob(events_dir, [start_torchrun(spec, stdout=agent_log,
+                                                     extra_env=_worker_env(opts))])
         if on_start is not None:
             on_start(job)
         with _live_view(opts, run_id, events_dir) as view:
             if view is not None:
                 job.announce = view.note
             exit_code = job.wait()
-    result = summarize(events_dir, store.url, exit_code, time.monotonic() - started)
+    return _with_interrupt(summarize(events_dir, store.url, exit_code,
+                                     time.monotonic() - started), job)
+
+
+def _with_interrupt(result: DemoResult, job: RunningJob) -> DemoResult:
+    """What a SIGINT/SIGTERM to the demo did, in its result."""
     if job.interrupted is not None:
         result.interrupted = job.interrupted
         if job.forced:  # as if the signal had killed the demo
@@ -185,11 +190,14 @@ def run_multinode_demo(opts: DemoOptions, run_id: str, events_dir: str,
                      add_node_at=opts.add_node_at, worker_args=worker_args, run_id=run_id,
                      events_dir=Path(events_dir))
     started = time.monotonic()
-    with _live_view(opts, run_id, events_dir):
-        exit_code = run_nodes(plan)
+    job = RunningJob(events_dir, [])
+    with _live_view(opts, run_id, events_dir) as view:
+        if view is not None:
+            job.announce = view.note
+        exit_code = run_nodes(plan, job)
     result = summarize(events_dir, opts.storage, exit_code, time.monotonic() - started)
     result.membership = membership_timings(plan.membership, events_dir)
-    return result
+    return _with_interrupt(result, job)
 
 
 def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float) -> DemoResult:

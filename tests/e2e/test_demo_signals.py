@@ -33,20 +33,23 @@ def committed(storage: Path, step: int) -> bool:
 
 
 def run_pids(storage: Path) -> list[int]:
-    """The launcher's and every worker's pid, from the run's events."""
+    """The launchers' and every worker's pid, from the run's events (the multi-node
+    runner also writes each agent's pid to ``node<i>/agent.pid``)."""
     ev = storage / "events"
-    return ([int(e["pid"]) for e in events(ev, "agent.start")] +
-            [int(e["pid"]) for e in events(ev, "worker.start")])
+    agents = {int(e["pid"]) for e in events(ev, "agent.start")}
+    agents |= {int(p.read_text()) for p in ev.rglob("agent.pid")}
+    return sorted(agents) + [int(e["pid"]) for e in events(ev, "worker.start")]
 
 
-def assert_stopped_with_final_snapshot(storage: Path, output: str, sig: str) -> None:
+def assert_stopped_with_final_snapshot(storage: Path, output: str, sig: str,
+                                       launchers: int = 1) -> None:
     found = FINAL.search(output)
     assert found and found.group(1) == sig, output[-4000:]
     step = int(found.group(2))
     assert committed(storage, step)
     assert {e["snapshot_step"] for e in events(storage / "events", "preempt.saved")} == {step}
     pids = run_pids(storage)
-    assert len(pids) == 3, pids  # one launcher, two workers
+    assert len(pids) == launchers + 2, pids  # the launchers, two workers
     wait_for(lambda: not any(pid_alive(p) for p in pids), 30, "no process of the run left")
 
 
@@ -62,11 +65,18 @@ def tmux(tmp_path: Path) -> Iterator[list[str]]:
         subprocess.run([*base, "kill-server"], capture_output=True, check=False)
 
 
-def test_ctrl_c_in_a_terminal_takes_a_final_snapshot(tmp_path: Path, tmux: list[str]) -> None:
+@pytest.mark.parametrize("nodes", [
+    pytest.param([], id="one-node"),
+    # Two agents ("nodes", one worker each) under the multi-node runner: the notice
+    # goes to every agent, and no agent or worker is left.
+    pytest.param(["--nnodes=2", "--nproc=1"], id="two-nodes"),
+])
+def test_ctrl_c_in_a_terminal_takes_a_final_snapshot(tmp_path: Path, tmux: list[str],
+                                                     nodes: list[str]) -> None:
     storage, rc = tmp_path / "s", tmp_path / "rc"
     env = child_env(tmp_path, PYTHONPATH=str(REPO))
     command = (f"cd {shlex.quote(str(tmp_path))} && "
-               + shlex.join([sys.executable, *DEMO, f"--storage={storage}"])
+               + shlex.join([sys.executable, *DEMO, f"--storage={storage}", *nodes])
                + f"; echo $? > {shlex.quote(str(rc))}; exec cat")  # the pane stays to read
     subprocess.run([*tmux, "new-session", "-d", "-s", "demo", "-x", "200", "-y", "50", command],
                    env=env, check=True)
@@ -78,7 +88,7 @@ def test_ctrl_c_in_a_terminal_takes_a_final_snapshot(tmp_path: Path, tmux: list[
                               capture_output=True, text=True, check=True).stdout
         assert int(rc.read_text()) == EXIT_PREEMPTED, pane
         assert "SIGINT: asking the job for a final snapshot" in pane
-        assert_stopped_with_final_snapshot(storage, pane, "SIGINT")
+        assert_stopped_with_final_snapshot(storage, pane, "SIGINT", launchers=2 if nodes else 1)
     finally:
         _kill(storage)
 
