@@ -11,7 +11,10 @@ restarted workers read stale addresses), and destroy the group on exit.
 from __future__ import annotations
 
 import os
+import pickle
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -25,6 +28,16 @@ from elastictrain.errors import EXIT_HANG, ConfigError
 from elastictrain.log import get_logger
 
 log = get_logger("elastictrain.dist")
+
+# Tensors elastictrain handed to collectives, kept alive until the backend's worker
+# threads let go of them. A gloo worker thread drops a finished work's tensors after
+# the caller saw the result; if Python dropped them first, that needs the GIL, and at
+# interpreter exit the main thread holds the GIL while ~ProcessGroupGloo joins that
+# thread: the worker hangs after its last collective (seen here: a final snapshot
+# committed, then 90 s until the agent's SIGKILL and exit 143 instead of 75).
+# Tensors Python still owns never need the GIL there. See docs/faults.md.
+_handed: deque[torch.Tensor] = deque(maxlen=256)
+QUIESCE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -51,25 +64,40 @@ class DistContext:
         """Element-wise max of small integer vectors across ranks."""
         if not self.initialized:
             return list(values)
-        tensor = torch.tensor(values, dtype=torch.int64, device=self._comm_device)
+        tensor = _kept(torch.tensor(values, dtype=torch.int64, device=self._comm_device))
         torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
         return [int(v) for v in tensor.tolist()]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s object on every rank (pickled over the group, never from storage)."""
+        """Rank ``src``'s object on every rank (pickled over the group, never from storage:
+        the peers of a process group are trusted as by torch's own object collectives)."""
         if not self.initialized:
             return obj
-        box = [obj]
-        torch_dist.broadcast_object_list(box, src=src, device=self._comm_device)
-        return box[0]
+        size = _kept(torch.zeros(1, dtype=torch.int64, device=self._comm_device))
+        data = _pickled(obj, self._comm_device) if self.rank == src else None
+        if data is not None:
+            size.fill_(data.numel())
+        torch_dist.broadcast(size, src=src)
+        if data is None:
+            data = _kept(torch.empty(int(size.item()), dtype=torch.uint8,
+                                     device=self._comm_device))
+        torch_dist.broadcast(data, src=src)
+        return obj if self.rank == src else _unpickled(data)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's object, in rank order, on every rank."""
         if not self.initialized:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        torch_dist.all_gather_object(out, obj)
-        return out
+        data = _pickled(obj, self._comm_device)
+        size = _kept(torch.tensor([data.numel()], dtype=torch.int64, device=self._comm_device))
+        sizes = [_kept(torch.zeros_like(size)) for _ in range(self.world_size)]
+        torch_dist.all_gather(sizes, size)
+        longest = max(int(s.item()) for s in sizes)
+        padded = _kept(torch.zeros(longest, dtype=torch.uint8, device=self._comm_device))
+        padded[:data.numel()] = data
+        out = [_kept(torch.empty_like(padded)) for _ in range(self.world_size)]
+        torch_dist.all_gather(out, padded)
+        return [_unpickled(o[:int(n.item())]) for o, n in zip(out, sizes, strict=True)]
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0,
                          chunk_bytes: int = 256 << 20) -> None:
@@ -79,7 +107,7 @@ class DistContext:
             return
         flat = tensor.view(-1).view(torch.uint8)
         for start in range(0, flat.numel(), chunk_bytes):
-            chunk = flat[start:start + chunk_bytes]
+            chunk = flat[start:start + chunk_bytes]  # not kept: it pins the caller's tensor
             if self._comm_device.type == "cpu":
                 torch_dist.broadcast(chunk, src=src)
             else:
@@ -153,8 +181,40 @@ def find_context(env: WorkerEnv) -> DistContext:
 
 def destroy_process_group() -> None:
     """Tear the group down (safe to call when none exists)."""
+    quiesce()
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+
+
+def quiesce(timeout_s: float = QUIESCE_TIMEOUT_S) -> None:
+    """Wait, with the GIL released, until the backend let go of every tensor
+    elastictrain handed it; then drop them. One still held at the deadline stays
+    referenced (a small leak at exit beats a hang)."""
+    deadline = time.monotonic() + timeout_s
+    while any(map(_held, _handed)) and time.monotonic() < deadline:
+        time.sleep(0.001)  # a worker thread waiting for the GIL gets it here
+    held = [t for t in _handed if _held(t)]
+    _handed.clear()
+    _handed.extend(held)
+
+
+def _held(tensor: torch.Tensor) -> bool:
+    """Whether C++ (a pending work) still references ``tensor`` besides Python."""
+    return int(tensor._use_count()) > 1  # type: ignore[attr-defined]
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    _handed.append(tensor)
+    return tensor
+
+
+def _pickled(obj: Any, device: torch.device) -> torch.Tensor:
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    return _kept(data.to(device))
+
+
+def _unpickled(data: torch.Tensor) -> Any:
+    return pickle.loads(bytes(data.cpu().tolist()))
 
 
 def _choose_backend(requested: str) -> str:

@@ -131,3 +131,30 @@ def test_both_restore_modes_load_the_newest_verified_snapshot_everywhere(tmp_pat
         for mode in ("each", "broadcast"):
             assert results[mode] == {"from_step": 5, "params_equal": True, "adam_step": 5.0}, (
                 rank, mode)
+
+
+def _object_collectives(rank: int, root: str, port: int) -> None:
+    from elastictrain import dist as et_dist
+
+    ctx = _group(rank, port)
+    # Objects of different sizes per rank (padding), a tensor inside, and a broadcast.
+    mine = {"rank": rank, "blob": "x" * (10 + 5000 * rank), "t": torch.arange(3) + rank}
+    gathered = ctx.all_gather_object(mine)
+    told = ctx.broadcast_object({"from": rank, "steps": list(range(100))} if rank == 1
+                                else None, src=1)
+    assert ctx.all_reduce_max([rank, 7 - rank]) == [1, 7]
+    et_dist.destroy_process_group()  # quiesce, then tear down
+    assert len(et_dist._handed) == 0  # the backend let go of every tensor it was given
+    Path(root, f"rank{rank}.json").write_text(json.dumps({
+        "ranks": [g["rank"] for g in gathered], "blobs": [len(g["blob"]) for g in gathered],
+        "t": [g["t"].tolist() for g in gathered], "told": told}))
+
+
+def test_object_collectives_round_trip_and_release_their_tensors(tmp_path: Path) -> None:
+    """The object collectives elastictrain runs on tensors it keeps (so that no gloo
+    thread needs the GIL at exit) give every rank the same objects."""
+    _join(tmp_path, _object_collectives)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == {"ranks": [0, 1], "blobs": [10, 5010], "t": [[0, 1, 2], [1, 2, 3]],
+                       "told": {"from": 1, "steps": list(range(100))}}
