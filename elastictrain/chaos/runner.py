@@ -23,6 +23,7 @@ from typing import Any
 from elastictrain.chaos import checks
 from elastictrain.chaos.job import Job, events_of, signal_pid
 from elastictrain.chaos.schedule import FAULT_KINDS, Fault, Schedule, make_schedule
+from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.launch import LaunchSpec
 from elastictrain.storage import open_store
@@ -110,11 +111,14 @@ def run_chaos(opts: ChaosOptions, progress: Any = sys.stderr) -> ChaosReport:
     interval = _interval(clean.events(), opts)
     progress.write(f"clean run: {clean.wall_s:.1f}s, digest {digest[:12]}…, snapshot "
                    f"interval {interval} steps; workdir {workdir}\n")
+    # A notice while a worker is stopped (hung) costs the launcher's whole shutdown
+    # grace before it kills that worker and the relaunch can start.
+    grace_s = float(load_settings().launch.shutdown_timeout_s)
     results = []
     for trial in range(opts.first, opts.first + opts.trials):
         schedule = make_schedule(opts.seed, trial, opts.faults, clean.wall_s, opts.nproc)
         run = _Run(opts, workdir / f"trial-{trial:04d}", secret, schedule,
-                   timeout_s=max(120.0, 8 * clean.wall_s))
+                   timeout_s=max(120.0, 8 * clean.wall_s) + grace_s)
         run.execute()
         result = run.judge(digest, interval, secret)
         results.append(result)
