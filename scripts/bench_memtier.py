@@ -125,8 +125,8 @@ def restores(trainer: Trainer, root: Path, mem: Path, reps: int) -> dict[str, li
 def run(args: argparse.Namespace, root: Path, mem: Path) -> dict[str, Any]:
     load_before = load_average()
     trainer = Trainer.build(args.size_mb)
-    state = trainer.state_bytes()
     block = blocking(trainer, root, mem / "block", args.saves)
+    state = trainer.state_bytes()  # after a step: AdamW's state exists now
     rates = step_rates(trainer, root, mem / "rate", args.steps, args.rounds)
     restore = restores(trainer, root, mem / "restore", args.rounds)
     load_after = load_average()

@@ -110,7 +110,7 @@ def test_memory_read_error_falls_back_to_durable(tmp_path: Path) -> None:
     failing = FailingReads(open_store(str(tmp_path / "mem")), match=layout.PAYLOAD)
     with capture_logs() as logs:
         loaded = load_newest(open_store(str(tmp_path / "run")), ctx,
-                             memory_store=failing)  # type: ignore[arg-type]
+                             memory_store=failing)
     assert loaded is not None and (loaded.step, loaded.tier) == (5, "durable")
     assert failing.failed == 1
     (skipped,) = [e for e in logs if e["event"] == "snapshot.memory_skipped"]
