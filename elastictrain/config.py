@@ -110,6 +110,11 @@ class SnapshotConfig(_Model):
     # Seconds between `train.progress` events (step, loss) per rank; a time check per
     # step, no per-step logging. None: no such events (views then see snapshot steps).
     progress_every_s: float | None = Field(default=5.0, gt=0)
+    # The node-memory tier (docs/memory-tier.md): a snapshot every `memory_every` steps
+    # to a node-local directory, one per node; None: off.
+    memory_every: int | None = Field(default=None, ge=1)
+    # Default: /dev/shm/elastictrain/<run_id> (snapshot/memory.py).
+    memory_dir: str | None = None
 
     @field_validator("every_steps", "every_seconds", mode="before")
     @classmethod

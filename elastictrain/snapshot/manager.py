@@ -10,6 +10,11 @@ Call order (every rank runs the same calls)::
                                     # stage, then persist → commit → prune in the background
     manager.close()                 # wait for the save in flight
 
+With ``memory_every`` set, the steps between durable saves snapshot to the node-memory
+tier instead: (all) gather RNG → (local rank 0 of every node) stage, then persist to
+the node's memory directory in the background; ``restore()`` prefers that copy when
+every node holds it and it is newer than the durable one (snapshot/memory.py).
+
 Snapshots are taken at step boundaries only, so every rank decides the same:
 step triggers are deterministic; time triggers, preemption notices
 (``elastictrain.preempt``) and a background persist that gave up are agreed
@@ -46,6 +51,7 @@ from elastictrain.errors import (
     SnapshotWriteFailed,
 )
 from elastictrain.log import bind_step, get_logger
+from elastictrain.snapshot import memory
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.digest import param_digest
 from elastictrain.snapshot.interval import IntervalPolicy, failure_history, interval_steps
@@ -70,6 +76,7 @@ class ResumeInfo:
     saved_world_size: int | None
     world_size: int
     lost_steps: int | None
+    tier: str | None = None  # "memory" or "durable"; None on a fresh start
 
     @property
     def resumed(self) -> bool:
@@ -111,8 +118,9 @@ class SnapshotManager:
             state, docs/sharded.md); None: when the model's parameters are DTensors.
 
     Raises:
-        ConfigError: a setting is invalid, or ``WORLD_SIZE`` > 1 and no process
-            group is initialised (call ``elastictrain.init()`` first).
+        ConfigError: a setting is invalid, ``WORLD_SIZE`` > 1 and no process
+            group is initialised (call ``elastictrain.init()`` first), or
+            ``memory_every`` is set for a sharded model (replicated state only).
     """
 
     def __init__(
@@ -154,6 +162,7 @@ class SnapshotManager:
         self._saver: Saver | ShardedSaver = (
             ShardedSaver(self.store, self.config, self.ctx, unwrap(model), optimizer)
             if self.sharded else Saver(self.store, self.config))
+        self.memory_store, self._memory = self._memory_tier()
         self._last_handle: SaveHandle | None = None
         self._clock = clock
         self._last_save_time = clock()
@@ -168,6 +177,22 @@ class SnapshotManager:
         self._progress = _ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
         self._rng_rule = "none"
         self._preempt = preempt.current()
+
+    def _memory_tier(self) -> tuple[Store | None, Saver | None]:
+        """This node's memory store (every rank reads it on restore) and, on the node's
+        local rank 0, the Saver that writes it (keep 1, always in the background)."""
+        every = self.config.memory_every
+        if every is None:
+            return None, None
+        if self.sharded:
+            raise ConfigError(
+                f"snapshot.memory_every={every}: the memory tier holds replicated (DDP) state "
+                "and this model is sharded; fix: unset snapshot.memory_every")
+        store = memory.open_memory_store(self.config, self.run_id)
+        if self.ctx.local_rank != 0:
+            return store, None
+        config = self.config.model_copy(update={"keep": 1, "mode": "async"})
+        return store, Saver(store, config, tier="memory")
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -190,12 +215,17 @@ class SnapshotManager:
         started = time.perf_counter()
         if self.ctx.is_writer:
             self._saver.warm_up()  # a persister process starts while we load
+        if self._memory is not None:
+            self._memory.warm_up()
         if isinstance(self._saver, ShardedSaver):  # loads model + optimizer itself
             loaded = load_newest_sharded(self.store, self.ctx, self._saver.group,
                                          unwrap(self.model), self.optimizer)
         else:
-            loaded = load_newest(self.store, self.ctx, self.config.restore_mode)
+            loaded = load_newest(self.store, self.ctx, self.config.restore_mode,
+                                 self.memory_store)
         step = loaded.step if loaded else None
+        if self._memory is not None:  # every rank has loaded: nobody reads it any more
+            memory.drop_newer(self._memory.store, step)
         if loaded is not None and self.sampler is not None:
             # Before anything is applied or trained; every rank holds the same payload.
             saved = loaded.payload.get("sampler") or {}
@@ -209,12 +239,13 @@ class SnapshotManager:
         payload = loaded.payload
         self._apply(payload)
         lost = None if previous_high is None else max(0, previous_high - step)
-        info = ResumeInfo(step, self.epoch, int(payload["world_size"]), self.ctx.world_size, lost)
+        info = ResumeInfo(step, self.epoch, int(payload["world_size"]), self.ctx.world_size, lost,
+                          loaded.tier)
         bind_step(step)
         log.info("snapshot.loaded", snapshot_step=step, size_bytes=loaded.size_bytes,
-                 restore_mode=self.config.restore_mode,
+                 restore_mode=self.config.restore_mode, tier=loaded.tier,
                  duration_s=round(time.perf_counter() - started, 4))
-        log.info("resume", from_step=step, lost_steps=lost, epoch=info.epoch,
+        log.info("resume", from_step=step, lost_steps=lost, epoch=info.epoch, tier=loaded.tier,
                  saved_world_size=info.saved_world_size, world_size=info.world_size,
                  world_size_changed=info.saved_world_size != info.world_size,
                  **self._resume_fields(payload))
@@ -277,14 +308,20 @@ class SnapshotManager:
         watchdog.beat(self.step_count)
         self._report_progress(loss)
         due, stop, failed_step = self._decide()
-        if self.ctx.is_writer and not due:
-            self._saver.prepare_ahead(lambda: self._state([capture_rng()] * self.ctx.world_size))
+        every_memory = self.config.memory_every
+        memory_due = not due and every_memory is not None and self.step_count % every_memory == 0
+        for saver, busy in ((self._saver if self.ctx.is_writer else None, due),
+                            (self._memory, memory_due)):
+            if saver is not None and not busy:
+                saver.prepare_ahead(lambda: self._state([capture_rng()] * self.ctx.world_size))
         if stop is not None:
             self._stop_preempted(stop)
         if failed_step:
             self._raise_failed(failed_step)
         if due:
             return self.save()
+        if memory_due:
+            self._save_memory()
         return None
 
     def _report_progress(self, loss: Any) -> None:
@@ -362,21 +399,39 @@ class SnapshotManager:
                 self._raise_failed(failed_step)
             if not self.ctx.is_writer and not self.sharded:
                 return SaveHandle.completed(self.step_count)
-            meta = SnapshotMeta(
-                run_id=self.run_id,
-                step=self.step_count,
-                epoch=self.epoch,
-                world_size=self.ctx.world_size,
-                checksum_algorithm=self.config.checksum,
-                dataset_len=self.sampler.dataset_len if self.sampler is not None else None,
-                global_batch_size=(self.sampler.global_batch if self.sampler is not None
-                                   else None),
-            )
             rng = [state for state, _ in gathered]
-            self._last_handle = self._saver.save(self._state(rng), meta, started)
+            self._last_handle = self._saver.save(self._state(rng), self._meta(), started)
             if self._auto is not None:  # what the loop waited for: back-pressure + staging
                 self._auto.observe_cost(time.perf_counter() - started)
             return self._last_handle
+
+    def _save_memory(self) -> None:
+        """Snapshot this step to every node's memory (all ranks, same step): one RNG
+        gather, then each node's local rank 0 stages and persists in the background.
+        A failed memory persist is logged, never raised: durable storage is the truth."""
+        started = time.perf_counter()
+        if self._memory is not None:
+            self._memory.wait_in_flight(self.step_count)
+        with watchdog.busy("snapshot.save"):
+            rng = self.ctx.all_gather_object(capture_rng())
+            if self._memory is None:
+                return
+            failure = self._memory.take_failure()
+            if failure is not None:
+                log.warning("snapshot.memory_failed", error=str(failure), tier="memory")
+            self._memory.save(self._state(rng), self._meta(), started)
+
+    def _meta(self) -> SnapshotMeta:
+        return SnapshotMeta(
+            run_id=self.run_id,
+            step=self.step_count,
+            epoch=self.epoch,
+            world_size=self.ctx.world_size,
+            checksum_algorithm=self.config.checksum,
+            dataset_len=self.sampler.dataset_len if self.sampler is not None else None,
+            global_batch_size=(self.sampler.global_batch if self.sampler is not None
+                               else None),
+        )
 
     def _stop_preempted(self, stop: preempt.StopRequest) -> NoReturn:
         """Final snapshot of this step, then exit on every rank: 75 if it committed,
@@ -442,18 +497,30 @@ class SnapshotManager:
         }
 
     def wait(self) -> None:
-        """Block until the last save is durable (re-raises its failure, on the writer).
+        """Block until the last save is durable (re-raises its failure, on the writer)
+        and the memory snapshot in flight, if any, is committed (never raises).
 
         A persist that keeps writing bytes is not a hang to the watchdog; one that
         writes nothing for ``watchdog.timeout_s`` is.
         """
         self._saver.wait()
+        if self._memory is not None:
+            self._memory.wait_in_flight(self.step_count)
 
     def close(self) -> None:
         """Wait for the save in flight and release the persister (same watchdog rule);
         the writer logs the final parameters' digest (``params.digest``: equal digests,
-        identical weights; replicated state only, a sharded model has no whole copy)."""
+        identical weights; replicated state only, a sharded model has no whole copy).
+
+        The run finished: each node's memory snapshots are removed (only here: after a
+        failure the restart needs them)."""
         self._saver.close()
+        if self._memory is not None:
+            try:
+                self._memory.close()
+            except SnapshotWriteFailed as exc:  # durable storage holds the run's result
+                log.warning("snapshot.memory_failed", error=str(exc), tier="memory")
+            memory.remove_all(self._memory.store)
         if self.ctx.is_writer and not self.sharded:
             log.info("params.digest", param_digest=param_digest(unwrap(self.model)))
 

@@ -12,6 +12,13 @@ Call order and roles::
               somewhere → log snapshot.corrupt and try the previous step; a read
               error or an unloadable payload anywhere → every rank raises
 
+With the node-memory tier (snapshot/memory.py), before the durable loop: every
+rank finds its node's newest committed memory snapshot, one all-reduce agrees on
+it (memory when every node holds the same step and it is newer than the newest
+durable one), every rank reads and verifies its node's copy, and one all-reduce
+agrees on the outcome. Anything short of "verified everywhere", a read error
+included, falls back to the durable loop: durable storage is the source of truth.
+
 Every rank verifies what it read before anything is applied, and all ranks
 take a step, skip it or fail together, so no rank resumes alone or from another
 step than its peers. The default mode, "auto", is "each" on a local file system
@@ -37,7 +44,7 @@ from elastictrain.errors import (
     StorageError,
 )
 from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.snapshot import layout, memory
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.reader import newest_first, verify_snapshot
 from elastictrain.snapshot.views import StorageIndex, as_bytes, from_views, to_views
@@ -53,6 +60,7 @@ class LoadedSnapshot:
     step: int
     payload: dict[str, Any]
     size_bytes: int
+    tier: str = "durable"
 
 
 class _Status(IntEnum):
@@ -79,12 +87,15 @@ def resolve_mode(store: Store, mode: str) -> str:
     return "each" if store.local_path(layout.SNAPSHOTS) is not None else "broadcast"
 
 
-def load_newest(store: Store, ctx: DistContext, mode: str = "auto") -> LoadedSnapshot | None:
+def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
+                memory_store: Store | None = None) -> LoadedSnapshot | None:
     """The newest snapshot that verifies on every rank, loaded everywhere; None if none.
 
     Args:
         mode: ``"each"`` (every rank reads storage), ``"broadcast"`` (rank 0 reads and
             sends the state over the process group) or ``"auto"`` (see ``resolve_mode``).
+        memory_store: this node's memory tier; its snapshot is loaded instead when the
+            ranks agree on it (module docstring).
 
     Raises:
         StorageError: a read failed on some rank (after the store's retries); every
@@ -94,6 +105,11 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto") -> LoadedSna
     """
     mode = resolve_mode(store, mode)
     manifests = _discover(store, ctx)
+    if memory_store is not None:
+        durable_step = manifests[0].step if manifests else memory.NO_STEP
+        loaded = _load_memory(memory_store, ctx, durable_step)
+        if loaded is not None:
+            return loaded
     if not manifests:
         return None
     _check_same_view(store, ctx, manifests[0].step)
@@ -109,7 +125,7 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto") -> LoadedSna
             if ctx.is_writer:
                 log.info("snapshot.discovered", snapshot_step=manifest.step,
                          size_bytes=outcome.loaded.size_bytes, restore_mode=mode,
-                         duration_s=round(time.perf_counter() - started, 4))
+                         tier="durable", duration_s=round(time.perf_counter() - started, 4))
             return outcome.loaded
         if worst == _Status.CORRUPT:
             if outcome.error is not None:
@@ -121,6 +137,47 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto") -> LoadedSna
             raise outcome.error  # this rank's own failure says most
         raise _peer_error(worst, store, manifest.step)
     return None
+
+
+def _load_memory(store: Store, ctx: DistContext, durable_step: int) -> LoadedSnapshot | None:
+    """This node's memory snapshot when every rank agrees on it and it verifies
+    everywhere, else None (logged as ``snapshot.memory_skipped``)."""
+    started = time.perf_counter()
+    manifest, error = _newest_memory(store)
+    step = manifest.step if manifest is not None else memory.NO_STEP
+    highest, neg_lowest = ctx.all_reduce_max([step, -step])
+    reason = memory.skip_reason(highest, -neg_lowest, durable_step)
+    if reason is not None:
+        log.info("snapshot.memory_skipped", memory_step=None if manifest is None else step,
+                 durable_step=None if durable_step == memory.NO_STEP else durable_step,
+                 reason=reason, error=error)
+        return None
+    assert manifest is not None
+    outcome = _load_here(store, manifest)  # each node reads its own copy
+    worst = _Status(ctx.all_reduce_max([outcome.status])[0])
+    if worst != _Status.OK:
+        # A read error is no corruption, but durable storage holds the truth: use it.
+        log.warning("snapshot.memory_skipped", memory_step=step, durable_step=durable_step,
+                    reason=f"{worst.name.lower()} on some rank",
+                    error=None if outcome.error is None else str(outcome.error))
+        return None
+    assert outcome.loaded is not None
+    log.info("snapshot.discovered", snapshot_step=step, size_bytes=outcome.loaded.size_bytes,
+             restore_mode="each", tier="memory",
+             duration_s=round(time.perf_counter() - started, 4))
+    return LoadedSnapshot(step, outcome.loaded.payload, outcome.loaded.size_bytes, "memory")
+
+
+def _newest_memory(store: Store) -> tuple[Manifest | None, str | None]:
+    """This node's newest committed memory snapshot (None if none), and the read
+    error that hid it, if any (never raised: the durable tier is the fallback)."""
+    try:
+        for candidate in newest_first(store):
+            if candidate.manifest is not None:
+                return candidate.manifest, None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return None, None
 
 
 def _discover(store: Store, ctx: DistContext) -> list[Manifest]:

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
+from structlog.contextvars import bound_contextvars
+
 from elastictrain import watchdog
 from elastictrain.config import SnapshotConfig
 from elastictrain.log import get_logger
@@ -57,9 +59,11 @@ def choose_persister(config: SnapshotConfig, store: Store) -> str:
 class InFlightSave:
     """The last save, whether its failure was reported, and the waits on it: shared by
     :class:`Saver` and the sharded saver. A wait counts bytes written through
-    ``counted`` (``watchdog.wait_moving``): a persist that keeps moving is no hang."""
+    ``counted`` (``watchdog.wait_moving``): a persist that keeps moving is no hang.
+    ``tier`` ("durable" or "memory") goes into this saver's events."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, tier: str = "durable") -> None:
+        self.tier = tier
         self._counted = CountingStore(store)  # bytes written: progress for the watchdog
         self._last: SaveHandle | None = None
         self._reported: SaveHandle | None = None
@@ -92,7 +96,7 @@ class InFlightSave:
         started = time.perf_counter()
         self._join()
         log.info("snapshot.backpressure", snapshot_step=step, waiting_for_step=last.step,
-                 wait_s=round(time.perf_counter() - started, 4))
+                 wait_s=round(time.perf_counter() - started, 4), tier=self.tier)
 
     def wait(self) -> None:
         """Block until the last save is durable; raise its failure if not yet reported."""
@@ -108,13 +112,16 @@ class InFlightSave:
 
 
 class Saver(InFlightSave):
-    """Stages state and hands it to a background persister, one save at a time."""
+    """Stages state and hands it to a background persister, one save at a time.
 
-    def __init__(self, store: Store, config: SnapshotConfig) -> None:
+    The durable tier and the node-memory tier are two Savers on two Stores; their
+    events carry ``tier``."""
+
+    def __init__(self, store: Store, config: SnapshotConfig, tier: str = "durable") -> None:
         self.store = store
         self.kind = choose_persister(config, store)
         self.staging = StagingBuffers(share_memory=self.kind == "process")
-        super().__init__(store)
+        super().__init__(store, tier)
         self._keep = config.keep
         self._policy = RetryPolicy(config.max_consecutive_failures, config.retry_backoff_s)
         self._persister: Persister | None = None
@@ -142,9 +149,11 @@ class Saver(InFlightSave):
         started = time.perf_counter() if started is None else started
         self.wait_in_flight(meta.step)  # staging buffers are reused: never while in flight
         staged = self.staging.stage(state)
-        log.info("snapshot.staged", snapshot_step=meta.step, size_bytes=self.staging.nbytes,
-                 duration_s=round(time.perf_counter() - started, 4), persister=self.kind)
-        self._last = self.persister.submit(staged, meta)
+        # Bound while submitting: the persister logs in a copy of this context.
+        with bound_contextvars(tier=self.tier):
+            log.info("snapshot.staged", snapshot_step=meta.step, size_bytes=self.staging.nbytes,
+                     duration_s=round(time.perf_counter() - started, 4), persister=self.kind)
+            self._last = self.persister.submit(staged, meta)
         return self._last
 
     def prepare_ahead(self, make_state: Callable[[], Any]) -> None:

@@ -1,0 +1,185 @@
+"""The node-memory tier in one process: the agreement rule, restore from memory when
+it is newer, fallback to durable storage when memory is lost, older, corrupt,
+unreadable or on another step on a peer, stale copies dropped, removal at close."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from structlog.contextvars import merge_contextvars
+from structlog.testing import capture_logs
+
+from elastictrain.dist import DistContext
+from elastictrain.errors import ConfigError
+from elastictrain.snapshot import layout, memory
+from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.snapshot.restore import load_newest
+from elastictrain.storage import open_store
+from tests.fault_stores import FailingReads
+from tests.unit.test_manager import build, train
+
+NO = memory.NO_STEP
+
+
+@pytest.mark.parametrize(("highest", "lowest", "durable", "reason"), [
+    (7, 7, 5, None),                                   # every node holds 7, newer: memory
+    (7, 7, NO, None),                                  # no durable snapshot yet
+    (NO, NO, 5, "no memory snapshot"),
+    (7, NO, 5, "not every node holds the same step"),  # a replaced node holds none
+    (8, 7, 5, "not every node holds the same step"),   # a node's last write was lost
+    (7, 7, 7, "not newer than the durable snapshot"),
+    (7, 7, 10, "not newer than the durable snapshot"),
+])
+def test_skip_reason(highest: int, lowest: int, durable: int, reason: str | None) -> None:
+    assert memory.skip_reason(highest, lowest, durable) == reason
+
+
+def _run(tmp_path: Path, until: int, mem: str = "mem") -> Any:
+    """Train to ``until`` with a memory snapshot every step and a durable one every 5,
+    then stop without close() (a crash: memory is kept)."""
+    parts = build(str(tmp_path / "run"), memory_every=1, memory_dir=str(tmp_path / mem))
+    train(*parts, until=until)
+    parts[4].wait()
+    return parts
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_newer_memory_snapshot_is_restored(tmp_path: Path) -> None:
+    crashed = _run(tmp_path, 7)  # durable 5, memory 7
+    assert list_snapshot_dirs(open_store(str(tmp_path / "mem")))[0] == 7
+    parts = build(str(tmp_path / "run"), memory_every=1, memory_dir=str(tmp_path / "mem"))
+    with capture_logs() as logs:
+        info = parts[4].restore()
+    assert (info.from_step, info.tier) == (7, "memory")
+    assert all(torch.equal(a, b) for a, b in zip(_params(parts[0]), _params(crashed[0]),
+                                                 strict=True))
+    loaded = [e for e in logs if e["event"] in ("snapshot.loaded", "resume")]
+    assert [e["tier"] for e in loaded] == ["memory", "memory"]
+
+
+def test_lost_memory_falls_back_to_durable(tmp_path: Path) -> None:
+    _run(tmp_path, 7)
+    parts = build(str(tmp_path / "run"), memory_every=1, memory_dir=str(tmp_path / "new"))
+    with capture_logs() as logs:
+        info = parts[4].restore()
+    assert (info.from_step, info.tier) == (5, "durable")
+    (skipped,) = [e for e in logs if e["event"] == "snapshot.memory_skipped"]
+    assert (skipped["reason"], skipped["durable_step"]) == ("no memory snapshot", 5)
+
+
+def test_memory_older_than_durable_is_not_used(tmp_path: Path) -> None:
+    _run(tmp_path, 10)  # step 10 goes to durable only: memory holds 9
+    parts = build(str(tmp_path / "run"), memory_every=1, memory_dir=str(tmp_path / "mem"))
+    with capture_logs() as logs:
+        info = parts[4].restore()
+    assert (info.from_step, info.tier) == (10, "durable")
+    (skipped,) = [e for e in logs if e["event"] == "snapshot.memory_skipped"]
+    assert skipped["reason"] == "not newer than the durable snapshot"
+
+
+def test_corrupt_memory_falls_back_and_is_dropped(tmp_path: Path) -> None:
+    _run(tmp_path, 7)
+    payload = tmp_path / "mem" / layout.step_dir(7) / layout.PAYLOAD
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    payload.write_bytes(bytes(data))
+    parts = build(str(tmp_path / "run"), memory_every=1, memory_dir=str(tmp_path / "mem"))
+    with capture_logs() as logs:
+        info = parts[4].restore()
+    assert (info.from_step, info.tier) == (5, "durable")
+    (skipped,) = [e for e in logs if e["event"] == "snapshot.memory_skipped"]
+    assert skipped["reason"] == "corrupt on some rank"
+    # Step 7 belongs to the abandoned timeline: a later restart must never see it.
+    assert list_snapshot_dirs(open_store(str(tmp_path / "mem"))) == []
+    train(*parts, until=6)
+    parts[4].wait()
+    again = build(str(tmp_path / "run"), memory_every=1, memory_dir=str(tmp_path / "mem"))
+    assert again[4].restore().from_step == 6
+
+
+def test_memory_read_error_falls_back_to_durable(tmp_path: Path) -> None:
+    _run(tmp_path, 7)
+    ctx = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
+    failing = FailingReads(open_store(str(tmp_path / "mem")), match=layout.PAYLOAD)
+    with capture_logs() as logs:
+        loaded = load_newest(open_store(str(tmp_path / "run")), ctx,
+                             memory_store=failing)
+    assert loaded is not None and (loaded.step, loaded.tier) == (5, "durable")
+    assert failing.failed == 1
+    (skipped,) = [e for e in logs if e["event"] == "snapshot.memory_skipped"]
+    assert skipped["reason"] == "failed on some rank" and "SlowDown" in skipped["error"]
+
+
+class _PeerCtx(DistContext):
+    """One process standing for two nodes: the all-reduces also see a peer's values."""
+
+    def __init__(self, peer: list[list[int]]) -> None:
+        super().__init__(0, 2, 0, "gloo", torch.device("cpu"), False)
+        self.peer = peer
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        theirs = self.peer.pop(0) if self.peer else values  # later: the peer agrees
+        return [max(a, b) for a, b in zip(values, theirs, strict=True)]
+
+
+def test_a_peer_node_on_another_step_means_durable(tmp_path: Path) -> None:
+    _run(tmp_path, 7)
+    ctx = _PeerCtx([[6, -6]])  # the other node's newest memory snapshot is step 6
+    with capture_logs() as logs:
+        loaded = load_newest(open_store(str(tmp_path / "run")), ctx, "each",
+                             open_store(str(tmp_path / "mem")))
+    assert loaded is not None and (loaded.step, loaded.tier) == (5, "durable")
+    (skipped,) = [e for e in logs if e["event"] == "snapshot.memory_skipped"]
+    assert skipped["reason"] == "not every node holds the same step"
+
+
+def test_a_peer_that_fails_to_verify_means_durable(tmp_path: Path) -> None:
+    _run(tmp_path, 7)
+    ctx = _PeerCtx([[7, -7], [1]])  # same step everywhere, corrupt on the peer
+    loaded = load_newest(open_store(str(tmp_path / "run")), ctx, "each",
+                         open_store(str(tmp_path / "mem")))
+    assert loaded is not None and (loaded.step, loaded.tier) == (5, "durable")
+
+
+def test_close_removes_the_memory_tier(tmp_path: Path) -> None:
+    parts = _run(tmp_path, 7)
+    assert (tmp_path / "mem").is_dir()
+    with capture_logs() as logs:
+        parts[4].close()
+    assert not (tmp_path / "mem").exists()
+    assert [e["event"] for e in logs].count("snapshot.memory_removed") == 1
+
+
+def test_events_name_their_tier(tmp_path: Path) -> None:
+    # The persister logs in the saver's context: the tier is bound there.
+    with capture_logs(processors=[merge_contextvars]) as logs:
+        parts = _run(tmp_path, 6)
+    tiers = {(e["snapshot_step"], e["tier"]) for e in logs
+             if e["event"] in ("snapshot.committed", "snapshot.staged")}
+    assert (5, "durable") in tiers and (6, "memory") in tiers and (5, "memory") not in tiers
+    parts[4].close()
+
+
+def test_sharded_model_with_memory_tier_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"snapshot.memory_every=1: .*fix: unset"):
+        build(str(tmp_path / "run"), sharded=True, memory_every=1,
+              memory_dir=str(tmp_path / "mem"))
+
+
+def test_remote_memory_dir_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"snapshot.memory_dir='s3://b/x' .*fix:"):
+        build(str(tmp_path / "run"), memory_every=1, memory_dir="s3://b/x")
+
+
+def test_default_memory_dir_is_per_run_in_shm() -> None:
+    from elastictrain.config import SnapshotConfig
+
+    path = memory.memory_dir(SnapshotConfig(memory_every=1), "job/7")
+    assert path == Path("/dev/shm/elastictrain/job_7") and os.sep in str(path)

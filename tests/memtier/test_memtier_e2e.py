@@ -1,0 +1,176 @@
+"""The node-memory tier under real torchrun (``elastictrain run`` agents, gloo, CPU).
+
+(a) One node, two workers, a memory snapshot every step and a durable one every 20:
+    after step 25 a worker is SIGKILLed by PID; the restart restores step 25 from
+    memory (newer than durable 20) on both ranks, logged with ``tier=memory``, and
+    the final parameters are bit-exact with an uninterrupted run.
+(b) Two agents on localhost as two nodes, one worker each, each with its own memory
+    directory: after step 25 node 1 (agent and worker) is SIGKILLed and a new agent
+    with an empty memory directory (a replacement node) joins; node 0 still holds
+    step 25 in memory, the new node nothing, so every rank restores durable step 20,
+    logged (``snapshot.memory_skipped``, ``tier=durable``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
+from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.storage import open_store
+from tests.helpers import REPO, events, free_port, kill_session, pid_alive, wait_for
+
+pytestmark = pytest.mark.distributed
+
+JOB = REPO / "tests" / "memtier" / "memtier_job.py"
+STEPS, EVERY, PARK = 30, 20, 25
+
+
+class Agents:
+    """``elastictrain run`` launchers started by a test; all stopped by PID at the end."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.event_dirs: list[Path] = []
+
+    def start(self, name: str, root: Path, mem: Path, *, nproc: int = 1, nnodes: str = "1",
+              endpoint: str = "127.0.0.1:0", is_host: int = 1, park: int = 0,
+              gates: Path | None = None) -> subprocess.Popen[bytes]:
+        ev = self.tmp_path / "ev" / name
+        ev.mkdir(parents=True)
+        spec = LaunchSpec(nproc_per_node=nproc, script=str(JOB), nnodes=nnodes, max_restarts=3,
+                          script_args=[str(root), str(STEPS), str(EVERY), str(park),
+                                       str(gates or self.tmp_path / "gates")],
+                          rdzv_endpoint=endpoint, rdzv_id=f"memtier-{self.tmp_path.name}",
+                          rdzv_conf=f"{DEFAULT_RDZV_CONF},is_host={is_host}",
+                          log_dir=str(ev / "torchelastic"), events_dir=str(ev))
+        log = open(ev / "launcher.log", "wb")  # noqa: SIM115 - the child holds it
+        proc = start_torchrun(spec, stdout=log.fileno(), extra_env={
+            "PYTHONPATH": str(REPO), "TMPDIR": str(self.tmp_path), "OMP_NUM_THREADS": "1",
+            "ELASTICTRAIN_SNAPSHOT__MEMORY_DIR": str(mem)})
+        log.close()
+        self.procs.append(proc)
+        self.event_dirs.append(ev)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            kill_session(proc)
+        for event in events(self.tmp_path / "ev", "worker.start"):
+            pid = int(event["pid"])
+            if _runs_job(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _runs_job(pid: int) -> bool:
+    try:
+        return JOB.name in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[Agents]:
+    started = Agents(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop_all()
+
+
+def _log(agents: Agents) -> str:
+    return "\n".join((d / "launcher.log").read_text(errors="replace")[-3000:]
+                     for d in agents.event_dirs)
+
+
+def _digest(ev: Path) -> Any:
+    (digest,) = [e["param_digest"] for e in events(ev, "params.digest")]
+    return digest
+
+
+def _memory_committed(ev: Path, step: int, ranks: int) -> bool:
+    return len({e["rank"] for e in events(ev, "snapshot.committed")
+                if e.get("tier") == "memory" and e["snapshot_step"] == step}) == ranks
+
+
+def _wait_parked(gates: Path, ranks: int) -> dict[int, int]:
+    wait_for(lambda: len(list(gates.glob("rank*.json"))) == ranks, 240, "workers to park")
+    found = [json.loads(p.read_text()) for p in gates.glob("rank*.json")]
+    return {int(m["rank"]): int(m["pid"]) for m in found}
+
+
+@pytest.mark.timeout(600)
+def test_worker_kill_restores_from_memory_bit_exact(tmp_path: Path, agents: Agents) -> None:
+    ref = agents.start("ref", tmp_path / "ref", tmp_path / "mem-ref", nproc=2)
+    assert ref.wait(timeout=300) == 0, _log(agents)
+    gates = tmp_path / "gates"
+    run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2, park=PARK,
+                       gates=gates)
+    ev = tmp_path / "ev" / "run"
+    pids = _wait_parked(gates, 2)
+    wait_for(lambda: _memory_committed(ev, PARK, 1), 60, "the memory snapshot of step 25")
+    wait_for(lambda: [e for e in events(ev, "snapshot.committed")
+                      if e.get("tier") == "durable" and e["snapshot_step"] == EVERY],
+             60, "the durable snapshot of step 20")
+    assert list_snapshot_dirs(open_store(str(tmp_path / "run"))) == [EVERY]
+    os.kill(pids[1], signal.SIGKILL)
+    wait_for(lambda: not pid_alive(pids[1]), 30, "the killed worker to exit")
+    (gates / "go").write_text("")
+    assert run.wait(timeout=300) == 0, _log(agents)
+
+    resumes = [e for e in events(ev, "resume") if e["restart_count"] == 1]
+    assert sorted((e["rank"], e["from_step"], e["tier"]) for e in resumes) == \
+        [(0, PARK, "memory"), (1, PARK, "memory")]
+    loaded = [e for e in events(ev, "snapshot.loaded") if e["restart_count"] == 1]
+    assert {e["tier"] for e in loaded} == {"memory"} and len(loaded) == 2
+    assert _digest(ev) == _digest(tmp_path / "ev" / "ref")  # bit-exact
+    assert not (tmp_path / "mem").exists()  # removed when the run finished
+
+
+@pytest.mark.timeout(600)
+def test_lost_node_restores_from_durable(tmp_path: Path, agents: Agents) -> None:
+    gates, root, port = tmp_path / "gates", tmp_path / "run", free_port()
+    mem = [tmp_path / "mem0", tmp_path / "mem1", tmp_path / "mem-new"]
+    common: dict[str, Any] = {"nnodes": "2", "endpoint": f"127.0.0.1:{port}", "park": PARK,
+                              "gates": gates}
+    node0 = agents.start("node0", root, mem[0], is_host=1, **common)
+    node1 = agents.start("node1", root, mem[1], is_host=0, **common)
+    pids = _wait_parked(gates, 2)
+    wait_for(lambda: _memory_committed(tmp_path / "ev", PARK, 2), 60,
+             "both nodes' memory snapshots of step 25")
+    assert [list_snapshot_dirs(open_store(str(m)))[0] for m in mem[:2]] == [PARK, PARK]
+    kill_session(node1)  # node 1 fails: its agent and its worker, by PID
+    os.kill(pids[1], signal.SIGKILL)
+    wait_for(lambda: not pid_alive(pids[1]), 30, "node 1's worker to exit")
+    node2 = agents.start("node2", root, mem[2], is_host=0, **common)  # the replacement
+    (gates / "go").write_text("")
+    assert node0.wait(timeout=400) == 0, _log(agents)
+    assert node2.wait(timeout=60) == 0, _log(agents)
+
+    ev = tmp_path / "ev"
+    # (A fresh start logs "no memory snapshot" on every rank: not this restore.)
+    skipped = [e for e in events(ev, "snapshot.memory_skipped")
+               if e["reason"] != "no memory snapshot"]
+    assert {e["reason"] for e in skipped} == {"not every node holds the same step"}
+    assert {e["rank"] for e in skipped} == {0, 1}
+    assert {e["memory_step"] for e in skipped} == {PARK, None}  # node 0 held 25, new: none
+    resumes = sorted((e for e in events(ev, "resume") if e.get("from_step") is not None),
+                     key=lambda e: e["ts"])[-2:]
+    assert sorted((e["rank"], e["from_step"], e["tier"]) for e in resumes) == \
+        [(0, EVERY, "durable"), (1, EVERY, "durable")]
+    stale = [e for e in events(ev / "node0", "snapshot.pruned") if e.get("reason") == "stale"]
+    assert [e["snapshot_step"] for e in stale] == [PARK]  # the abandoned timeline's copy
+    final = [e for e in events(ev, "params.digest")]
+    assert len(final) == 1 and final[0]["step"] == STEPS
+    assert not mem[0].exists() and not mem[2].exists()  # the finished run removed them
