@@ -90,6 +90,32 @@ def test_notice_while_the_store_keeps_failing_exits_76_and_says_why(
     assert not named(logs, "preempt.saved")
 
 
+def test_notice_during_the_wait_for_a_failing_save_still_takes_the_final_snapshot(
+        tmp_path: Path, watcher: preempt.PreemptionWatcher,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Step 1's save gives up after a 1 s back-off; step 2's save waits for it
+    # (back-pressure) and the notice comes during that wait, after step 2's agreement.
+    store = FailingStore(open_store(str(tmp_path)), failures=10**6)
+    snap = SnapshotManager(store, model=torch.nn.Linear(3, 3), every_steps=1,
+                           max_consecutive_failures=2, retry_backoff_s=1.0)
+    waiting = snap._saver.wait_in_flight
+
+    def notice_while_waiting(step: int) -> None:
+        if step == 2:
+            watcher.notify("signal", "SIGTERM")
+        waiting(step)
+
+    monkeypatch.setattr(snap._saver, "wait_in_flight", notice_while_waiting)
+    with capture_logs() as logs:
+        snap.step()
+        with pytest.raises(SystemExit) as exited:  # was: SnapshotWriteFailed, no final save
+            snap.step()
+    assert exited.value.code == EXIT_PREEMPTED_UNSAVED
+    assert {e["snapshot_step"] for e in named(logs, "snapshot.failed")} == {1, 2}
+    (failed,) = named(logs, "preempt.failed")
+    assert failed["snapshot_step"] == 2
+
+
 # -- case 3: the watchdog while waiting for a persist --------------------------------------
 @pytest.mark.parametrize("persister", ["thread", "process"])
 def test_a_slow_persist_that_keeps_moving_is_not_a_hang(
