@@ -56,11 +56,12 @@ def choose_persister(config: SnapshotConfig, store: Store) -> str:
 
 class InFlightSave:
     """The last save, whether its failure was reported, and the waits on it: shared by
-    :class:`Saver` and the sharded saver. A wait counts bytes written through
-    ``counted`` (``watchdog.wait_moving``): a persist that keeps moving is no hang."""
+    :class:`Saver` and the sharded saver. A wait counts bytes written and storage calls
+    made through ``counted_store`` (``watchdog.wait_moving``): a persist that keeps
+    moving is no hang."""
 
     def __init__(self, store: Store) -> None:
-        self._counted = CountingStore(store)  # bytes written: progress for the watchdog
+        self._counted = CountingStore(store)  # bytes and calls: progress for the watchdog
         self._last: SaveHandle | None = None
         self._reported: SaveHandle | None = None
 
@@ -104,7 +105,11 @@ class InFlightSave:
     def _join(self) -> None:
         last = self._last
         if last is not None:
-            watchdog.wait_moving(last.join, lambda: self._counted.bytes_written)
+            watchdog.wait_moving(last.join, self._progress)
+
+    def _progress(self) -> int:
+        """What the watchdog sees move while a wait lasts: this rank's storage progress."""
+        return self._counted.progress
 
 
 class Saver(InFlightSave):

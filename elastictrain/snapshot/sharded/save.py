@@ -150,6 +150,8 @@ class ShardedSaver(InFlightSave):
         self._model, self._optimizer = model, optimizer
         self._group = background_group(ctx)
         self._staging = _ReusedStaging()
+        self._writer: StoreWriter | None = None
+        self._peer_waits = 0
         super().__init__(store)
 
     @property
@@ -179,11 +181,12 @@ class ShardedSaver(InFlightSave):
         token = uuid.uuid4().hex[:12]
 
         def on_finish(metadata: Metadata, parts: list[RankPart]) -> None:
-            committed.append(commit_sharded(self.store, meta, token, parts,
+            committed.append(commit_sharded(self.counted_store, meta, token, parts,
                                             dump_metadata(metadata), train_bytes))
 
         writer = StoreWriter(self.counted_store, layout.step_dir(meta.step), token,
                              meta.checksum_algorithm, on_finish)
+        self._writer = writer
         kwargs: dict[str, Any] = {"storage_writer": writer, "planner": DefaultSavePlanner(),
                                   "process_group": self._group,
                                   "no_dist": not self._ctx.initialized}
@@ -227,11 +230,20 @@ class ShardedSaver(InFlightSave):
                  duration_s=duration, attempts=1, ranks=meta.world_size,
                  throughput_mb_s=round(manifest.total_bytes / max(duration, 1e-9) / 1e6, 1))
         try:
-            prune(self.store, self._config.keep, meta.step)
+            prune(self.counted_store, self._config.keep, meta.step)
         except Exception as exc:  # the save is durable; retention retries next time
             log.warning("snapshot.prune_failed", snapshot_step=meta.step, error=str(exc),
                         error_type=type(exc).__name__)
         handle._finish(SaveState.COMMITTED, manifest)
+
+    def _progress(self) -> int:
+        """This rank's storage progress, and while its own part is durable and it waits
+        for the other ranks (their parts; off rank 0, the commit), every look: each of
+        those ranks' watchdogs sees whether its own writes move."""
+        writer = self._writer
+        if writer is not None and writer.waiting_for_peers:
+            self._peer_waits += 1
+        return super()._progress() + self._peer_waits
 
     def _log_staged(self, step: int, started: float) -> None:
         log.info("snapshot.staged", snapshot_step=step, size_bytes=self._staging.nbytes,
