@@ -60,6 +60,7 @@ def test_sigterm_saves_a_sharded_snapshot_on_every_rank_and_resumes_bit_exact(
     step = assert_preempted(job, code)  # both ranks saved the same step; it committed
     staged = {e["rank"] for e in job.of("snapshot.staged") if e["snapshot_step"] == step}
     assert staged == {0, 1}  # every rank wrote its part of the final snapshot
+    assert {e.get("rank") for e in job.of("snapshot.committed")} == {0}  # rank 0 commits
     manifest = json.loads((job.storage / "snapshots" / f"step_{step:012d}" /
                            "MANIFEST.json").read_text())
     assert {o["rank"] for o in manifest["objects"] if o["name"].endswith(".distcp")} == {0, 1}
@@ -104,8 +105,8 @@ def test_notice_while_a_sharded_save_is_failing_still_attempts_the_final_one_and
     staged = {(e["rank"], e["snapshot_step"]) for e in job.of("snapshot.staged")}
     assert {(0, step), (1, step)} <= staged  # the final snapshot was attempted on every rank
     assert step == 10  # the step whose save was waiting when the notice came
-    failures = {e["snapshot_step"] for e in job.of("snapshot.failed")}
-    assert failures == {5, 10}  # the save in flight failed, then the final one
+    failures = {(e["rank"], e["snapshot_step"]) for e in job.of("snapshot.failed")}
+    assert failures == {(0, 5), (1, 5), (0, 10), (1, 10)}  # in flight, then the final one
     assert not list(job.storage.glob("snapshots/*/MANIFEST.json"))
     finished = job.of("agent.finished")
     assert finished[-1]["exit_code"] == EXIT_PREEMPTED_UNSAVED

@@ -19,6 +19,7 @@ commits and sends the outcome back to all.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import io
 import time
@@ -180,12 +181,17 @@ class ShardedSaver(InFlightSave):
         train_bytes = _serialize(train_state) if self._ctx.is_writer else b""
         token = uuid.uuid4().hex[:12]
 
+        # DCP's thread runs the commit and the outcome: with this rank's bound fields
+        # (run, rank, step) on their events, as on the training thread's.
+        context = contextvars.copy_context()
+
         def on_finish(metadata: Metadata, parts: list[RankPart]) -> None:
             committed.append(commit_sharded(self.counted_store, meta, token, parts,
                                             dump_metadata(metadata), train_bytes))
 
         writer = StoreWriter(self.counted_store, layout.step_dir(meta.step), token,
-                             meta.checksum_algorithm, on_finish)
+                             meta.checksum_algorithm,
+                             lambda metadata, parts: context.run(on_finish, metadata, parts))
         self._writer = writer
         kwargs: dict[str, Any] = {"storage_writer": writer, "planner": DefaultSavePlanner(),
                                   "process_group": self._group,
@@ -202,8 +208,8 @@ class ShardedSaver(InFlightSave):
             future = dcp.async_save(state, async_stager=self._staging, **kwargs)  # type: ignore[assignment]
             self._log_staged(meta.step, started)
             persist_started = time.perf_counter()
-        future.add_done_callback(
-            lambda f: self._finished(handle, f, meta, committed, persist_started))
+        future.add_done_callback(lambda f: context.run(
+            self._finished, handle, f, meta, committed, persist_started))
         self._last = handle
         return handle
 
