@@ -319,10 +319,24 @@ class SnapshotManager:
         if failed_step:
             self._raise_failed(failed_step)
         if due:
-            return self.save()
+            try:
+                return self.save()
+            except SnapshotWriteFailed:
+                # Raised on every rank alike (agreed in save()); a notice that arrived
+                # while save() waited for the failing persist still gets its final save.
+                stop = self._pending_stop()
+                if stop is None:
+                    raise
+                self._stop_preempted(stop)
         if memory_due:
             self._save_memory()
         return None
+
+    def _pending_stop(self) -> preempt.StopRequest | None:
+        """A preemption notice on any rank, agreed now (every rank calls it together)."""
+        if self._preempt is None:
+            return None
+        return self._preempt.agreed(self.ctx.all_reduce_max(self._preempt.flags()))
 
     def _report_progress(self, loss: Any) -> None:
         """A ``train.progress`` event at most every ``progress_every_s`` (the views' step

@@ -124,12 +124,18 @@ class SaveHandle:
         return handle
 
 
+# Store calls that count as progress when they return (open_write counts its bytes).
+_OPERATIONS = frozenset({"write_bytes", "read_bytes", "read_into", "list_dir", "exists",
+                         "size", "delete", "rename"})
+
+
 class CountingStore:
-    """Forwards to a Store; counts the bytes written through ``open_write``.
+    """Forwards to a Store; counts progress: bytes written through ``open_write``, and
+    one for each other storage call that returned (a commit's small writes, retention).
 
     The count lives in shared memory, so the worker reads it while a persister
-    thread or process writes: bytes moving is how a wait on a slow persist tells
-    progress from a hang (``watchdog.wait_moving``).
+    thread or process writes: a count that moves is how a wait on a slow persist
+    tells progress from a hang (``watchdog.wait_moving``).
     """
 
     def __init__(self, inner: Store) -> None:
@@ -137,13 +143,21 @@ class CountingStore:
         self._written = multiprocessing.get_context("spawn").RawValue("q", 0)
 
     @property
-    def bytes_written(self) -> int:
+    def progress(self) -> int:
         return int(self._written.value)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "inner" not in self.__dict__:
             raise AttributeError(name)  # unpickling probes attributes before __dict__ is set
-        return getattr(self.inner, name)
+        attr = getattr(self.inner, name)
+        if name not in _OPERATIONS:
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            result = attr(*args, **kwargs)
+            self._written.value += 1  # one persist thread or process: no lock needed
+            return result
+        return counted
 
     @contextmanager
     def open_write(self, path: str) -> Iterator[BinaryIO]:

@@ -1,22 +1,33 @@
 """Retention: after a commit, delete older snapshots, abandoned partial writes and
-payload objects no manifest names.
+snapshot objects no manifest names (orphans).
+
+Orphans are what a crashed or failed attempt left in a step directory that
+another attempt committed: a replicated payload, a sharded snapshot's parts,
+DCP metadata or training state, or the temporary file of an interrupted local
+write of one of those. A step directory without a manifest is deleted whole once
+a newer step committed.
 
 Nothing is deleted on the strength of a failed read: a step counts as committed
 when its manifest exists (a failed existence check fails the prune), and
-orphans are looked for only under a manifest that was read successfully.
+orphans are looked for only under a manifest that was read successfully (a
+failed listing fails the prune).
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 from elastictrain.errors import StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
+from elastictrain.snapshot.sharded.commit import is_sharded_object
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
+
+_TMP_SUFFIX = re.compile(r"\.tmp-[0-9a-f]{32}$")  # the local store's write-then-rename
 
 
 def prune(store: Store, keep: int, newest_step: int) -> list[int]:
@@ -43,15 +54,20 @@ def prune(store: Store, keep: int, newest_step: int) -> list[int]:
 
 
 def _prune_orphans(store: Store, step: int) -> None:
-    """Delete payload objects the committed manifest does not name (a writer that
-    lost the commit race, or an attempt that crashed before committing this step)."""
+    """Delete snapshot objects the committed manifest does not name (a writer that
+    lost the commit race, or an attempt that crashed or failed before committing
+    this step)."""
     try:
         named = {o.name for o in read_manifest(store, step).objects}
     except StorageError:  # corrupt, or unreadable right now: never guess, keep everything
         return
     for name in store.list_dir(layout.step_dir(step)):
-        if layout.is_payload(name) and name not in named:
+        if name not in named and _is_object(_TMP_SUFFIX.sub("", name)):
             _prune_one(store, f"{layout.step_dir(step)}/{name}", step, "orphan")
+
+
+def _is_object(name: str) -> bool:
+    return layout.is_payload(name) or is_sharded_object(name)
 
 
 def _prune_one(store: Store, path: str, step: int | None, reason: str) -> None:

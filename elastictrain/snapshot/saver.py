@@ -58,13 +58,13 @@ def choose_persister(config: SnapshotConfig, store: Store) -> str:
 
 class InFlightSave:
     """The last save, whether its failure was reported, and the waits on it: shared by
-    :class:`Saver` and the sharded saver. A wait counts bytes written through
-    ``counted`` (``watchdog.wait_moving``): a persist that keeps moving is no hang.
-    ``tier`` ("durable" or "memory") goes into this saver's events."""
+    :class:`Saver` and the sharded saver. A wait counts bytes written and storage calls
+    made through ``counted_store`` (``watchdog.wait_moving``): a persist that keeps
+    moving is no hang. ``tier`` ("durable" or "memory") goes into this saver's events."""
 
     def __init__(self, store: Store, tier: str = "durable") -> None:
         self.tier = tier
-        self._counted = CountingStore(store)  # bytes written: progress for the watchdog
+        self._counted = CountingStore(store)  # bytes and calls: progress for the watchdog
         self._last: SaveHandle | None = None
         self._reported: SaveHandle | None = None
 
@@ -108,7 +108,11 @@ class InFlightSave:
     def _join(self) -> None:
         last = self._last
         if last is not None:
-            watchdog.wait_moving(last.join, lambda: self._counted.bytes_written)
+            watchdog.wait_moving(last.join, self._progress)
+
+    def _progress(self) -> int:
+        """What the watchdog sees move while a wait lasts: this rank's storage progress."""
+        return self._counted.progress
 
 
 class Saver(InFlightSave):

@@ -33,6 +33,9 @@ log = get_logger("elastictrain.snapshot")
 
 _READ_CHUNK = 8 << 20
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # joined to a path: no "/" or ".."
+# The names this module and dcp_io.StoreWriter give a snapshot's objects.
+_OBJECT_NAME = re.compile(
+    r"^(rank\d{5}-[0-9a-f]{1,32}\.distcp|dcp-[0-9a-f]{1,32}\.metadata|train-[0-9a-f]{1,32}\.pt)$")
 
 
 def metadata_name(token: str) -> str:
@@ -41,6 +44,12 @@ def metadata_name(token: str) -> str:
 
 def train_name(token: str) -> str:
     return f"train-{token}.pt"
+
+
+def is_sharded_object(name: str) -> bool:
+    """Whether ``name`` is a sharded snapshot's object: a rank's part, the DCP metadata or
+    the training state (retention deletes those no committed manifest names)."""
+    return _OBJECT_NAME.match(name) is not None
 
 
 def commit_sharded(store: Store, meta: SnapshotMeta, token: str, parts: list[RankPart],

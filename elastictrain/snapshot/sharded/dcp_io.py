@@ -140,6 +140,9 @@ class StoreWriter(StorageWriter):
         self._algorithm = algorithm
         self._on_finish = on_finish
         self._rank = 0
+        # True once this rank's part is durable, until the coordinator's finish() starts:
+        # then the save waits for the other ranks' parts (and, off rank 0, the commit).
+        self.waiting_for_peers = False
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         return None
@@ -191,9 +194,11 @@ class StoreWriter(StorageWriter):
                                      (results[0].storage_data, part))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
+        self.waiting_for_peers = True
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.waiting_for_peers = False  # the coordinator's own commit: its writes count
         parts: list[RankPart] = []
         storage_data: dict[MetadataIndex, ItemLocation] = {}
         for rank_results in results:

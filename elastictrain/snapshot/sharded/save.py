@@ -6,7 +6,8 @@ Call order (every rank, at the same step)::
                                     # get_state_dict → copy shards into reusable CPU
                                     # buffers (snapshot.staged) → DCP in a thread:
                                     #   plan (metadata collectives) → write own object →
-                                    #   results gathered to rank 0 → rank 0 commits
+                                    #   results gathered to rank 0 → rank 0 commits,
+                                    #   then retention → the outcome to every rank
     saver.failed_step()             # agreed by the manager at its next collective
     saver.close()
 
@@ -19,6 +20,7 @@ commits and sends the outcome back to all.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import io
 import time
@@ -150,6 +152,8 @@ class ShardedSaver(InFlightSave):
         self._model, self._optimizer = model, optimizer
         self._group = background_group(ctx)
         self._staging = _ReusedStaging()
+        self._writer: StoreWriter | None = None
+        self._peer_waits = 0
         super().__init__(store)
 
     @property
@@ -178,19 +182,29 @@ class ShardedSaver(InFlightSave):
         train_bytes = _serialize(train_state) if self._ctx.is_writer else b""
         token = uuid.uuid4().hex[:12]
 
+        # DCP's thread runs the commit and the outcome: with this rank's bound fields
+        # (run, rank, step) on their events, as on the training thread's.
+        context = contextvars.copy_context()
+        timing = {"persist_started": started}  # set again after staging, below
+
         def on_finish(metadata: Metadata, parts: list[RankPart]) -> None:
-            committed.append(commit_sharded(self.store, meta, token, parts,
-                                            dump_metadata(metadata), train_bytes))
+            manifest = commit_sharded(self.counted_store, meta, token, parts,
+                                      dump_metadata(metadata), train_bytes)
+            committed.append(manifest)
+            if manifest is not None:
+                self._committed(meta, manifest, timing["persist_started"])
 
         writer = StoreWriter(self.counted_store, layout.step_dir(meta.step), token,
-                             meta.checksum_algorithm, on_finish)
+                             meta.checksum_algorithm,
+                             lambda metadata, parts: context.run(on_finish, metadata, parts))
+        self._writer = writer
         kwargs: dict[str, Any] = {"storage_writer": writer, "planner": DefaultSavePlanner(),
                                   "process_group": self._group,
                                   "no_dist": not self._ctx.initialized}
         if self._config.mode == "sync":
             # Training waits for the write, so the live tensors are written without a copy.
             future: Future[Any] = Future()
-            persist_started = time.perf_counter()
+            timing["persist_started"] = time.perf_counter()
             try:
                 future.set_result(dcp.save(state, **kwargs))
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -198,20 +212,34 @@ class ShardedSaver(InFlightSave):
         else:  # async_save stages (a blocking copy into our buffers), then persists in a thread
             future = dcp.async_save(state, async_stager=self._staging, **kwargs)  # type: ignore[assignment]
             self._log_staged(meta.step, started)
-            persist_started = time.perf_counter()
-        future.add_done_callback(
-            lambda f: self._finished(handle, f, meta, committed, persist_started))
+            timing["persist_started"] = time.perf_counter()
+        future.add_done_callback(lambda f: context.run(
+            self._finished, handle, f, meta, committed, timing["persist_started"]))
         self._last = handle
         return handle
 
+    def _committed(self, meta: SnapshotMeta, manifest: Manifest, started: float) -> None:
+        """(rank 0, inside DCP's finish, while the other ranks wait for its outcome) the
+        commit's event, then retention: every rank's wait for this save ends together,
+        so no rank waits for rank 0's retention in a later training collective."""
+        duration = round(time.perf_counter() - started, 4)
+        log.info("snapshot.committed", snapshot_step=meta.step, size_bytes=manifest.total_bytes,
+                 duration_s=duration, attempts=1, ranks=meta.world_size,
+                 throughput_mb_s=round(manifest.total_bytes / max(duration, 1e-9) / 1e6, 1))
+        try:
+            prune(self.counted_store, self._config.keep, meta.step)
+        except Exception as exc:  # the save is durable; retention retries next time
+            log.warning("snapshot.prune_failed", snapshot_step=meta.step, error=str(exc),
+                        error_type=type(exc).__name__)
+
     def _finished(self, handle: SaveHandle, future: Future[Any], meta: SnapshotMeta,
                   committed: list[Manifest | None], started: float) -> None:
-        duration = round(time.perf_counter() - started, 4)
         error = future.exception()
         if error is not None:
             reason = describe_failure(error)
             log.error("snapshot.failed", snapshot_step=meta.step, error=reason,
-                      error_type=type(error).__name__, will_retry=False, duration_s=duration)
+                      error_type=type(error).__name__, will_retry=False,
+                      duration_s=round(time.perf_counter() - started, 4))
             handle._finish(SaveState.FAILED, error=SnapshotWriteFailed(
                 f"sharded snapshot of step {meta.step} to {self.store.url} failed: {reason}; "
                 "fix: make the storage writable and reachable on every rank"))
@@ -219,19 +247,19 @@ class ShardedSaver(InFlightSave):
         manifest = committed[0] if committed else None
         if not self._ctx.is_writer:
             handle._finish(SaveState.COMMITTED)
-            return
-        if manifest is None:
+        elif manifest is None:
             handle._finish(SaveState.SKIPPED)
-            return
-        log.info("snapshot.committed", snapshot_step=meta.step, size_bytes=manifest.total_bytes,
-                 duration_s=duration, attempts=1, ranks=meta.world_size,
-                 throughput_mb_s=round(manifest.total_bytes / max(duration, 1e-9) / 1e6, 1))
-        try:
-            prune(self.store, self._config.keep, meta.step)
-        except Exception as exc:  # the save is durable; retention retries next time
-            log.warning("snapshot.prune_failed", snapshot_step=meta.step, error=str(exc),
-                        error_type=type(exc).__name__)
-        handle._finish(SaveState.COMMITTED, manifest)
+        else:
+            handle._finish(SaveState.COMMITTED, manifest)
+
+    def _progress(self) -> int:
+        """This rank's storage progress, and while its own part is durable and it waits
+        for the other ranks (their parts; off rank 0, the commit), every look: each of
+        those ranks' watchdogs sees whether its own writes move."""
+        writer = self._writer
+        if writer is not None and writer.waiting_for_peers:
+            self._peer_waits += 1
+        return super()._progress() + self._peer_waits
 
     def _log_staged(self, step: int, started: float) -> None:
         log.info("snapshot.staged", snapshot_step=step, size_bytes=self._staging.nbytes,
