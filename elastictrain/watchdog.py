@@ -9,12 +9,14 @@ so torchrun restarts the group and training resumes from the newest snapshot.
 Lifecycle::
 
     armed(startup_timeout_s) ──first beat()──▶ armed(timeout_s) ──beat()──▶ …
-    any state ──busy() section──▶ suspended ──section ends──▶ armed, clock reset
+    any state ──busy() section──▶ armed(startup_timeout_s) from the section's start
+              ──section ends──▶ armed, clock reset
     armed ──no beat for the limit──▶ fired: ``watchdog.fired`` with every thread's
                                      stack, then os._exit(71)
 
 ``SnapshotManager.step()`` beats; ``restore`` and the staging of a save run
-inside :class:`busy` sections. Waiting for a persist (back-pressure, ``wait``,
+inside :class:`busy` sections, which may take long but not forever: up to
+``startup_timeout_s`` (a restore waiting on a peer that never comes is a hang). Waiting for a persist (back-pressure, ``wait``,
 ``close``, the final snapshot of a preemption) is not a busy section but
 :func:`wait_moving`: bytes written count as progress, so a slow upload is not
 a hang and a stalled one is. Wrap long work between steps (evaluation) in
@@ -99,16 +101,18 @@ class Watchdog:
 
     def _moved(self, rearm: bool) -> None:
         self._last = now = time.monotonic()
-        if self._busy == 0 and (rearm or now - self._armed_at >= self.config.check_interval_s):
+        if rearm or now - self._armed_at >= self.config.check_interval_s:
             self._arm_backstop()
 
     def enter_busy(self, reason: str) -> None:
-        """Start a section that may take long (training thread)."""
+        """Start a section that may take long, up to ``startup_timeout_s`` (training
+        thread)."""
         with self._lock:
             self._busy += 1
             self._busy_reason = reason
-            if self._busy == 1 and self.config.backstop:
-                faulthandler.cancel_dump_traceback_later()
+            if self._busy == 1:
+                self._last = time.monotonic()  # the section's limit counts from its start
+                self._arm_backstop()
 
     def exit_busy(self) -> None:
         with self._lock:
@@ -121,13 +125,14 @@ class Watchdog:
 
     @property
     def limit_s(self) -> float:
-        """The current limit: startup until the first step, then the step limit."""
-        return self.config.startup_timeout_s if self._step is None else self.config.timeout_s
+        """The current limit: startup until the first step and inside busy sections,
+        else the step limit."""
+        if self._step is None or self._busy:
+            return self.config.startup_timeout_s
+        return self.config.timeout_s
 
     def idle_s(self, now: float | None = None) -> float | None:
-        """Seconds without progress if over the limit (and not busy), else None."""
-        if self._busy:
-            return None
+        """Seconds without progress if over the limit, else None."""
         idle = (time.monotonic() if now is None else now) - self._last
         return idle if idle > self.limit_s else None
 

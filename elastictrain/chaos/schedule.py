@@ -100,6 +100,8 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
     """The schedule of trial ``trial``: one or two process faults drawn from ``kinds``
     at times within ``horizon_s`` (the clean run's wall time), and storage faults on
     half the trials when ``storage`` is among the kinds (on all when it is the only one).
+    Two stops in one trial stop the same rank: the claim under test is that a rank that
+    hangs is found by its peers' watchdogs, which needs a peer that still runs.
     """
     s = trial_seed(seed, trial)
     rng = random.Random(s)  # private: never the caller's random streams
@@ -110,8 +112,12 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
             kind = rng.choice(process_kinds)
             target = rng.choice(("worker", "launcher")) if kind == "notice" else (
                 "launcher" if kind == "relaunch" else "worker")
+            rank = rng.randrange(world_size)
+            stopped = [f.rank for f in faults if f.kind == "stop"]
+            if kind == "stop" and stopped:
+                rank = stopped[0]
             faults.append(Fault(kind=kind, at_s=round(rng.uniform(0.1, 0.9) * horizon_s, 2),
-                                target=target, rank=rng.randrange(world_size)))
+                                target=target, rank=rank))
     storage = None
     if "storage" in kinds and (not process_kinds or rng.random() < 0.5):
         storage = StorageFaults(
