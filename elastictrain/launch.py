@@ -21,6 +21,9 @@ A thin layer over ``torch.distributed.run``, never a fork of it:
 3. **Exit codes** (README "Exit codes"): 0 finished; 75 preempted, resume me;
    78 fatal, do not retry; 2 usage error; 1 restarts used up; 128+N the
    launcher was killed by signal N without a final snapshot.
+4. **The live view** on a terminal (``--no-view``: off): the run's events drawn
+   in one status area, the job's output in files meanwhile, a summary at the end
+   (:mod:`elastictrain.view.run`, docs/live-view.md).
 """
 
 from __future__ import annotations
