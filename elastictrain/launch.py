@@ -333,8 +333,10 @@ def exit_meaning(code: int) -> str:
     if code in meanings:
         return meanings[code]
     if code - 128 in signal.valid_signals():
-        return (f"the launcher was stopped by {signal.Signals(code - 128).name} before any "
-                "final snapshot; the same command resumes from the newest snapshot")
+        # Not "no final snapshot": a second Ctrl-C during the save ends the launcher
+        # with 130 although the workers' snapshot committed (the view shows which).
+        return (f"the launcher was stopped by {signal.Signals(code - 128).name}; the same "
+                "command resumes from the newest committed snapshot")
     return "failed"
 
 

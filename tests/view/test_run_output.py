@@ -127,7 +127,7 @@ def test_summary_says_the_outcome_and_where_things_are(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("code", "says"), [
     (0, "finished"), (1, "restarts are used up"), (76, "did not commit"),
-    (78, "do not retry"), (130, "stopped by SIGINT before any final snapshot"), (3, "failed")])
+    (78, "do not retry"), (130, "stopped by SIGINT; the same command resumes"), (3, "failed")])
 def test_every_exit_code_has_a_meaning(code: int, says: str) -> None:
     assert says in exit_meaning(code)
 
