@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # `run` hands its whole command line to torchrun's parser (see main); listed for --help.
     sub.add_parser("run", add_help=False, help="run SCRIPT under torchrun with restarts and "
-                   "elastictrain's defaults: elastictrain run [torchrun options] SCRIPT [ARGS]")
+                   "elastictrain's defaults, with a live view on a terminal (--no-view: off): "
+                   "elastictrain run [--no-view] [torchrun options] SCRIPT [ARGS]")
 
     demo = sub.add_parser("demo", help="train a small GPT under torchrun, kill it, resume it")
     demo.add_argument("--storage", default="./elastictrain-demo",

@@ -21,12 +21,16 @@ A thin layer over ``torch.distributed.run``, never a fork of it:
 3. **Exit codes** (README "Exit codes"): 0 finished; 75 preempted, resume me;
    78 fatal, do not retry; 2 usage error; 1 restarts used up; 128+N the
    launcher was killed by signal N without a final snapshot.
+4. **The live view** on a terminal (``--no-view``: off): the run's events drawn
+   in one status area, the job's output in files meanwhile, a summary at the end
+   (:mod:`elastictrain.view.run`, docs/live-view.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +55,7 @@ from elastictrain.errors import (
 # Kept importable for callers of the walking skeleton; the value lives in config.
 DEFAULT_RDZV_CONF = LaunchDefaults().rdzv_conf
 EVENTS_DIR_VAR = "ELASTICTRAIN_LOG__EVENTS_DIR"
+NO_VIEW = "--no-view"
 _UNSET = object()
 
 
@@ -124,7 +129,20 @@ def torchrun_parser() -> argparse.ArgumentParser:
 
     parser = get_args_parser()
     parser.prog = "elastictrain run"
+    # Ours, not torchrun's: main takes it out of the command line before torchrun parses it.
+    parser.add_argument(NO_VIEW, action="store_true",
+                        help="no live view on a terminal: the workers' output and the "
+                        "launcher's log stay on the terminal, as with torchrun")
     return parser
+
+
+def take_no_view(argv: Sequence[str]) -> tuple[bool, list[str]]:
+    """Whether ``--no-view`` is among the launcher's options, and ``argv`` without it
+    (the script's own arguments are left alone)."""
+    args = torchrun_parser().parse_args(list(argv))
+    n_options = len(argv) - len(args.training_script_args) - 1
+    options = list(argv[:n_options])
+    return NO_VIEW in options, [a for a in options if a != NO_VIEW] + list(argv[n_options:])
 
 
 def _given(parser: argparse.ArgumentParser, argv: Sequence[str],
@@ -215,9 +233,11 @@ def run_torchrun(argv: Sequence[str]) -> int:
             return EXIT_FATAL
         except ChildFailedError:
             return 1
+        except KeyboardInterrupt:  # Ctrl-C before torchrun handles signals: no worker yet
+            return 128 + signal.SIGINT
 
 
-def _configure_agent_log(settings: Settings, run_id: str) -> str | None:
+def _configure_agent_log(settings: Settings, run_id: str) -> None:
     """Agent events go to ``<events dir>/agent-<launch>-<host>-<pid>.jsonl`` beside the
     workers' (``elastictrain.events``)."""
     from elastictrain import events
@@ -231,33 +251,54 @@ def _configure_agent_log(settings: Settings, run_id: str) -> str | None:
     et_log.configure(settings.log.level, settings.log.json_output, sink.path, upload=sink.upload)
     et_log.bind(run_id=run_id, role="agent", host=host, rank=None, world_size=None,
                 restart_count=0, launch_id=launch, step=None)
-    return str(sink.path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``elastictrain run [torchrun options] SCRIPT [ARGS]``: returns the exit code.
 
+    On a terminal (and without ``--no-view`` or torchrun's ``--tee``) the run is shown in
+    a live view while the job's output goes to files (``elastictrain.view.run``).
+
     Raises:
         ConfigError: bad settings or an unusable combination of options.
     """
     from elastictrain.config import load_settings
-    from elastictrain.log import get_logger
+    from elastictrain.events import LAUNCH_ID_VAR, new_launch_id, run_events_dir
+    from elastictrain.view.live import view_wanted
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    no_view, argv = take_no_view(argv)
     settings = load_settings()  # validated before any worker starts (ConfigError: 78)
     try:
         full = torchrun_argv(argv, settings.launch, os.environ, settings.run_id)
     except ConfigError as exc:  # a command-line problem, not a config file one
         print(f"elastictrain run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    args = torchrun_parser().parse_args(full)
+    args, given = _given(torchrun_parser(), full, os.environ)
     os.environ.update(launcher_environ())
     # One launch id for this launcher and its workers: a requeue or relaunch of the
     # same run is a new launch in the event log (elastictrain.events).
-    from elastictrain.events import LAUNCH_ID_VAR, new_launch_id
+    launch = os.environ[LAUNCH_ID_VAR] = new_launch_id()
+    run_id = str(args.rdzv_id)
+    # --tee asks for the workers' output on the terminal, where it would tear the view.
+    if not view_wanted(quiet=no_view) or "tee" in given:
+        return _run(full, args, settings, run_id)
+    from elastictrain.view.run import RunOutput, run_view, summary, worker_log_args
 
-    os.environ[LAUNCH_ID_VAR] = new_launch_id()
-    _configure_agent_log(settings, str(args.rdzv_id))
+    events_dir = run_events_dir(settings, run_id)
+    added, log_dir = worker_log_args(given, args.log_dir, events_dir)
+    output = RunOutput(events_dir, log_dir, events_dir / f"launcher-{launch}.log")
+    with run_view(output, run_id, launch) as view:
+        code = _run(added + full, args, settings, run_id)
+    print(summary(view.state, code, exit_meaning(code), output), flush=True)
+    return code
+
+
+def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: str) -> int:
+    """Run torchrun with the agent's events around it; return the exit code."""
+    from elastictrain.log import get_logger
+
+    _configure_agent_log(settings, run_id)
     log = get_logger("elastictrain.agent")
     started = time.monotonic()
     log.info("agent.start", pid=os.getpid(), nnodes=args.nnodes,
@@ -275,6 +316,28 @@ def _outcome(code: int) -> str:
     return {EXIT_OK: "finished", EXIT_PREEMPTED: "preempted",
             EXIT_PREEMPTED_UNSAVED: "preempted_unsaved", EXIT_FATAL: "fatal",
             1: "failed"}.get(code, "signalled")
+
+
+def exit_meaning(code: int) -> str:
+    """What the launcher's exit code tells the user (docs/exit-codes.md)."""
+    meanings = {
+        EXIT_OK: "finished",
+        1: "failed: torchrun's restarts are used up; the workers' errors are in their output",
+        EXIT_USAGE: "usage error",
+        EXIT_PREEMPTED: "stopped after a final snapshot; the same command resumes from it",
+        EXIT_PREEMPTED_UNSAVED: "stopped, the final snapshot did not commit; the same "
+                                "command resumes from the newest committed one",
+        EXIT_FATAL: "fatal, a restart cannot fix it (bad config, resume mismatch, access "
+                    "denied): see the workers' output; do not retry",
+    }
+    if code in meanings:
+        return meanings[code]
+    if code - 128 in signal.valid_signals():
+        # Not "no final snapshot": a second Ctrl-C during the save ends the launcher
+        # with 130 although the workers' snapshot committed (the view shows which).
+        return (f"the launcher was stopped by {signal.Signals(code - 128).name}; the same "
+                "command resumes from the newest committed snapshot")
+    return "failed"
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO
 
@@ -42,8 +42,9 @@ def view_wanted(stream: IO[str] | None = None, *, json_output: bool = False,
 
 
 def render(state: RunState, title: str, footer: str | None = None,
-           now: float | None = None) -> RenderableType:
-    """The status area for ``state`` (also used by ``status`` on a terminal)."""
+           now: float | None = None, rows: Sequence[tuple[str, str]] = ()) -> RenderableType:
+    """The status area for ``state`` (also used by ``status`` on a terminal); ``rows``:
+    more (label, text) rows under the snapshot's."""
     now = now or time.time()
     head = Text.assemble((title, "bold"), f"  attempt {state.attempt}",
                          f"  world size {state.world_size or '?'}",
@@ -64,6 +65,8 @@ def render(state: RunState, title: str, footer: str | None = None,
     else:
         grid.add_row("progress", progress)
     grid.add_row("snapshot", _snapshot_text(state, now))
+    for label, text in rows:
+        grid.add_row(label, Text(text))
     lines = Table.grid(padding=(0, 1))
     for line in list(state.lines)[-SHOWN_LINES:]:
         stamp = time.strftime("%H:%M:%S", time.localtime(line.ts))
@@ -82,7 +85,8 @@ def _snapshot_text(state: RunState, now: float) -> Text:
     if snap.get("tier"):
         text += f" ({snap['tier']})"
     if snap.get("size_bytes"):
-        text += f"  {int(snap['size_bytes']) / 1e6:.1f} MB"
+        size = int(snap["size_bytes"])
+        text += f"  {size / 1e6:.1f} MB" if size >= 100_000 else f"  {size / 1e3:.1f} kB"
     age = state.snapshot_age_s(now)
     if age is not None:
         text += f"  {age:.0f} s ago"
@@ -95,15 +99,19 @@ class LiveView:
     Args:
         store: where the run's events are; root: the events directory in it.
         title: the first words of the status area (e.g. "demo <run id>").
-        total_steps: the run's target step, for the progress bar.
-        footer: a hint under the area (e.g. what Ctrl-C does).
+        total_steps: the run's target step, for the progress bar (None: step and rate).
+        footer: a hint under the area while the job runs (e.g. what Ctrl-C does).
+        console: where to draw (default: stdout).
+        rows: more (label, text) rows of the area (e.g. where the output goes).
+        launch: show only the events of this launch id (``elastictrain.events``).
     """
 
     def __init__(self, store: Store, root: str, title: str, total_steps: int | None = None,
-                 footer: str | None = None, console: Console | None = None) -> None:
+                 footer: str | None = None, console: Console | None = None,
+                 rows: Sequence[tuple[str, str]] = (), launch: str | None = None) -> None:
         self.state = RunState(total_steps=total_steps)
         self._tail = EventTail(store, root)
-        self._title, self._footer = title, footer
+        self._title, self._footer, self._rows, self._launch = title, footer, rows, launch
         self._live = Live(console=console, auto_refresh=False, transient=False,
                           redirect_stdout=False, redirect_stderr=False)
         self._lock = threading.Lock()
@@ -136,10 +144,12 @@ class LiveView:
         with self._lock:
             try:
                 for event in self._tail.poll():
-                    self.state.apply(event)
+                    if self._launch is None or event.get("launch_id") == self._launch:
+                        self.state.apply(event)
             except OSError:
                 pass  # a listing raced a file being created; the next poll sees it
-            self._live.update(render(self.state, self._title, self._footer), refresh=True)
+            self._live.update(render(self.state, self._title, self._footer, rows=self._rows),
+                              refresh=True)
 
 
 @contextmanager

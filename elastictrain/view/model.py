@@ -47,6 +47,8 @@ class RunState:
     first_ts: float | None = None
     last_ts: float | None = None
     finished: str | None = None  # "finished", "preempted", "fatal", … once the run ended
+    lost_steps: int = 0  # summed over the resumes (rank 0's)
+    final_snapshot: int | None = None  # the step of the final snapshot after a notice
     events: int = 0
     agent_seen: bool = False  # launched by elastictrain run/demo: the agent logs the end
     ended: bool = False  # nothing more will be written (the launcher or, without one, rank 0)
@@ -146,7 +148,9 @@ class RunState:
             "loss": self.loss,
             "last_snapshot": None if self.last_snapshot is None else {
                 **self.last_snapshot, "age_s": None if age is None else round(age, 1)},
-            "finished": self.finished, "first_ts": self.first_ts, "last_ts": self.last_ts,
+            "finished": self.finished, "lost_steps": self.lost_steps,
+            "final_snapshot": self.final_snapshot,
+            "first_ts": self.first_ts, "last_ts": self.last_ts,
             "events": self.events,
             "failures": [line.to_dict() for line in self.failures()],
             "lines": [line.to_dict() for line in self.lines],
@@ -176,6 +180,7 @@ def _restart(state: RunState, e: dict[str, Any]) -> _Out:
 def _resume(state: RunState, e: dict[str, Any]) -> _Out:
     if e.get("rank") != 0:
         return None  # every rank resumes from the same step: one line per attempt
+    state.lost_steps += int(e.get("lost_steps") or 0)
     world = e.get("world_size")
     if e.get("from_step") is None:
         return "resume", f"attempt {e.get('restart_count')}: fresh start at world size {world}"
@@ -200,7 +205,20 @@ def _notice(state: RunState, e: dict[str, Any]) -> _Out:
                        f"{e.get('grace_period_s')} s")
 
 
+def _signal_forwarded(state: RunState, e: dict[str, Any]) -> _Out:
+    received, sent = e.get("received"), e.get("signal")
+    who = "Ctrl-C (SIGINT)" if received == "SIGINT" else str(received)
+    if sent in ("SIGTERM", "SIGUSR1"):
+        return "preempt", (f"{who} to the launcher: asking the workers for a final "
+                           f"snapshot ({sent}, up to {e.get('grace_s')} s)")
+    return "failure", f"{who} to the launcher: workers stopped with {sent}"
+
+
 def _preempt_saved(state: RunState, e: dict[str, Any]) -> _Out:
+    if isinstance(e.get("snapshot_step"), int):
+        state.final_snapshot = e["snapshot_step"]
+    if e.get("rank") not in (0, None):
+        return None  # every rank commits the same step: one line
     return "preempt", (f"final snapshot of step {e.get('snapshot_step')} committed "
                        f"{e.get('duration_s')} s after the notice")
 
@@ -242,6 +260,7 @@ _LINES = {
     "agent.worker_failed": _worker_failed, "demo.kill": _demo_kill,
     "agent.restart": _restart, "resume": _resume,
     "agent.membership_changed": _membership, "preempt.notice": _notice,
+    "agent.signal_forwarded": _signal_forwarded,
     "preempt.saved": _preempt_saved, "watchdog.fired": _watchdog,
     "snapshot.failed": _snapshot_failed, "snapshot.corrupt": _snapshot_corrupt,
     "run.finished": _run_finished, "agent.preempted": _agent_end,

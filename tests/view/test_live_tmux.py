@@ -4,52 +4,33 @@ the restart and the resume appear as they happen; the summary follows."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
-import uuid
-from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import events, pid_alive, wait_for
+from tests.view.terminal import Tmux
 
-pytestmark = [pytest.mark.distributed,
-              pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
-
-
-@pytest.fixture
-def tmux(tmp_path: Path) -> Iterator[list[str]]:
-    """``tmux -L <unique>``: a private server, killed at the end (with what runs in it)."""
-    cmd = ["tmux", "-L", f"et-view-{uuid.uuid4().hex[:8]}"]
-    try:
-        yield cmd
-    finally:
-        subprocess.run([*cmd, "kill-server"], capture_output=True, check=False)
+pytestmark = pytest.mark.distributed
 
 
-def pane(tmux: list[str]) -> str:
-    return subprocess.run([*tmux, "capture-pane", "-p", "-S", "-60"], capture_output=True,
-                          text=True, check=False).stdout
-
-
-def test_demo_live_view_shows_kill_restart_resume(tmp_path: Path, tmux: list[str]) -> None:
+def test_demo_live_view_shows_kill_restart_resume(tmp_path: Path, tmux: Tmux) -> None:
     storage = tmp_path / "s"
     env = f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} TMPDIR={tmp_path}"
     command = (f"env {env} elastictrain demo --storage {storage} --steps 300 --kill-at 120; "
                "echo DEMO-EXIT=$?; sleep 600")  # keeps the pane readable after the exit
-    subprocess.run([*tmux, "new-session", "-d", "-x", "120", "-y", "40", command], check=True)
-    wait_for(lambda: "━" in pane(tmux) and "step " in pane(tmux), 120,
+    tmux.start(command)
+    wait_for(lambda: "━" in tmux.pane() and "step " in tmux.pane(), 120,
              "the progress bar", interval=0.3)
-    assert "snapshot" in pane(tmux) and "Ctrl-C stops the job" in pane(tmux)
-    wait_for(lambda: "worker rank 1 killed by SIGKILL" in pane(tmux), 120, "the kill line",
+    assert "snapshot" in tmux.pane() and "Ctrl-C stops the job" in tmux.pane()
+    wait_for(lambda: "worker rank 1 killed by SIGKILL" in tmux.pane(), 120, "the kill line",
              interval=0.3)
-    wait_for(lambda: "attempt 1: resumed from step 100 (lost 20 steps)" in pane(tmux), 120,
+    wait_for(lambda: "attempt 1: resumed from step 100 (lost 20 steps)" in tmux.pane(), 120,
              "the resume line", interval=0.3)
-    wait_for(lambda: "DEMO-EXIT=" in pane(tmux), 180, "the demo's exit", interval=0.5)
-    screen = pane(tmux)
+    wait_for(lambda: "DEMO-EXIT=" in tmux.pane(), 180, "the demo's exit", interval=0.5)
+    screen = tmux.pane()
     assert "DEMO-EXIT=0" in screen
     assert "restart after failure" in screen and "step 300/300" in screen
     assert "launcher exited 0 (finished)" in screen
@@ -70,17 +51,17 @@ def stop_leftovers(events_root: Path) -> None:
 
 
 def test_ctrl_c_in_the_live_view_is_passed_on_and_said(tmp_path: Path,
-                                                        tmux: list[str]) -> None:
+                                                        tmux: Tmux) -> None:
     storage = tmp_path / "s"
     env = f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} TMPDIR={tmp_path}"
     command = (f"env {env} elastictrain demo --storage {storage} --steps 5000; "
                "echo DEMO-EXIT=$?; sleep 600")
-    subprocess.run([*tmux, "new-session", "-d", "-x", "120", "-y", "40", command], check=True)
+    tmux.start(command)
     try:
-        wait_for(lambda: "fresh start" in pane(tmux), 120, "training to start", interval=0.3)
-        subprocess.run([*tmux, "send-keys", "C-c"], check=True)
-        wait_for(lambda: "DEMO-EXIT=" in pane(tmux), 120, "the demo's exit", interval=0.3)
-        screen = pane(tmux)
+        wait_for(lambda: "fresh start" in tmux.pane(), 120, "training to start", interval=0.3)
+        tmux.keys("C-c")
+        wait_for(lambda: "DEMO-EXIT=" in tmux.pane(), 120, "the demo's exit", interval=0.3)
+        screen = tmux.pane()
         # The view says what the signal does; the job takes its final snapshot (exit 75).
         assert "SIGINT: asking the job for a final snapshot" in screen
         assert "DEMO-EXIT=75" in screen
