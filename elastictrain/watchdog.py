@@ -16,8 +16,9 @@ Lifecycle::
 
 ``SnapshotManager.step()`` beats; ``restore`` and the staging of a save run
 inside :class:`busy` sections, which may take long but not forever: up to
-``startup_timeout_s`` (a restore waiting on a peer that never comes is a hang). Waiting for a persist (back-pressure, ``wait``,
-``close``, the final snapshot of a preemption) is not a busy section but
+``startup_timeout_s`` (a restore waiting on a peer that never comes is a hang).
+Waiting for a persist (back-pressure, ``wait``, ``close``, the final snapshot of
+a preemption) is not a busy section but
 :func:`wait_moving`: bytes written count as progress, so a slow upload is not
 a hang and a stalled one is. Wrap long work between steps (evaluation) in
 ``with elastictrain.watchdog.busy("eval"):``.
