@@ -8,10 +8,15 @@
 #
 # Needs Debian's slurm-wlm and munge (apt-get install -y slurm-wlm munge; Slurm 22.05)
 # and root (the daemons and jobs run as the calling user). The cluster: this host, all
-# of its CPUs, select/cons_tres, proctrack/linuxproc, task/affinity, RequeueExit=75
+# of its CPUs, select/cons_tres, proctrack/linuxproc, task/affinity, RequeueExit=75,76
 # (elastictrain's "preempted, resume me" requeues the job), KillWait=30 (Slurm's
-# default: SIGTERM -> SIGKILL; train.sbatch keeps its grace below it).
+# default: SIGTERM -> SIGKILL; train.sbatch keeps its grace below it), and a job
+# credential lifetime of 10 s instead of 120 s (AuthInfo cred_expire): a requeued job is
+# held that long (+1 s) before it may start again (docs/deploy.md).
 set -euo pipefail
+
+# The requeue hold; Slurm's minimum is 5 s, and a step must launch within it.
+CRED_EXPIRE_S=10
 
 die() { echo "slurm_local.sh: $*" >&2; exit 1; }
 
@@ -56,7 +61,7 @@ SlurmUser=$user
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge/munge.sock
+AuthInfo=socket=$dir/munge/munge.sock,cred_expire=$CRED_EXPIRE_S
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
@@ -74,7 +79,7 @@ JobCompType=jobcomp/none
 MpiDefault=none
 ReturnToService=2
 JobRequeue=1
-RequeueExit=75
+RequeueExit=75,76
 KillWait=30
 MinJobAge=3600
 NodeName=$host CPUs=$cpus State=UNKNOWN
