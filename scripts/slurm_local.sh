@@ -12,7 +12,8 @@
 # (elastictrain's "preempted, resume me" requeues the job), KillWait=30 (Slurm's
 # default: SIGTERM -> SIGKILL; train.sbatch keeps its grace below it), and a job
 # credential lifetime of 10 s instead of 120 s (AuthInfo cred_expire): a requeued job is
-# held that long (+1 s) before it may start again (docs/deploy.md).
+# held that long (+1 s) before it may start again (docs/deploy.md); the schedulers look
+# at pending jobs every second (default: 30 s backfill, 60 s main loop), so it then starts.
 set -euo pipefail
 
 # The requeue hold; Slurm's minimum is 5 s, and a step must launch within it.
@@ -73,6 +74,7 @@ TaskPlugin=task/affinity
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=1
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
