@@ -8,10 +8,16 @@
 #
 # Needs Debian's slurm-wlm and munge (apt-get install -y slurm-wlm munge; Slurm 22.05)
 # and root (the daemons and jobs run as the calling user). The cluster: this host, all
-# of its CPUs, select/cons_tres, proctrack/linuxproc, task/affinity, RequeueExit=75
+# of its CPUs, select/cons_tres, proctrack/linuxproc, task/affinity, RequeueExit=75,76
 # (elastictrain's "preempted, resume me" requeues the job), KillWait=30 (Slurm's
-# default: SIGTERM -> SIGKILL; train.sbatch keeps its grace below it).
+# default: SIGTERM -> SIGKILL; train.sbatch keeps its grace below it), and a job
+# credential lifetime of 10 s instead of 120 s (AuthInfo cred_expire): a requeued job is
+# held that long (+1 s) before it may start again (docs/deploy.md); the schedulers look
+# at pending jobs every second (default: 30 s backfill, 60 s main loop), so it then starts.
 set -euo pipefail
+
+# The requeue hold; Slurm's minimum is 5 s, and a step must launch within it.
+CRED_EXPIRE_S=10
 
 die() { echo "slurm_local.sh: $*" >&2; exit 1; }
 
@@ -56,7 +62,7 @@ SlurmUser=$user
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge/munge.sock
+AuthInfo=socket=$dir/munge/munge.sock,cred_expire=$CRED_EXPIRE_S
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
@@ -68,13 +74,14 @@ TaskPlugin=task/affinity
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=1
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 ReturnToService=2
 JobRequeue=1
-RequeueExit=75
+RequeueExit=75,76
 KillWait=30
 MinJobAge=3600
 NodeName=$host CPUs=$cpus State=UNKNOWN
