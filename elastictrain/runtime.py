@@ -12,7 +12,6 @@ finds it. ``shutdown`` destroys the group and restores the previous hook.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import traceback
@@ -99,31 +98,12 @@ def shutdown() -> None:
     watchdog.uninstall()  # teardown is not a hang
     # Handlers stay: a late SIGTERM from the agent must not turn exit 75 into a kill.
     preempt.uninstall(restore_signals=False)
-    _release_preempted_frames()
     destroy_process_group()
     global _current
     _current = None
     # Called from a ``finally`` while an error propagates, the hook must stay for it.
     if sys.exc_info()[1] is None:
         _restore_excepthook()
-
-
-def _release_preempted_frames() -> None:
-    """On a preempted exit, free the training loop's objects before the group goes.
-
-    The frames a ``PreemptedExit`` left still hold the model; DDP's reducer holds the
-    process group. Freed only at interpreter exit, after ``destroy_process_group``,
-    the reducer drops the group's last reference with the GIL held, and the gloo
-    destructor joins a worker thread that may be waiting for the GIL to free the
-    final all-gather's tensors: the worker hangs until the launcher kills it, and
-    the launcher, seeing no exit 75, does not report a preemption (docs/deploy.md).
-    Freed here, the reducer is not the group's last owner; the group registry is,
-    and torch releases the GIL before destroying a group it drops.
-    """
-    exc = sys.exc_info()[1]
-    if isinstance(exc, preempt.PreemptedExit):
-        traceback.clear_frames(exc.__traceback__)  # the frames still running are kept
-        gc.collect()  # modules sit in reference cycles
 
 
 # The hook init() replaced; None while ours is not installed.

@@ -118,7 +118,7 @@ def _requeued(tmp_path: Path, job: str, env: dict[str, str], exit_code: int) -> 
     first = _events(tmp_path, job, "agent.finished")[0]  # files sort by launch time
     assert first["exit_code"] == exit_code, first
     # Every worker exited by itself with that code: none hung after its final snapshot
-    # and had to be killed by the launcher (runtime._release_preempted_frames).
+    # and had to be killed by the launcher (elastictrain.dist.quiesce).
     stopped = _events(tmp_path, job, "agent.workers_stopped")[0]
     assert set(stopped["exit_codes"].values()) == {exit_code}, stopped
 
