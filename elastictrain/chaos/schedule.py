@@ -112,12 +112,12 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
             kind = rng.choice(process_kinds)
             target = rng.choice(("worker", "launcher")) if kind == "notice" else (
                 "launcher" if kind == "relaunch" else "worker")
-            rank = rng.randrange(world_size)
+            at_s = round(rng.uniform(0.1, 0.9) * horizon_s, 2)
+            rank = rng.randrange(world_size)  # drawn in this order: seeds replay as before
             stopped = [f.rank for f in faults if f.kind == "stop"]
             if kind == "stop" and stopped:
                 rank = stopped[0]
-            faults.append(Fault(kind=kind, at_s=round(rng.uniform(0.1, 0.9) * horizon_s, 2),
-                                target=target, rank=rank))
+            faults.append(Fault(kind=kind, at_s=at_s, target=target, rank=rank))
     storage = None
     if "storage" in kinds and (not process_kinds or rng.random() < 0.5):
         storage = StorageFaults(
