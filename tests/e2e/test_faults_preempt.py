@@ -6,7 +6,6 @@ snapshot commits, exit 75; the end-of-run close waits for its slow upload, exit 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 from pathlib import Path
@@ -25,20 +24,11 @@ JOB = REPO / "tests" / "e2e" / "faults_job.py"
 class FaultsJob(Job):
     """tests/e2e/faults_job.py under `elastictrain run`, configured by environment only."""
 
+    entrypoint = JOB.name
+
     def argv(self, steps: int, *extra: str) -> list[str]:
         return ["--nproc-per-node=2", "--max-restarts=0", f"--log-dir={self.tmp / 'logs'}",
                 str(JOB), str(self.storage), str(steps), *extra]
-
-    def kill_leftovers(self) -> None:
-        for event in self.of("worker.start"):
-            pid = int(event["pid"])
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue  # gone
-            if JOB.name.encode() in cmdline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
 
     def resumed_from(self) -> int:
         resume = [e for e in self.of("resume", rank=0) if e.get("from_step") is not None]

@@ -33,6 +33,9 @@ LAUNCH_TIMEOUT = 240
 class Job:
     """One demo job under `elastictrain run` with its storage and event dir in tmp_path."""
 
+    # What a worker's command line names: a leftover is killed only if it is ours.
+    entrypoint = "elastictrain.demo.worker"
+
     def __init__(self, tmp_path: Path, **env: str) -> None:
         self.tmp = tmp_path
         self.storage = tmp_path / "s"
@@ -65,8 +68,10 @@ class Job:
             self.kill_leftovers()
 
     def kill_leftovers(self) -> None:
+        """Every worker this job started that still runs, by PID (a recycled PID is
+        left alone: its command line does not name the entrypoint)."""
         for event in self.of("worker.start"):
-            kill_if_demo_worker(int(event["pid"]))
+            kill_if_running(int(event["pid"]), self.entrypoint)
 
     def committed(self, step: int) -> bool:
         return (self.storage / layout.step_dir(step) / layout.MANIFEST).exists()
@@ -83,12 +88,12 @@ class Job:
         return [e for e in events(self.ev, name) if rank is None or e.get("rank") == rank]
 
 
-def kill_if_demo_worker(pid: int) -> None:
+def kill_if_running(pid: int, entrypoint: str) -> None:
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return  # gone
-    if b"elastictrain.demo.worker" in cmdline:
+    if entrypoint.encode() in cmdline:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

@@ -26,6 +26,8 @@ EXAMPLE = REPO / "examples" / "fsdp_resumable.py"
 class FsdpJob(Job):
     """examples/fsdp_resumable.py under `elastictrain run`; rank 0's record in ``rec``."""
 
+    entrypoint = EXAMPLE.name
+
     def __init__(self, tmp_path: Path, **env: str) -> None:
         tmp_path.mkdir(parents=True, exist_ok=True)
         super().__init__(tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env)
@@ -35,16 +37,6 @@ class FsdpJob(Job):
         return ["--nproc-per-node=2", "--max-restarts=0", f"--log-dir={self.tmp / 'logs'}",
                 str(EXAMPLE), str(self.storage), f"--steps={steps}", "--every=5",
                 f"--record={self.record}", *extra]
-
-    def kill_leftovers(self) -> None:
-        for event in self.of("worker.start"):
-            pid = int(event["pid"])
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue  # gone
-            if EXAMPLE.name.encode() in cmdline:
-                os.kill(pid, signal.SIGKILL)
 
     def final(self) -> dict[str, Any]:
         return dict(json.loads((self.record / "final.json").read_text()))
