@@ -113,8 +113,9 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The settings the worker's options set (over the environment and config file)."""
     overrides: dict[str, Any] = {"storage": {"url": args.storage},
                  "snapshot": {"every_steps": args.snapshot_every, "keep": args.keep,
-                              "progress_every_s": 1.0,  # the live view's step rate
-                              "memory_every": args.memory_every}}
+                              "progress_every_s": 1.0}}  # the live view's step rate
+    if args.memory_every is not None:  # else ELASTICTRAIN_SNAPSHOT__MEMORY_EVERY still counts
+        overrides["snapshot"]["memory_every"] = args.memory_every
     if args.events_dir:
         overrides["log"] = {"events_dir": args.events_dir}
     return overrides

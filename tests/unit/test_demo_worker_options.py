@@ -24,10 +24,13 @@ def test_bad_snapshot_every_names_the_value_and_fix(capsys: pytest.CaptureFixtur
         capsys.readouterr().err)
 
 
-def test_the_options_validate_as_snapshot_settings() -> None:
+def test_the_options_validate_as_snapshot_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     args = parse_args(["--storage=s", "--snapshot-every=auto", "--memory-every=3"])
     snapshot = load_settings(None, **settings_overrides(args)).snapshot
     assert snapshot.every_steps == "auto" and snapshot.memory_every == 3
     fixed = parse_args(["--storage=s", "--snapshot-every=40"])
     snapshot = load_settings(None, **settings_overrides(fixed)).snapshot
     assert snapshot.every_steps == 40 and snapshot.memory_every is None
+    # Without --memory-every, the environment's setting is not overridden.
+    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT__MEMORY_EVERY", "5")
+    assert load_settings(None, **settings_overrides(fixed)).snapshot.memory_every == 5
