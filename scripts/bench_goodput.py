@@ -336,12 +336,19 @@ def measure(job: DemoJob, delivered: list[dict[str, Any]], mtbf_s: float) -> dic
 # report
 # ---------------------------------------------------------------------------------------
 def compare(results: list[dict[str, Any]]) -> None:
-    """Add goodput / bound and goodput / the best fixed interval's goodput."""
-    fixed = [r["goodput"] for r in results if parse_config(r["config"]).fixed]
-    best_fixed = max(fixed) if fixed else None
+    """Add goodput / bound, goodput / the best fixed interval's goodput, and the share of
+    wall time the interval decides (lost work + snapshot blocking): restart times vary by
+    seconds from one kill to the next on a busy machine, and they weigh in goodput alone."""
+    for r in results:
+        r["interval_loss"] = round(r["fractions"].get("lost_work", 0.0)
+                                   + r["fractions"].get("snapshot_blocking", 0.0), 4)
+    fixed = [r for r in results if parse_config(r["config"]).fixed]
+    best_fixed = max((r["goodput"] for r in fixed), default=None)
+    least_loss = min((r["interval_loss"] for r in fixed), default=None)
     for r in results:
         r["ratio_to_bound"] = r["goodput"] / r["bound"] if r["bound"] else None
         r["ratio_to_best_fixed"] = r["goodput"] / best_fixed if best_fixed else None
+        r["best_fixed_interval_loss"] = least_loss
 
 
 def _f(value: float | None, spec: str) -> str:
@@ -350,7 +357,7 @@ def _f(value: float | None, spec: str) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     head = ("config", "goodput", "lost", "blocking", "restart", "kills", "C ms", "R s",
-            "lost/kill", "bound", "/bound", "/best fixed")
+            "lost/kill", "bound", "/bound", "/best fixed", "lost+blocking")
     rows = [head]
     for r in results:
         fr = r["fractions"]
@@ -361,7 +368,7 @@ def table(results: list[dict[str, Any]]) -> str:
             str(r["kills"]), _f(r["cost"]["mean_s"] and r["cost"]["mean_s"] * 1e3, ".1f"),
             _f(r["recovery_s"], ".2f"), _f(sum(lost) / len(lost) if lost else None, ".1f"),
             _f(r["bound"], ".3f"), _f(r["ratio_to_bound"], ".3f"),
-            _f(r["ratio_to_best_fixed"], ".3f")))
+            _f(r["ratio_to_best_fixed"], ".3f"), _f(r["interval_loss"], ".3f")))
     widths = [max(len(row[i]) for row in rows) + 2 for i in range(len(head))]
     return "\n".join("".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
                      for row in rows)
@@ -382,7 +389,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="the report as JSON on stdout (or to FILE)")
     p.add_argument("--workdir", default=None, help="where runs go (default: the temp dir)")
     p.add_argument("--keep", action="store_true", help="keep each run's storage and events")
+    p.add_argument("--table", metavar="FILE", help="print the table of a saved --json report")
     args = p.parse_args(argv)
+    if args.table:
+        saved = json.loads(Path(args.table).read_text())
+        compare(saved["results"])
+        print(table(saved["results"]))
+        return
     for name, value in (("--wall-s", args.wall_s), ("--mtbf-s", args.mtbf_s)):
         if value <= 0:
             raise SystemExit(f"{name}={value}: must be > 0 seconds")

@@ -33,6 +33,9 @@ def test_tiny_goodput_bench_reports_every_field(tmp_path: Path) -> None:
     assert sum(run["fractions"].values()) == pytest.approx(1.0, abs=0.002)
     assert run["cost"]["snapshots"] >= 1 and run["cost"]["by_tier"].keys() == {"durable"}
     assert run["ratio_to_best_fixed"] == 1.0  # the only fixed interval is the best one
+    assert run["interval_loss"] == pytest.approx(
+        run["fractions"]["lost_work"] + run["fractions"]["snapshot_blocking"], abs=1e-4)
+    assert run["best_fixed_interval_loss"] == run["interval_loss"]
     (kill,) = run["recoveries"]
     if kill["recovery_s"] is not None:  # the restart trained before the stop (usually)
         assert run["recovery_s"] == kill["recovery_s"] > 0
