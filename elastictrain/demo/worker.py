@@ -35,7 +35,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="elastictrain.demo.worker")
     p.add_argument("--storage", required=True)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--snapshot-every", type=int, default=25)
+    p.add_argument("--snapshot-every", type=snapshot_every, default=25,
+                   help="steps between durable snapshots, or 'auto' (docs/interval.md)")
+    p.add_argument("--memory-every", type=int, default=None,
+                   help="steps between node-memory snapshots (docs/memory-tier.md)")
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--kill-at", type=int, action="append", default=[])
     p.add_argument("--hang-at", type=int, default=None,
@@ -49,6 +52,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--park", type=Park.parse, action="append", default=[])  # set by the
     p.add_argument("--park-dir", default=None)  # multi-node runner: multinode.Park
     return p.parse_args(argv)
+
+
+def snapshot_every(value: str) -> int | str:
+    """``--snapshot-every``: a whole number of steps, or ``auto`` (Young/Daly)."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: not a number of steps; fix: a whole number >= 1 or 'auto'") from None
 
 
 def kill_if_scheduled(kills: list[int], step: int, rt: et.Runtime,
@@ -88,16 +102,23 @@ def hang_if_scheduled(hang_at: int | None, step: int, rt: et.Runtime) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # one core per worker; the other is left for background work
-    overrides: dict[str, Any] = {"storage": {"url": args.storage},
-                 "snapshot": {"every_steps": args.snapshot_every, "keep": args.keep,
-                              "progress_every_s": 1.0}}  # the live view's step rate
-    if args.events_dir:
-        overrides["log"] = {"events_dir": args.events_dir}
-    rt = et.init(et.load_settings(None, **overrides))
+    rt = et.init(et.load_settings(None, **settings_overrides(args)))
     try:
         train(args, rt)
     finally:
         et.shutdown()
+
+
+def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the worker's options set (over the environment and config file)."""
+    overrides: dict[str, Any] = {"storage": {"url": args.storage},
+                 "snapshot": {"every_steps": args.snapshot_every, "keep": args.keep,
+                              "progress_every_s": 1.0}}  # the live view's step rate
+    if args.memory_every is not None:  # else ELASTICTRAIN_SNAPSHOT__MEMORY_EVERY still counts
+        overrides["snapshot"]["memory_every"] = args.memory_every
+    if args.events_dir:
+        overrides["log"] = {"events_dir": args.events_dir}
+    return overrides
 
 
 def train(args: argparse.Namespace, rt: et.Runtime) -> None:
@@ -141,7 +162,7 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
                 break
         else:
             snap.epoch += 1
-    if snap.step_count % args.snapshot_every != 0:
+    if args.snapshot_every == "auto" or snap.step_count % args.snapshot_every != 0:
         snap.save()  # the final state, so a re-run resumes at the end
     snap.close()
     if recorder is not None:
