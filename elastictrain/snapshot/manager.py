@@ -269,6 +269,9 @@ class SnapshotManager:
         else:
             self._epoch = int(payload["epoch"])
         self.step_count = int(payload["step"])
+        # The restored step is the last save: intervals count from it, not from step 0
+        # (with every_steps="auto" the steps since step 0 made a wrong step time).
+        self._last_save_step, self._last_save_time = self.step_count, self._clock()
         self.extras = dict(payload.get("extras") or {})
         rng_states = payload["rng"]
         # RNG last: building the model and loading state may consume random numbers.

@@ -178,3 +178,32 @@ def test_simulation_auto_within_five_percent_of_the_best_fixed_interval() -> Non
     out = json.loads(result.stdout)
     assert len(out["rows"]) == 4 and all(r["failures"] > 50 for r in out["rows"])
     assert out["worst_ratio"] <= 1.05, out
+
+
+def test_after_a_restore_the_automatic_interval_counts_from_the_restored_step(
+        tmp_path: Path) -> None:
+    """Saved at 5, 10, 15; a new manager resumes at 15 and next saves at 20 (it
+    counted from step 0 before: 15 steps "since the last save" in 1 s of its clock,
+    a wrong step time)."""
+    ctx = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
+    kw: dict[str, Any] = {"ctx": ctx, "every_steps": "auto", "auto_mtbf_prior_s": 1.0,
+                          "auto_min_interval_s": 5.0, "auto_max_interval_s": 50.0}
+    clock = _Clock()
+    first = SnapshotManager(str(tmp_path / "s"), model=torch.nn.Linear(2, 2), clock=clock, **kw)
+    for _ in range(16):
+        clock.now += 1.0
+        first.step()
+    first.close()
+    clock = _Clock()
+    resumed = SnapshotManager(str(tmp_path / "s"), model=torch.nn.Linear(2, 2), clock=clock,
+                              **kw)
+    assert resumed.restore().from_step == 15
+    saved = []
+    with capture_logs() as logs:
+        for _ in range(6):
+            clock.now += 1.0
+            if resumed.step() is not None:
+                saved.append(resumed.step_count)
+    resumed.close()
+    assert saved == [20]
+    assert [e["interval_steps"] for e in logs if e["event"] == "snapshot.interval"] == [5]
