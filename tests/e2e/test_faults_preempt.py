@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
-from tests.e2e.test_preemption import LAUNCH_TIMEOUT, Job
+from tests.e2e.test_preemption import LAUNCH_TIMEOUT, Job, assert_preempted_unsaved
 from tests.helpers import REPO, wait_for
 
 pytestmark = pytest.mark.distributed
@@ -47,13 +47,7 @@ def test_notice_while_the_store_fails_exits_76_and_a_relaunch_resumes(tmp_path: 
         wait_for(lambda: job.of("snapshot.failed"), 120, "a save to fail and be retried")
         os.kill(launcher.pid, signal.SIGTERM)
         code = launcher.wait(timeout=LAUNCH_TIMEOUT)
-    assert code == EXIT_PREEMPTED_UNSAVED, job.log()
-    failed = job.of("preempt.failed")
-    assert {e["rank"] for e in failed} == {0, 1}
-    step = failed[0]["snapshot_step"]
-    assert all(e["snapshot_step"] == step and e["exit_code"] == EXIT_PREEMPTED_UNSAVED
-               for e in failed)
-    assert all("injected failure" in e["reason"] for e in failed)  # rank 1 has the why too
+    step = assert_preempted_unsaved(job, code, "injected failure")
     assert not job.of("preempt.saved") and not job.committed(step)
     attempted = {e["snapshot_step"] for e in job.of("snapshot.failed")}
     assert step in attempted  # the final snapshot was attempted, not skipped

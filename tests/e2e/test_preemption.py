@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.errors import EXIT_HANG, EXIT_PREEMPTED
+from elastictrain.errors import EXIT_HANG, EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
 from elastictrain.snapshot import layout
 from tests.helpers import REPO, events, run_cli, started, wait_for
 from tests.metadata import AWS_PATH, Metadata
@@ -110,6 +110,19 @@ def assert_preempted(job: Job, code: int) -> int:
     finished = job.of("agent.finished")
     assert finished and finished[-1]["exit_code"] == EXIT_PREEMPTED
     assert not job.of("agent.restart")  # a preempted group is not restarted
+    return int(step)
+
+
+def assert_preempted_unsaved(job: Job, code: int, reason: str) -> int:
+    """The launcher ended 76: every rank logged ``preempt.failed`` for the same step,
+    with ``reason`` in the why on every rank; returns that step."""
+    assert code == EXIT_PREEMPTED_UNSAVED, job.log()
+    failed = job.of("preempt.failed")
+    assert {e["rank"] for e in failed} == {0, 1}
+    step = failed[0]["snapshot_step"]
+    assert all(e["snapshot_step"] == step and e["exit_code"] == EXIT_PREEMPTED_UNSAVED
+               for e in failed)
+    assert all(reason in e["reason"] for e in failed)  # rank 1 has the why too
     return int(step)
 
 

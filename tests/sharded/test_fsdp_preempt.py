@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from elastictrain.errors import EXIT_PREEMPTED_UNSAVED
-from tests.e2e.test_preemption import Job, assert_preempted
+from tests.e2e.test_preemption import Job, assert_preempted, assert_preempted_unsaved
 from tests.helpers import REPO, wait_for
 from tests.sharded.test_fsdp_e2e import samples_per_step
 
@@ -87,13 +87,7 @@ def test_notice_while_a_sharded_save_is_failing_still_attempts_the_final_one_and
             180, "step 9, with the save of step 5 in flight")
         os.kill(launcher.pid, signal.SIGTERM)
         code = launcher.wait(timeout=240)
-    assert code == EXIT_PREEMPTED_UNSAVED, job.log()
-    failed = job.of("preempt.failed")
-    assert {e["rank"] for e in failed} == {0, 1}
-    step = failed[0]["snapshot_step"]
-    assert all(e["snapshot_step"] == step and e["exit_code"] == EXIT_PREEMPTED_UNSAVED
-               for e in failed)
-    assert all("injected fault" in e["reason"] for e in failed)  # rank 1 has the why too
+    step = assert_preempted_unsaved(job, code, "injected fault")
     staged = {(e["rank"], e["snapshot_step"]) for e in job.of("snapshot.staged")}
     assert {(0, step), (1, step)} <= staged  # the final snapshot was attempted on every rank
     assert step == 10  # the step whose save was waiting when the notice came
