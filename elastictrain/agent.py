@@ -23,6 +23,10 @@ What it adds, each by overriding one of the agent's documented steps
   A group being restarted has nothing worth saving, and even a clean Python
   exit after ``import torch`` costs 1.5-2.7 s here, which every recovery would
   pay. Survivors of a preemption (a peer exited 75) are left to finish;
+* **a worker stuck in its exit is ended**: once a peer exited 0, a worker whose
+  process tree uses no CPU for ``exit_timeout_s`` (stopped, or deadlocked in a
+  destructor) is SIGKILLed, so torchrun restarts the group instead of waiting for it
+  without bound; the restart restores the newest snapshot and finishes again;
 * **repeated notices ignored** while workers save after the launcher was
   signalled (a second SIGTERM would abort torchrun's graceful wait and orphan
   workers mid-snapshot), and the workers' exit codes recorded afterwards.
@@ -54,6 +58,7 @@ from elastictrain.errors import (
     ElasticTrainError,
 )
 from elastictrain.log import bind, get_logger
+from elastictrain.proctree import tree_cpu_ticks
 
 log = get_logger("elastictrain.agent")
 
@@ -101,6 +106,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     """
 
     latest: ElasticTrainAgent | None = None
+    exit_timeout_s: float = 60.0  # set by installed() from launch.exit_timeout_s
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -111,6 +117,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._killed: set[int] = set()  # survivors this agent SIGKILLed after a failure
         self._detected = False  # a failure of the current attempt was reported
         self._rendezvous_s: float | None = None
+        self._exit_watch: dict[int, tuple[int | None, float]] = {}  # pid -> CPU ticks, since
+        self._exit_checked = 0.0
         ElasticTrainAgent.latest = self
 
     def restart_count(self) -> int:
@@ -132,6 +140,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         super()._initialize_workers(worker_group)
         self._detected = False
+        self._exit_watch.clear()
         restart_count = self.restart_count()
         bind(restart_count=restart_count, world_size=self._world_size,
              group_rank=worker_group.group_rank)
@@ -146,6 +155,7 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
         self._kill_survivors_of_a_failure()
+        self._kill_stuck_at_exit()
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and result.failures:
             self._on_failures(result.failures)
@@ -196,6 +206,35 @@ class ElasticTrainAgent(LocalElasticAgent):
             self._killed.update(live)
             self._pcontext.close(death_sig=signal.SIGKILL, timeout=30)
 
+    def _kill_stuck_at_exit(self) -> None:
+        """SIGKILL a worker stuck in its exit (see the module docstring).
+
+        Its own watchdog ended with its script and its peers are gone, so only the agent
+        can see it. CPU time, not wall time, is the test: rank 0 may still be writing the
+        final snapshot (in a thread or a persist process) after its peers exited."""
+        now = time.monotonic()
+        if now - self._exit_checked < 1.0:  # one /proc walk a second is plenty
+            return
+        self._exit_checked = now
+        codes = self._worker_codes()
+        live = [pid for pid, code in codes.items() if code is None]
+        if 0 not in codes.values() or not live or self._pcontext is None:
+            return
+        stuck = []
+        for pid in live:
+            ticks = tree_cpu_ticks(pid)
+            seen = self._exit_watch.get(pid)
+            if seen is None or seen[0] != ticks:
+                self._exit_watch[pid] = (ticks, now)
+            elif now - seen[1] >= self.exit_timeout_s:
+                stuck.append(pid)
+        if stuck:
+            log.warning("agent.worker_stuck_at_exit", pids=stuck,
+                        idle_s=round(self.exit_timeout_s, 1),
+                        exit_codes={str(pid): code for pid, code in codes.items()})
+            self._killed.update(stuck)
+            self._pcontext.close(death_sig=signal.SIGKILL, timeout=30)
+
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._restart_stop = True
         try:
@@ -241,8 +280,9 @@ def _ignoring(signals: Sequence[signal.Signals]) -> Iterator[None]:
 
 
 @contextmanager
-def installed() -> Iterator[type[ElasticTrainAgent]]:
-    """Make torchrun's ``launch_agent`` build :class:`ElasticTrainAgent` (this process)."""
+def installed(exit_timeout_s: float = 60.0) -> Iterator[type[ElasticTrainAgent]]:
+    """Make torchrun's ``launch_agent`` build :class:`ElasticTrainAgent` (this process),
+    ending workers stuck in their exit after ``exit_timeout_s`` without CPU use."""
     original = getattr(launcher_api, "LocalElasticAgent", None)
     if original is not LocalElasticAgent:
         raise ElasticTrainError(
@@ -250,6 +290,7 @@ def installed() -> Iterator[type[ElasticTrainAgent]]:
             "fix: run plain torchrun (no agent events; exit 1 instead of 75 on preemption) "
             "and report the torch version")
     launcher_api.LocalElasticAgent = ElasticTrainAgent  # type: ignore[misc]
+    ElasticTrainAgent.exit_timeout_s = exit_timeout_s
     try:
         yield ElasticTrainAgent
     finally:

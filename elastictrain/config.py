@@ -198,6 +198,10 @@ class LaunchDefaults(_Model):
     # SIGTERM -> SIGKILL grace for workers when the launcher is signalled: the final
     # snapshot needs it (torchrun's default is 30 s).
     shutdown_timeout_s: int = Field(default=90, ge=1)
+    # Once a worker exited 0, a peer whose process tree used no CPU for this long is
+    # stuck in its exit (stopped, deadlocked in a destructor): the agent kills it and
+    # torchrun restarts the group, which restores and finishes again (docs/faults.md).
+    exit_timeout_s: float = Field(default=60.0, gt=0)
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 

@@ -180,6 +180,8 @@ class _Run:
             # the first step: fail those attempts in seconds, not minutes.
             "ELASTICTRAIN_WATCHDOG__STARTUP_TIMEOUT_S": "30",
             "ELASTICTRAIN_DIST__INIT_TIMEOUT_S": "30",
+            # A rank stopped after its peers finished: the agent ends it after this long.
+            "ELASTICTRAIN_LAUNCH__EXIT_TIMEOUT_S": "15",
         }
         if self.schedule is not None and self.schedule.storage is not None:
             env["ELASTICTRAIN_STORAGE__FAULTS"] = json.dumps(

@@ -1,0 +1,48 @@
+"""CPU time used by a process and everything it started, read from Linux's ``/proc``.
+
+The agent uses it to tell a worker that is still busy finishing (writing its last
+snapshot, in a thread or a child process) from one that is stuck in its exit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def tree_cpu_ticks(pid: int) -> int | None:
+    """User + system CPU ticks of ``pid`` and its live descendants (their reaped
+    children included); None when ``pid`` is gone or ``/proc`` cannot be read.
+
+    The kernel here has no ``/proc/<pid>/task/<tid>/children``, so the tree is found
+    by one walk over every process's parent pid.
+    """
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    try:
+        entries = list(PROC.iterdir())
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Fields after the command name (which may hold spaces and parentheses):
+            # state, ppid, ... utime, stime, cutime, cstime at offsets 11-14.
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            parent[int(entry.name)] = int(fields[1])
+            ticks[int(entry.name)] = sum(int(f) for f in fields[11:15])
+        except (OSError, IndexError, ValueError):
+            continue  # exited during the walk
+    if pid not in ticks:
+        return None
+    children: dict[int, list[int]] = {}
+    for child, ppid in parent.items():
+        children.setdefault(ppid, []).append(child)
+    total, stack = 0, [pid]
+    while stack:
+        current = stack.pop()
+        total += ticks.get(current, 0)
+        stack.extend(children.get(current, []))
+    return total

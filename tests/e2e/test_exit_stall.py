@@ -1,0 +1,66 @@
+"""A worker stuck in its exit after its peer finished (chaos found it: a SIGSTOP that
+landed after ``run.finished``). torchrun's agent waits for a live worker without
+bound, so the run never ended; elastictrain's agent kills a worker that uses no CPU
+for ``launch.exit_timeout_s`` once a peer exited 0, and the restart finishes the run.
+A worker that is busy for longer than that (a long final write) is left alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from contextlib import suppress
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, events, pid_alive, started
+
+pytestmark = pytest.mark.distributed
+
+JOB = str(REPO / "tests" / "e2e" / "exit_stall_job.py")
+EXIT_TIMEOUT_S = 4.0
+
+
+def run_job(tmp_path: Path, mode: str, busy_s: float) -> tuple[int, Path, str]:
+    """The launcher to completion; its log, not a pipe (a stuck worker would hold a
+    pipe open past the launcher's end)."""
+    ev = tmp_path / "ev"
+    cmd = [sys.executable, "-m", "elastictrain.cli", "run", "--nproc-per-node=2",
+           "--max-restarts=2", f"--log-dir={tmp_path / 'logs'}", JOB, str(tmp_path / "s"),
+           "10", mode, str(busy_s)]
+    try:
+        with started(cmd, tmp_path, "launcher.log", ELASTICTRAIN_LOG__EVENTS_DIR=str(ev),
+                     ELASTICTRAIN_LAUNCH__EXIT_TIMEOUT_S=str(EXIT_TIMEOUT_S),
+                     PYTHONPATH=str(REPO)) as launcher:
+            code = launcher.wait(timeout=240)
+    finally:  # before the fix the stopped worker outlived the launcher's timeout
+        for start in events(ev, "worker.start"):
+            with suppress(ProcessLookupError):
+                os.kill(int(start["pid"]), signal.SIGKILL)
+    return code, ev, (tmp_path / "launcher.log").read_text()
+
+
+def test_a_worker_stopped_in_its_exit_is_killed_and_the_run_finishes(tmp_path: Path) -> None:
+    code, ev, log = run_job(tmp_path, "stop", 0)
+    assert code == 0, log[-4000:]
+    stuck = events(ev, "agent.worker_stuck_at_exit")
+    assert len(stuck) == 1 and len(stuck[0]["pids"]) == 1
+    rank0_first = next(e for e in events(ev, "worker.start") if e["rank"] == 0)
+    assert stuck[0]["pids"] == [rank0_first["pid"]]
+    assert not pid_alive(rank0_first["pid"])
+    assert stuck[0]["exit_codes"][str(rank0_first["pid"])] is None
+    assert 0 in stuck[0]["exit_codes"].values()  # its peer had finished
+    assert [e["reason"] for e in events(ev, "agent.restart")] == ["failure"]
+    # The restart restored the last snapshot (step 10, the last step) and finished again.
+    resumed = [e for e in events(ev, "snapshot.loaded") if e["rank"] == 0]
+    assert resumed and resumed[-1]["snapshot_step"] == 10
+    assert len(events(ev, "params.digest")) == 2
+
+
+def test_a_busy_exit_longer_than_the_timeout_is_left_to_finish(tmp_path: Path) -> None:
+    code, ev, log = run_job(tmp_path, "busy", 3 * EXIT_TIMEOUT_S)
+    assert code == 0, log[-4000:]
+    assert not events(ev, "agent.worker_stuck_at_exit")
+    assert not events(ev, "agent.restart")
+    assert len(events(ev, "agent.attempt_started")) == 1
