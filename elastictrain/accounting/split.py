@@ -107,8 +107,7 @@ def split_run(events_dir: str | Path) -> Split:
     fallback_rate = sorted(rates)[len(rates) // 2] if rates else 0.0
     attempts: list[Attempt] = []
     for i, events in enumerate(raw):
-        nxt = raw[i + 1] if i + 1 < len(raw) else None
-        attempts.append(_attempt(i, events, nxt, agent, fallback_rate))
+        attempts.append(_attempt(i, events, raw[i + 1:], agent, fallback_rate))
     start = min([attempts[0].start] + [e["ts"] for e in agent])
     end = max([attempts[-1].end] + [e["ts"] for e in agent])
     _fill_gaps(attempts, start, end)
@@ -144,10 +143,10 @@ def _step_time(events: list[Event]) -> float | None:
     return (last["ts"] - resume["ts"]) / (last["step"] - from_step)
 
 
-def _attempt(index: int, events: list[Event], nxt: list[Event] | None,
+def _attempt(index: int, events: list[Event], later: list[list[Event]],
              agent: list[Event], fallback_rate: float) -> Attempt:
     start, last_ts = events[0]["ts"], events[-1]["ts"]
-    next_start = nxt[0]["ts"] if nxt is not None else None
+    next_start = later[0][0]["ts"] if later else None
     resume = _resume(events)
     commits = [(e["ts"], int(e["snapshot_step"]), str(e.get("tier") or DEFAULT_TIER))
                for e in events if e.get("event") == "snapshot.committed"]
@@ -159,7 +158,9 @@ def _attempt(index: int, events: list[Event], nxt: list[Event] | None,
     stepped = _stepped(events)
     last = max(stepped, key=lambda e: (e["step"], e["ts"]))
     high = int(last["step"])
-    next_resume = _resume(nxt) if nxt is not None else None
+    # The first later attempt that got to train says what survived: one killed in
+    # start-up (before its resume) restored nothing and lost nothing of its own.
+    next_resume = next((r for r in map(_resume, later) if r is not None), None)
     if next_resume is not None and next_resume.get("lost_steps") is not None:
         high = max(high, int(next_resume.get("from_step") or 0)
                    + int(next_resume["lost_steps"]))

@@ -119,3 +119,30 @@ def test_cli_json_and_plot(run_dir: Path, tmp_path: Path) -> None:
                   tmp_path)
     assert bad.returncode != 0 and "fix: pass a path in a writable directory" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_work_lost_before_an_attempt_that_died_in_start_up_is_counted(tmp_path: Path) -> None:
+    """bench_goodput's seed 0: a second kill 2.5 s after the first hits the restarted
+    worker before its resume; the first attempt's steps after its last snapshot are
+    still lost work (before: counted productive, because the next attempt had no
+    resume to say so)."""
+    d = tmp_path / "events"
+    d.mkdir()
+    # Attempt 0: steps 1-20 at 0.25 s from 2.0 s, snapshot of step 10 at 4.5 s, killed
+    # at step 20 (7.0 s) with no event after the commit: how far it got is known only
+    # from attempt 2, which resumes from 10 and reports 10 lost steps (the progress file
+    # still holds step 20). Attempt 1 is killed in start-up.
+    _write(d / "attempt000-rank0.jsonl", _ev("worker.start", 0.0),
+           _ev("resume", 2.0, from_step=None, lost_steps=0),
+           _ev("snapshot.staged", 4.5, 10, snapshot_step=10, duration_s=0.0),
+           _ev("snapshot.committed", 4.5, 10, snapshot_step=10))
+    _write(d / "attempt001-rank0.jsonl", _ev("worker.start", 8.0))
+    _write(d / "attempt002-rank0.jsonl", _ev("worker.start", 11.0),
+           _ev("resume", 13.0, 10, from_step=10, lost_steps=10),
+           _ev("run.finished", 15.5, 20))
+    split = split_run(d)
+    got = [(a.from_step, a.to_step, a.lost_steps) for a in split.attempts]
+    assert got == [(None, 20, 10), (None, 0, 0), (10, 20, 0)]
+    assert split.seconds["lost_work"] == pytest.approx(2.5)  # steps 11-20 of attempt 0
+    assert split.seconds["productive"] == pytest.approx(2.5 + 2.5)
+    assert sum(split.seconds.values()) == pytest.approx(split.wall_s)
