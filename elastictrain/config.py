@@ -115,6 +115,11 @@ class SnapshotConfig(_Model):
     memory_every: int | None = Field(default=None, ge=1)
     # Default: /dev/shm/elastictrain/<run_id> (snapshot/memory.py).
     memory_dir: str | None = None
+    # Copy parameters and optimizer state behind the loop: while the next forward and
+    # backward run; the optimizer's next step() waits for the copy. Needs optimizer=
+    # and async mode; only for loops where nothing but optimizer.step() changes them
+    # (docs/performance.md#copy-behind).
+    overlap_copy: bool = False
 
     @field_validator("every_steps", "every_seconds", mode="before")
     @classmethod
@@ -139,6 +144,10 @@ class SnapshotConfig(_Model):
 
     @model_validator(mode="after")
     def _check_auto(self) -> SnapshotConfig:
+        if self.overlap_copy and self.mode == "sync":
+            raise ValueError(
+                "snapshot.overlap_copy=true copies behind the loop and needs "
+                "snapshot.mode='async' (it is 'sync'); fix: unset one of them")
         if self.auto_min_interval_s > self.auto_max_interval_s:
             raise ValueError(
                 f"snapshot.auto_min_interval_s={self.auto_min_interval_s} is above "

@@ -5,8 +5,9 @@ last lands in exactly one cause:
 
 * ``productive``: training steps that survive into the final state;
 * ``lost_work``: steps trained and then lost to a failure (redone after it);
-* ``snapshot_blocking``: the loop blocked staging a snapshot or waiting for the
-  one in flight (``snapshot.staged``, ``snapshot.backpressure``), per tier;
+* ``snapshot_blocking``: the loop blocked staging a snapshot, waiting for the
+  one in flight or for its copy behind (``snapshot.staged``, ``snapshot.backpressure``,
+  ``snapshot.copy_wait``), per tier;
 * ``restore``: loading a snapshot (``snapshot.loaded``);
 * ``restart``: failure detection, process start, imports, rendezvous, model build,
   teardown: everything before ``resume`` or between attempts;
@@ -210,7 +211,7 @@ def _window_spans(events: list[Event], begin: float, end: float, trained: int, l
         name = e.get("event")
         if name == "snapshot.staged":
             marked.append(_ending("snapshot_blocking", e, "duration_s", e.get("tier")))
-        elif name == "snapshot.backpressure":
+        elif name in ("snapshot.backpressure", "snapshot.copy_wait"):
             marked.append(_ending("snapshot_blocking", e, "wait_s", e.get("tier")))
         elif name in ("preempt.saved", "preempt.failed"):
             marked.append(_ending("preempt_drain", e, "duration_s"))

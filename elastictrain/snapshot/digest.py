@@ -14,6 +14,7 @@ def param_digest(model: nn.Module) -> str:
     digest = hashlib.sha256()
     state = model.state_dict()
     for key in sorted(state):
-        tensor = state[key].detach().cpu().contiguous()
+        # reshape: a 0-d tensor (BatchNorm's num_batches_tracked) has no byte view.
+        tensor = state[key].detach().cpu().contiguous().reshape(-1)
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 from torch import nn
 
 from elastictrain import preempt, runtime, watchdog
@@ -163,6 +164,8 @@ class SnapshotManager:
             ShardedSaver(self.store, self.config, self.ctx, unwrap(model), optimizer)
             if self.sharded else Saver(self.store, self.config))
         self.memory_store, self._memory = self._memory_tier()
+        self._unfenced_cost: float | None = None
+        self._fence_hook = self._copy_behind_fence()
         self._last_handle: SaveHandle | None = None
         self._clock = clock
         self._last_save_time = clock()
@@ -194,6 +197,40 @@ class SnapshotManager:
         config = self.config.model_copy(update={"keep": 1, "mode": "async"})
         return store, Saver(store, config, tier="memory")
 
+    def _copy_behind_fence(self) -> Any:
+        """With ``overlap_copy``, the optimizer's step pre-hook that waits for the copies
+        a save deferred (its handle, to remove at close); None otherwise."""
+        if not self.config.overlap_copy:
+            return None
+        register = getattr(self.optimizer, "register_step_pre_hook", None)
+        if register is None or self.sharded:
+            problem = ("this model is sharded (sharded saves stage every rank at once)"
+                       if self.sharded else "no torch.optim optimizer= was given (its "
+                       "step is where the copy is awaited)")
+            raise ConfigError(f"snapshot.overlap_copy=true: {problem}; fix: pass a "
+                              "torch.optim optimizer or unset snapshot.overlap_copy")
+        return register(lambda *_: self._fence())
+
+    def _fence(self) -> None:
+        """Before parameters or optimizer state change: the copies behind are done. The
+        durable save's cost to the loop, for the automatic interval, ends here."""
+        waited = self._saver.fence() if isinstance(self._saver, Saver) else 0.0
+        if self._memory is not None:
+            self._memory.fence()
+        if self._auto is not None and self._unfenced_cost is not None:
+            self._auto.observe_cost(self._unfenced_cost + waited)
+        self._unfenced_cost = None
+
+    def _deferred(self) -> frozenset[int]:
+        """What a save copies behind: parameters and optimizer state (only the
+        optimizer's step changes them); buffers and the rest are copied at once."""
+        if self._fence_hook is None:
+            return frozenset()
+        ptrs = {p.data_ptr() for p in unwrap(self.model).parameters()}
+        for state in getattr(self.optimizer, "state", {}).values():
+            ptrs.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+        return frozenset(ptrs)
+
     # -- properties -------------------------------------------------------------------
     @property
     def epoch(self) -> int:
@@ -213,6 +250,7 @@ class SnapshotManager:
     def restore(self) -> ResumeInfo:
         """Load the newest verified snapshot on every rank (or start fresh)."""
         started = time.perf_counter()
+        self._fence()  # loading overwrites the parameters a copy behind may still read
         if self.ctx.is_writer:
             self._saver.warm_up()  # a persister process starts while we load
         if self._memory is not None:
@@ -417,9 +455,16 @@ class SnapshotManager:
             if not self.ctx.is_writer and not self.sharded:
                 return SaveHandle.completed(self.step_count)
             rng = [state for state, _ in gathered]
-            self._last_handle = self._saver.save(self._state(rng), self._meta(), started)
+            self._last_handle = (
+                self._saver.save(self._state(rng), self._meta(), started)
+                if isinstance(self._saver, ShardedSaver) else
+                self._saver.save(self._state(rng), self._meta(), started, self._deferred()))
             if self._auto is not None:  # what the loop waited for: back-pressure + staging
-                self._auto.observe_cost(time.perf_counter() - started)
+                cost = time.perf_counter() - started
+                if self._fence_hook is None:
+                    self._auto.observe_cost(cost)
+                else:  # + the wait for the copy behind, at the fence
+                    self._unfenced_cost = cost
             return self._last_handle
 
     def _save_memory(self) -> None:
@@ -436,7 +481,7 @@ class SnapshotManager:
             failure = self._memory.take_failure()
             if failure is not None:
                 log.warning("snapshot.memory_failed", error=str(failure), tier="memory")
-            self._memory.save(self._state(rng), self._meta(), started)
+            self._memory.save(self._state(rng), self._meta(), started, defer=self._deferred())
 
     def _meta(self) -> SnapshotMeta:
         return SnapshotMeta(
@@ -531,6 +576,8 @@ class SnapshotManager:
 
         The run finished: each node's memory snapshots are removed (only here: after a
         failure the restart needs them)."""
+        if self._fence_hook is not None:
+            self._fence_hook.remove()
         self._saver.close()
         if self._memory is not None:
             try:

@@ -8,10 +8,18 @@ Call order (rank 0; other ranks only take part in the manager's RNG gather)::
     saver.take_failure()       # … and raises it everywhere at the same step
     saver.save(state, meta)    # copy into staging buffers (snapshot.staged) →
                                # hand the staged state to the persister
+    saver.fence()              # copy behind only: before the sources change again,
+                               # wait for the copies the save deferred (snapshot.copy_wait)
     saver.close()              # wait for the save in flight, stop the persister
 
 One save is in flight at a time: staging buffers are reused, so the next save
 must not overwrite them while they are being written.
+
+Copy behind (``snapshot.overlap_copy``): the tensors the manager names (parameters
+and optimizer state, which only the optimizer's step changes) are copied on a
+thread while the loop runs the next forward and backward; the persister gets the
+state once they are copied, and ``fence()`` (the optimizer's step pre-hook) waits
+for them. What is left of the copy then is the only blocking (docs/performance.md).
 
 The persister is a thread by default (``persister="process"`` is the option
 for loops that hold the GIL far more): measured in docs/persister.md.
@@ -19,14 +27,19 @@ for loops that hold the GIL far more): measured in docs/persister.md.
 
 from __future__ import annotations
 
+import contextvars
+import threading
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any, cast
 
+import torch
 from structlog.contextvars import bound_contextvars
 
 from elastictrain import watchdog
 from elastictrain.config import SnapshotConfig
+from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import get_logger
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
@@ -129,6 +142,8 @@ class Saver(InFlightSave):
         self._keep = config.keep
         self._policy = RetryPolicy(config.max_consecutive_failures, config.retry_backoff_s)
         self._persister: Persister | None = None
+        self._behind: _CopyBehind | None = None
+        self.copy_wait_s = 0.0  # all fence waits so far (benchmarks count them as blocking)
 
     def warm_up(self) -> None:
         """Start the persister now (a helper process imports torch for seconds), from
@@ -142,23 +157,50 @@ class Saver(InFlightSave):
             self._persister = self._start_persister()
         return self._persister
 
-    def save(self, state: Any, meta: SnapshotMeta, started: float | None = None) -> SaveHandle:
+    def save(self, state: Any, meta: SnapshotMeta, started: float | None = None,
+             defer: AbstractSet[int] = frozenset()) -> SaveHandle:
         """Stage ``state`` and start persisting it; returns at once in async mode.
 
         The caller has taken the previous save's failure, if any (``take_failure``).
 
         Args:
             started: ``time.perf_counter()`` when the save began (for ``duration_s``).
+            defer: ``data_ptr()`` of CPU tensors to copy behind (async mode only); the
+                caller calls :meth:`fence` before any of them changes.
         """
         started = time.perf_counter() if started is None else started
         self.wait_in_flight(meta.step)  # staging buffers are reused: never while in flight
-        staged = self.staging.stage(state)
+        self.fence()
+        staged, later = self.staging.stage_deferring(state, defer if self.kind != "sync"
+                                                     else frozenset())
         # Bound while submitting: the persister logs in a copy of this context.
         with bound_contextvars(tier=self.tier):
             log.info("snapshot.staged", snapshot_step=meta.step, size_bytes=self.staging.nbytes,
-                     duration_s=round(time.perf_counter() - started, 4), persister=self.kind)
-            self._last = self.persister.submit(staged, meta)
+                     duration_s=round(time.perf_counter() - started, 4), persister=self.kind,
+                     copy_behind=len(later))
+            persister = self.persister
+            if later:
+                self._behind = _CopyBehind(later, lambda: persister.submit(staged, meta),
+                                           meta.step)
+                self._last = self._behind.handle
+            else:
+                self._last = persister.submit(staged, meta)
         return self._last
+
+    def fence(self) -> float:
+        """Return once the copies the last save deferred are done (at once if none are
+        pending); a wait is logged as ``snapshot.copy_wait``: it blocked the loop.
+        Returns the seconds waited."""
+        behind, self._behind = self._behind, None
+        if behind is None or behind.copied.is_set():
+            return 0.0
+        started = time.perf_counter()
+        behind.copied.wait()
+        waited = time.perf_counter() - started
+        self.copy_wait_s += waited
+        log.info("snapshot.copy_wait", snapshot_step=behind.handle.step, tier=self.tier,
+                 wait_s=round(waited, 4))
+        return waited
 
     def prepare_ahead(self, make_state: Callable[[], Any]) -> None:
         """Allocate the staging slabs off the training loop, once, so the first save
@@ -187,3 +229,35 @@ class Saver(InFlightSave):
         from elastictrain.snapshot.persist_process import ProcessPersister
 
         return ProcessPersister(store, self._keep, self._policy)
+
+
+class _CopyBehind:
+    """The copies one save deferred, on a thread, then that save's persist.
+
+    ``handle`` is what the saver hands out: it finishes with the persist's outcome (or
+    fails if a copy raised). ``copied`` is set once the sources may change again.
+    """
+
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]],
+                 submit: Callable[[], SaveHandle], step: int) -> None:
+        self.handle = SaveHandle(step)
+        self.copied = threading.Event()
+        self._copies, self._submit = copies, submit
+        context = contextvars.copy_context()  # the persister logs with the caller's binding
+        threading.Thread(target=context.run, args=(self._run,), name="et-copy-behind",
+                         daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            try:
+                for buffer, source in self._copies:
+                    buffer.copy_(source)  # releases the GIL: the loop runs meanwhile
+            finally:
+                self.copied.set()
+            inner = self._submit()
+            inner.join()
+            self.handle._finish(inner.state, inner.manifest, inner.error)
+        except BaseException as exc:  # never leave the handle pending: waits would hang
+            self.handle._finish(SaveState.FAILED, error=SnapshotWriteFailed(
+                f"snapshot of step {self.handle.step}: copying its state failed: "
+                f"{type(exc).__name__}: {exc}"))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -87,7 +88,18 @@ class StagingBuffers:
         self._preparing.start()
 
     def stage(self, state: Any) -> Any:
-        """Return ``state`` with every tensor replaced by its staged CPU copy.
+        """Return ``state`` with every tensor replaced by its staged CPU copy
+        (:meth:`stage_deferring` with nothing deferred)."""
+        staged, later = self.stage_deferring(state, frozenset())
+        assert not later
+        return staged
+
+    def stage_deferring(self, state: Any, defer: AbstractSet[int]
+                        ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Like :meth:`stage`, but CPU tensors whose ``data_ptr()`` is in ``defer`` are
+        not copied yet: returns the staged state and the ``(buffer, source)`` pairs still
+        to copy, which the caller copies before the sources next change (copy behind,
+        docs/performance.md).
 
         Non-tensor leaves (ints, floats, strings) are immutable and returned as
         they are; containers are rebuilt so later mutation of the live state
@@ -107,26 +119,11 @@ class StagingBuffers:
         for path in set(self._buffers) - set(leaves):
             del self._buffers[path]
         self._allocate_missing(leaves)
-        needs_sync = [False]
-        staged = self._walk(state, (), needs_sync)
-        if needs_sync[0]:
+        walk = _Walk(self._buffers, defer)
+        staged = walk.visit(state, ())
+        if walk.needs_sync:
             torch.cuda.synchronize()
-        return staged
-
-    def _walk(self, node: Any, path: tuple[Any, ...], needs_sync: list[bool]) -> Any:
-        if isinstance(node, torch.Tensor):
-            buf = self._buffers[path]
-            on_cuda = node.is_cuda
-            buf.copy_(node.detach(), non_blocking=on_cuda)
-            needs_sync[0] = needs_sync[0] or on_cuda
-            return buf
-        if isinstance(node, dict):
-            return {k: self._walk(v, (*path, k), needs_sync) for k, v in node.items()}
-        if isinstance(node, list):
-            return [self._walk(v, (*path, i), needs_sync) for i, v in enumerate(node)]
-        if isinstance(node, tuple):
-            return tuple(self._walk(v, (*path, i), needs_sync) for i, v in enumerate(node))
-        return node
+        return staged, walk.later
 
     def _allocate_missing(self, leaves: dict[tuple[Any, ...], torch.Tensor],
                           touch: bool = False) -> None:
@@ -156,6 +153,34 @@ class StagingBuffers:
         for (path, shape), offset in zip(items, offsets, strict=True):
             nbytes = shape.numel() * itemsize
             self._buffers[path] = slab[offset:offset + nbytes].view(dtype).view(shape)
+
+
+class _Walk:
+    """One pass of ``stage_deferring``: copies (or defers) each tensor into its buffer."""
+
+    def __init__(self, buffers: dict[tuple[Any, ...], torch.Tensor], defer: AbstractSet[int]
+                 ) -> None:
+        self.buffers, self.defer = buffers, defer
+        self.needs_sync = False
+        self.later: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def visit(self, node: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(node, torch.Tensor):
+            buf = self.buffers[path]
+            on_cuda = node.is_cuda
+            if not on_cuda and node.data_ptr() in self.defer:
+                self.later.append((buf, node.detach()))
+            else:
+                buf.copy_(node.detach(), non_blocking=on_cuda)
+                self.needs_sync = self.needs_sync or on_cuda
+            return buf
+        if isinstance(node, dict):
+            return {k: self.visit(v, (*path, k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [self.visit(v, (*path, i)) for i, v in enumerate(node)]
+        if isinstance(node, tuple):
+            return tuple(self.visit(v, (*path, i)) for i, v in enumerate(node))
+        return node
 
 
 def _aligned(nbytes: int) -> int:

@@ -1,0 +1,159 @@
+"""Copy behind (``snapshot.overlap_copy``): parameters and optimizer state are copied
+while the next forward and backward run, and the optimizer's next step waits for
+the copy. The copy thread is held at a gate here, so the loop is certain to run
+ahead of it: a snapshot that mixed two steps, or a buffer copied late, shows."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from elastictrain.accounting.split import split_run
+from elastictrain.errors import ConfigError
+from elastictrain.snapshot import saver as saver_module
+from elastictrain.snapshot.manager import SnapshotManager
+from elastictrain.snapshot.reader import verify_snapshot
+from elastictrain.storage import open_store
+
+PERSISTERS = ["thread", "process"]
+
+
+class Gate:
+    """Holds every copy-behind thread until ``open()``; counts the holds."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.event = threading.Event()
+        self.held = 0
+        run = saver_module._CopyBehind._run
+
+        def held_run(behind: Any) -> None:
+            self.held += 1
+            self.event.wait()
+            run(behind)
+        monkeypatch.setattr(saver_module._CopyBehind, "_run", held_run)
+
+    def open(self) -> None:
+        self.event.set()
+
+
+def make(root: Path, persister: str, **kw: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer,
+                                                         SnapshotManager]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    kw.setdefault("overlap_copy", True)
+    snap = SnapshotManager(str(root), model=model, optimizer=opt, persister=persister,
+                           every_steps=5, **kw)
+    return model, opt, snap
+
+
+def one_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    loss = model(torch.randn(8, 8)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("persister", PERSISTERS)
+def test_the_snapshot_holds_its_own_step_while_the_loop_runs_ahead(
+        tmp_path: Path, persister: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate(monkeypatch)
+    model, opt, snap = make(tmp_path, persister)
+    for _ in range(5):
+        one_step(model, opt)
+        snap.step()  # step 5 saves; its copy behind is held at the gate
+    expected = {"model": copy.deepcopy(model.state_dict()),
+                "optimizer": copy.deepcopy(opt.state_dict()["state"])}
+    assert gate.held == 1
+    # The next forward changes BatchNorm's running stats (buffers: copied at once) and
+    # backward the gradients, while the copy is still held.
+    loss = model(torch.randn(8, 8)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opener = threading.Timer(0.2, gate.open)  # frees the copy while step() waits in the fence
+    opener.start()
+    with capture_logs() as logs:
+        opt.step()  # the fence: returns only after the copy of step 5
+    opener.join()
+    snap.step()
+    snap.close()
+    waits = [e for e in logs if e["event"] == "snapshot.copy_wait"]
+    assert len(waits) == 1 and waits[0]["snapshot_step"] == 5 and waits[0]["wait_s"] > 0
+    saved = verify_snapshot(open_store(str(tmp_path)), 5, load=True).payload
+    for name, value in expected["model"].items():
+        assert torch.equal(saved["model"][name], value), name
+    for index, state in expected["optimizer"].items():
+        for key, value in state.items():
+            assert torch.equal(saved["optimizer"]["state"][index][key], value), (index, key)
+    assert not torch.equal(saved["model"]["0.weight"], model.state_dict()["0.weight"])
+
+
+def test_resume_from_a_copied_behind_snapshot_is_bit_exact(tmp_path: Path) -> None:
+    ref_model, ref_opt, ref = make(tmp_path / "ref", "thread", overlap_copy=False)
+    torch.manual_seed(1)
+    for _ in range(12):
+        one_step(ref_model, ref_opt)
+        ref.step()
+    ref.close()
+    model, opt, snap = make(tmp_path / "run", "thread")
+    torch.manual_seed(1)
+    for _ in range(8):
+        one_step(model, opt)
+        snap.step()
+    snap.close()
+    model, opt, again = make(tmp_path / "run", "thread")
+    assert again.restore().from_step == 5  # the RNG too: the data of step 6 on follows
+    for _ in range(7):
+        one_step(model, opt)
+        again.step()
+    again.close()
+    ref_run = copy.deepcopy(verify_snapshot(open_store(str(tmp_path / "ref")), 10,
+                                            load=True).payload)
+    run = verify_snapshot(open_store(str(tmp_path / "run")), 10, load=True).payload
+    for name, value in ref_run["model"].items():
+        assert torch.equal(run["model"][name], value), name
+
+
+def test_overlap_copy_needs_an_optimizer_and_async_mode(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"snapshot.overlap_copy=true: no torch.optim "
+                                          r"optimizer.*fix: pass a torch.optim optimizer"):
+        SnapshotManager(str(tmp_path), model=model, overlap_copy=True)
+    with pytest.raises(ConfigError, match=r"overlap_copy.*mode='async'.*fix"):
+        SnapshotManager(str(tmp_path), model=model, overlap_copy=True, mode="sync",
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_goodput_counts_the_copy_wait_as_snapshot_blocking(tmp_path: Path) -> None:
+    d = tmp_path / "events"
+    d.mkdir()
+    lines = [{"event": "worker.start", "ts": 0.0, "step": None},
+             {"event": "resume", "ts": 1.0, "step": 0, "from_step": None, "lost_steps": 0},
+             {"event": "snapshot.staged", "ts": 2.0, "step": 5, "snapshot_step": 5,
+              "duration_s": 0.1},
+             {"event": "snapshot.copy_wait", "ts": 2.5, "step": 5, "snapshot_step": 5,
+              "wait_s": 0.3, "tier": "durable"},
+             {"event": "run.finished", "ts": 4.0, "step": 10}]
+    (d / "attempt000-rank0.jsonl").write_text("".join(
+        json.dumps(e) + "\n" for e in lines))
+    split = split_run(d)
+    assert split.seconds["snapshot_blocking"] == pytest.approx(0.4)
+
+
+def test_the_final_digest_covers_a_model_with_zero_dim_buffers() -> None:
+    """BatchNorm's num_batches_tracked is a 0-d long tensor: close() logged the digest
+    by viewing each tensor as bytes, which a 0-d tensor cannot do (found here)."""
+    from elastictrain.snapshot.digest import param_digest
+
+    model = torch.nn.BatchNorm1d(4)
+    before = param_digest(model)
+    model(torch.randn(3, 4))
+    assert param_digest(model) != before  # running stats and the counter moved
