@@ -10,7 +10,9 @@ Setup (printed with the results): the MLP + AdamW state of ``bench_snapshot.py``
 * ``blocking_ratio_vs_sync``: the time ``SnapshotManager.step()`` blocks the loop on a
   step that takes a memory snapshot (staging; the previous memory persist has
   finished), over one synchronous ``torch.save`` + fsync + rename to ``--dir``
-  (``bench_snapshot.SyncTorchSave``), ``--saves`` of each;
+  (``bench_snapshot.SyncTorchSave``), ``--saves`` of each; ``…_overlap_copy``: the
+  same with ``snapshot.overlap_copy`` (plus the next optimizer step's wait for the
+  copy behind; ``--batch`` rows per step set how much compute it can hide behind);
 * ``step_rate_ratio_memory_every_step``: the loop's step rate with a memory snapshot
   every step (back-pressure included: a step waits while the previous memory
   persist still runs) over its rate without snapshots, ``--steps`` steps per
@@ -51,35 +53,49 @@ from elastictrain.snapshot.manager import SnapshotManager
 
 
 def _manager(trainer: Trainer, durable: Path, memory: Path | None,
-             every_steps: int | None) -> SnapshotManager:
+             every_steps: int | None, overlap: bool = False) -> SnapshotManager:
     extra: dict[str, Any] = ({"memory_every": 1, "memory_dir": str(memory)}
                              if memory is not None else {})
     return SnapshotManager(str(durable), model=trainer.model, optimizer=trainer.opt,
                            every_steps=every_steps, progress_every_s=None, run_id="bench",
-                           **extra)
+                           overlap_copy=overlap, **extra)
 
 
-def blocking(trainer: Trainer, root: Path, mem: Path, saves: int) -> dict[str, list[float]]:
-    """Seconds ``step()`` blocks on a memory-snapshot step, and one sync save each."""
-    snap = _manager(trainer, root / "durable", mem, None)
+def memory_blocking(trainer: Trainer, root: Path, mem: Path, saves: int,
+                    overlap: bool) -> list[float]:
+    """Seconds the loop blocks per memory snapshot: ``step()``, plus with ``overlap``
+    the wait of the optimizer's next step for the copy behind."""
+    snap = _manager(trainer, root / f"durable-{overlap}", mem / f"o{overlap:d}", None, overlap)
     trainer.step()
     snap.step()  # warm-up: staging slabs and the persister thread
     snap.wait()
-    memory_s = []
+    assert snap._memory is not None
+    blocked = []
     for _ in range(saves):
         trainer.step()
         started = time.perf_counter()
         snap.step()
-        memory_s.append(time.perf_counter() - started)
+        step_s = time.perf_counter() - started
+        fenced = snap._memory.copy_wait_s
+        trainer.step()  # its optimizer step waits for the copy behind, if any is left
+        blocked.append(step_s + snap._memory.copy_wait_s - fenced)
         snap.wait()  # the next measured snapshot finds no persist in flight
     snap.close()
+    return blocked
+
+
+def blocking(trainer: Trainer, root: Path, mem: Path, saves: int) -> dict[str, list[float]]:
+    """Seconds the loop blocks per memory snapshot, without and with ``overlap_copy``,
+    and per sync save."""
+    memory_s = memory_blocking(trainer, root, mem, saves, overlap=False)
+    overlap_s = memory_blocking(trainer, root, mem, saves, overlap=True)
     sync = SyncTorchSave(root, trainer)
     sync_s = []
     for i in range(saves):
         started = time.perf_counter()
         sync.save(i)
         sync_s.append(time.perf_counter() - started)
-    return {"memory_s": memory_s, "sync_s": sync_s}
+    return {"memory_s": memory_s, "memory_overlap_copy_s": overlap_s, "sync_s": sync_s}
 
 
 def step_rates(trainer: Trainer, root: Path, mem: Path, steps: int,
@@ -230,7 +246,7 @@ def recoveries(root: Path, mem: Path, size_mb: float, reps: int) -> dict[str, An
 
 def run(args: argparse.Namespace, root: Path, mem: Path) -> dict[str, Any]:
     load_before = load_average()
-    trainer = Trainer.build(args.size_mb)
+    trainer = Trainer.build(args.size_mb, batch=args.batch)
     block = blocking(trainer, root, mem / "block", args.saves)
     state = trainer.state_bytes()  # after a step: AdamW's state exists now
     rates = step_rates(trainer, root, mem / "rate", args.steps, args.rounds)
@@ -243,10 +259,13 @@ def run(args: argparse.Namespace, root: Path, mem: Path) -> dict[str, Any]:
         "setup": {"size_mb": args.size_mb, "state_bytes": state, "dir": args.dir,
                   "memory_dir": args.memory_dir, "saves": args.saves, "steps": args.steps,
                   "rounds": args.rounds, "cpus": os.cpu_count(), "torch": torch.__version__,
+                  "batch": args.batch,
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   "load_before": round(load_before, 2), "load_after": round(load_after, 2),
                   "noisy": noisy(load_before, load_after, None)},
         "blocking_ratio_vs_sync": ratio_spread(block["memory_s"], block["sync_s"]),
+        "blocking_ratio_vs_sync_overlap_copy": ratio_spread(block["memory_overlap_copy_s"],
+                                                            block["sync_s"]),
         "step_rate_ratio_memory_every_step": ratio_spread(rates["memory_steps_per_s"],
                                                           rates["plain_steps_per_s"]),
         "restore_memory_vs_durable": ratio_spread(restore["restore_memory_s"],
@@ -265,7 +284,8 @@ def table(report: dict[str, Any]) -> str:
              f"{s['date']}, load {s['load_before']}→{s['load_after']}"
              f"{' NOISY' if s['noisy'] else ''}",
              f"  {'figure':<42}median [min-max]"]
-    for name in ("blocking_ratio_vs_sync", "step_rate_ratio_memory_every_step",
+    for name in ("blocking_ratio_vs_sync", "blocking_ratio_vs_sync_overlap_copy",
+                 "step_rate_ratio_memory_every_step",
                  "restore_memory_vs_durable", "kill_to_first_step_memory_vs_durable"):
         if report[name] is not None:
             lines.append(f"  {name:<42}{fmt(report[name])}")
@@ -278,6 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=float, default=256, help="model + AdamW state in MB")
     p.add_argument("--saves", type=int, default=5, help="measured saves of each kind")
+    p.add_argument("--batch", type=int, default=8, help="rows per training step (its compute)")
     p.add_argument("--steps", type=int, default=20, help="steps per step-rate round")
     p.add_argument("--rounds", type=int, default=3, help="step-rate and restore rounds")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="durable storage parent")
