@@ -132,7 +132,7 @@ def read_journal(path: str | Path) -> list[str]:
 
 
 class FailingReads(_Wrapper):
-    """Reads (``read_bytes``, ``open_read``) of paths containing ``match`` raise a
+    """Reads (``read_bytes``, ``open_read``, ``read_into``) of paths containing ``match`` raise a
     StorageTransientError, as a throttled or timed-out read that outlived the store's
     retries does; the first ``failures`` of them, or all while ``failures`` is None."""
 
@@ -159,6 +159,10 @@ class FailingReads(_Wrapper):
         self._maybe_fail(path)
         with self.inner.open_read(path) as f:
             yield f
+
+    def read_into(self, path: str, buffer: Any, offset: int = 0) -> int:
+        self._maybe_fail(path)
+        return int(self.inner.read_into(path, buffer, offset))
 
 
 class SwitchedStore(_Wrapper):

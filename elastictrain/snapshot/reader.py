@@ -17,7 +17,10 @@ raises ``SnapshotUnloadable``. Nothing here deletes anything. See docs/restore.m
 from __future__ import annotations
 
 import io
+import mmap
+import os
 import re
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -129,6 +132,13 @@ def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None
     entry = _payload_entry(manifest, where)
     path = f"{layout.step_dir(step)}/{entry.name}"
     where = f"{store.url}/{path}"
+    if store.local_path(path) is None:  # remote: few large parallel reads, not a stream
+        if not load:
+            _check_remote(store, path, entry, manifest.checksum_algorithm, where)
+            return VerifiedSnapshot(manifest, None)
+        spooled = _verify_spooled(store, path, entry, manifest, where)
+        if spooled is not None:
+            return spooled
     try:
         with store.open_read(path) as f:
             size = f.seek(0, io.SEEK_END)
@@ -168,6 +178,93 @@ def find_latest_verified(store: Store) -> VerifiedSnapshot | None:
                  duration_s=round(time.perf_counter() - started, 4))
         return found
     return None
+
+
+def _verify_spooled(store: Store, path: str, entry: ObjectEntry, manifest: Manifest,
+                    where: str) -> VerifiedSnapshot | None:
+    """A remote payload read once, with parallel ranged GETs, into a local temporary
+    file's pages; checked there, then loaded by ``torch.load(mmap=True)``, whose
+    tensors use those pages (no second copy). torch.load streaming from the object
+    store pays a round trip per record; this pays a few large reads (docs/restore.md).
+
+    Returns None (the caller streams instead) when the local file cannot be made:
+    ``TMPDIR`` without ``size`` free bytes, logged as ``snapshot.spool_skipped``.
+    """
+    size = _remote_size(store, path, entry, where)
+    with tempfile.NamedTemporaryFile(prefix="elastictrain-restore-", suffix=".pt") as spool:
+        try:
+            # Reserve the blocks now: writing a mapping of a sparse file on a full disk
+            # would kill the process with SIGBUS instead of raising.
+            os.posix_fallocate(spool.fileno(), 0, max(size, 1))
+        except OSError as exc:
+            log.warning("snapshot.spool_skipped", path=where, size_bytes=size,
+                        directory=tempfile.gettempdir(), error=str(exc),
+                        fix="set TMPDIR to a local directory with room for one payload")
+            return None
+        actual = _read_and_hash(store, path, spool.fileno(), size,
+                                manifest.checksum_algorithm, where)
+        if actual != entry.checksum:
+            raise SnapshotCorrupt(f"{where}: {manifest.checksum_algorithm} {actual} "
+                                  f"!= manifest {entry.checksum}")
+        try:
+            payload = torch.load(spool.name, weights_only=True, map_location="cpu", mmap=True)
+        except Exception as exc:
+            raise _unloadable(where, exc) from exc
+    if not isinstance(payload, dict):
+        raise _unloadable(where, TypeError(f"payload is a {type(payload).__name__}, "
+                                           "expected a dict"))
+    return VerifiedSnapshot(manifest, payload)
+
+
+def _remote_size(store: Store, path: str, entry: ObjectEntry, where: str) -> int:
+    """The payload's size, which must be the manifest's."""
+    try:
+        size = store.size(path)
+    except StorageNotFoundError as exc:
+        raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
+    if size != entry.size_bytes:
+        raise SnapshotCorrupt(f"{where}: {size} bytes, manifest says {entry.size_bytes} "
+                              "(truncated?)")
+    return size
+
+
+_VERIFY_CHUNK = 64 << 20  # one read_into (parallel ranged GETs) at a time when only checking
+
+
+def _check_remote(store: Store, path: str, entry: ObjectEntry, algorithm: ChecksumAlgorithm,
+                  where: str) -> None:
+    """Size and checksum of a remote payload, read in bounded chunks (not loaded)."""
+    size = _remote_size(store, path, entry, where)
+    hasher = new_hasher(algorithm)
+    chunk = bytearray(min(size, _VERIFY_CHUNK))
+    for offset in range(0, size, _VERIFY_CHUNK):
+        view = memoryview(chunk)[:min(_VERIFY_CHUNK, size - offset)]
+        try:
+            store.read_into(path, view, offset)
+        except StorageNotFoundError as exc:
+            raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
+        hasher.update(view)
+    actual = hasher.hexdigest()
+    if actual != entry.checksum:
+        raise SnapshotCorrupt(f"{where}: {algorithm} {actual} != manifest {entry.checksum}")
+
+
+def _read_and_hash(store: Store, path: str, fd: int, size: int,
+                   algorithm: ChecksumAlgorithm, where: str) -> str:
+    """Read ``path`` into the file ``fd`` through a mapping of it; its checksum."""
+    mapped = mmap.mmap(fd, max(size, 1))
+    try:
+        store.read_into(path, memoryview(mapped)[:size])
+    except StorageNotFoundError as exc:
+        raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
+    # No close() on the error paths: the exception's frames may still hold views of
+    # the mapping (closing would raise over the real error); it is unmapped when freed.
+    hasher = new_hasher(algorithm)
+    for start in range(0, size, _VERIFY_CHUNK):
+        with memoryview(mapped)[start:min(size, start + _VERIFY_CHUNK)] as chunk:
+            hasher.update(chunk)
+    mapped.close()
+    return hasher.hexdigest()
 
 
 def _payload_entry(manifest: Manifest, where: str) -> ObjectEntry:

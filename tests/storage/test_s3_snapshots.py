@@ -147,6 +147,7 @@ def test_discovery_sees_a_step_committed_by_another_client(s3: S3Bucket) -> None
     save(writer, 10)
     first = find_latest_verified(reader)
     assert first is not None and first.step == 10
+    reader.fs.ls(f"{reader.root}/{layout.SNAPSHOTS}", detail=False)  # s3fs caches it
     save(writer, 20)
     # reader's s3fs still holds the listing from before step 20 ...
     cached = reader.fs.ls(f"{reader.root}/{layout.SNAPSHOTS}", detail=False)
