@@ -15,7 +15,11 @@ import elastictrain as et
 
 
 def main() -> None:
-    root, steps = sys.argv[1], int(sys.argv[2])
+    train(sys.argv[1], int(sys.argv[2]))
+
+
+def train(root: str, steps: int) -> int:
+    """Restore, train to ``steps``, close; returns this worker's rank."""
     rt = et.init()
     try:
         torch.manual_seed(0)
@@ -31,6 +35,7 @@ def main() -> None:
         snap.close()
     finally:
         et.shutdown()
+    return rt.ctx.rank
 
 
 if __name__ == "__main__":

@@ -96,25 +96,23 @@ def test_the_snapshot_holds_its_own_step_while_the_loop_runs_ahead(
     assert not torch.equal(saved["model"]["0.weight"], model.state_dict()["0.weight"])
 
 
-def test_resume_from_a_copied_behind_snapshot_is_bit_exact(tmp_path: Path) -> None:
-    ref_model, ref_opt, ref = make(tmp_path / "ref", "thread", overlap_copy=False)
-    torch.manual_seed(1)
-    for _ in range(12):
-        one_step(ref_model, ref_opt)
-        ref.step()
-    ref.close()
-    model, opt, snap = make(tmp_path / "run", "thread")
-    torch.manual_seed(1)
-    for _ in range(8):
+def train_until(root: Path, steps: int, restore: int | None = None, **kw: Any) -> None:
+    """Train from seed 1 (or resume, expecting step ``restore``) up to ``steps``."""
+    model, opt, snap = make(root, "thread", **kw)
+    if restore is None:
+        torch.manual_seed(1)
+    else:  # the RNG too: the data of the next steps follows
+        assert snap.restore().from_step == restore
+    while snap.step_count < steps:
         one_step(model, opt)
         snap.step()
     snap.close()
-    model, opt, again = make(tmp_path / "run", "thread")
-    assert again.restore().from_step == 5  # the RNG too: the data of step 6 on follows
-    for _ in range(7):
-        one_step(model, opt)
-        again.step()
-    again.close()
+
+
+def test_resume_from_a_copied_behind_snapshot_is_bit_exact(tmp_path: Path) -> None:
+    train_until(tmp_path / "ref", 12, overlap_copy=False)
+    train_until(tmp_path / "run", 8)
+    train_until(tmp_path / "run", 12, restore=5)
     ref_run = copy.deepcopy(verify_snapshot(open_store(str(tmp_path / "ref")), 10,
                                             load=True).payload)
     run = verify_snapshot(open_store(str(tmp_path / "run")), 10, load=True).payload
