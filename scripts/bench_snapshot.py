@@ -80,6 +80,7 @@ from elastictrain.config import SnapshotConfig
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.restore import resolve_mode
+from elastictrain.snapshot.staging import StagingBuffers
 from elastictrain.storage import open_store
 
 TARGETS = {"blocking_ratio_vs_sync": ("<=", 0.05),
@@ -219,6 +220,8 @@ class ElasticTrainAsync:
     def close(self) -> None:
         self.staging_bytes = self.manager._saver.staging.nbytes
         self.manager.close()
+        self.manager._saver.staging = StagingBuffers()  # free the slabs: the next method's
+        # peak RSS should not include this one's staging memory
 
 
 def _wait(handle: Any) -> None:
