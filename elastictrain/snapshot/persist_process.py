@@ -80,6 +80,7 @@ class ProcessPersister:
         self._storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
         self._next_key = 0
         self._lock = threading.Lock()
+        self._reap_lock = threading.Lock()
         self._inflight: tuple[SaveHandle, contextvars.Context] | None = None
         self._context = contextvars.copy_context()
         self._dead = False
@@ -112,17 +113,23 @@ class ProcessPersister:
     def close(self) -> None:
         """Stop the helper after the save in flight (the caller waited for it)."""
         self._closing = True
-        if self._proc.is_alive():
-            with suppress(OSError, EOFError):
-                self._conn.send(("close",))
-            self._proc.join(timeout=60)
-            if self._proc.is_alive():
-                log.warning("snapshot.persister_killed", pid=self._proc.pid,
-                            reason="did not exit within 60 s of close()")
-                self._proc.kill()
-                self._proc.join()
+        with suppress(OSError, EOFError):
+            self._conn.send(("close",))
+        if not self._reap(60):
+            log.warning("snapshot.persister_killed", pid=self._proc.pid,
+                        reason="did not exit within 60 s of close()")
+            self._proc.kill()
+            self._reap(None)
         self._reader.join(timeout=10)
         self._conn.close()
+
+    def _reap(self, timeout: float | None) -> bool:
+        """Join the helper; True once it has exited. One thread at a time: the reader
+        thread joins too, and of two concurrent joins one loses the race for
+        ``waitpid`` (ECHILD), which multiprocessing reports as a live process."""
+        with self._reap_lock:
+            self._proc.join(timeout)
+            return self._proc.exitcode is not None
 
     # -- the worker's side of the pipe -----------------------------------------------
     def _encode(self, payload: Any) -> tuple[Any, dict[int, torch.Tensor], list[int]]:
@@ -163,7 +170,7 @@ class ProcessPersister:
                 context.run(log_forwarded, body)
             elif kind == "done" and inflight is not None:
                 inflight[0]._finish_with(body)
-        self._proc.join(timeout=10)
+        self._reap(10)
         with self._lock:
             self._dead = True
         if not (self._closing or _exiting.is_set()):
