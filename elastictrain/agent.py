@@ -221,8 +221,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         if 0 not in codes.values() or not live or self._pcontext is None:
             return
         stuck = []
-        for pid in live:
-            ticks = tree_cpu_ticks(pid)
+        for pid, ticks in tree_cpu_ticks(live).items():
             seen = self._exit_watch.get(pid)
             if seen is None or seen[0] != ticks:
                 self._exit_watch[pid] = (ticks, now)

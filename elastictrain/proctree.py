@@ -11,19 +11,20 @@ from pathlib import Path
 PROC = Path("/proc")
 
 
-def tree_cpu_ticks(pid: int) -> int | None:
-    """User + system CPU ticks of ``pid`` and its live descendants (their reaped
-    children included); None when ``pid`` is gone or ``/proc`` cannot be read.
+def tree_cpu_ticks(pids: list[int]) -> dict[int, int | None]:
+    """For each of ``pids``: user + system CPU ticks of it and its live descendants
+    (their reaped children included); None for a pid that is gone or when ``/proc``
+    cannot be read. One walk of ``/proc`` serves every pid.
 
-    The kernel here has no ``/proc/<pid>/task/<tid>/children``, so the tree is found
-    by one walk over every process's parent pid.
+    The kernel here has no ``/proc/<pid>/task/<tid>/children``, so the trees are found
+    from every process's parent pid.
     """
     parent: dict[int, int] = {}
     ticks: dict[int, int] = {}
     try:
         entries = list(PROC.iterdir())
     except OSError:
-        return None
+        return dict.fromkeys(pids)
     for entry in entries:
         if not entry.name.isdigit():
             continue
@@ -35,11 +36,13 @@ def tree_cpu_ticks(pid: int) -> int | None:
             ticks[int(entry.name)] = sum(int(f) for f in fields[11:15])
         except (OSError, IndexError, ValueError):
             continue  # exited during the walk
-    if pid not in ticks:
-        return None
     children: dict[int, list[int]] = {}
     for child, ppid in parent.items():
         children.setdefault(ppid, []).append(child)
+    return {pid: _tree_total(pid, ticks, children) if pid in ticks else None for pid in pids}
+
+
+def _tree_total(pid: int, ticks: dict[int, int], children: dict[int, list[int]]) -> int:
     total, stack = 0, [pid]
     while stack:
         current = stack.pop()

@@ -22,7 +22,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -151,8 +151,7 @@ def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None
     except StorageNotFoundError as exc:
         raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
     if actual != entry.checksum:
-        raise SnapshotCorrupt(f"{where}: {manifest.checksum_algorithm} {actual} "
-                              f"!= manifest {entry.checksum}") from refused
+        raise _mismatch(where, manifest.checksum_algorithm, actual, entry) from refused
     if refused is not None:
         raise _unloadable(where, refused) from refused
     return VerifiedSnapshot(manifest, payload)
@@ -201,11 +200,14 @@ def _verify_spooled(store: Store, path: str, entry: ObjectEntry, manifest: Manif
                         directory=tempfile.gettempdir(), error=str(exc),
                         fix="set TMPDIR to a local directory with room for one payload")
             return None
-        actual = _read_and_hash(store, path, spool.fileno(), size,
-                                manifest.checksum_algorithm, where)
+        mapped = mmap.mmap(spool.fileno(), max(size, 1))
+        actual = _read_hashed(store, path, size, manifest.checksum_algorithm, where,
+                              lambda offset, n: memoryview(mapped)[offset:offset + n])
+        # Not closed on the error paths: the exception's frames may still hold views of
+        # the mapping (closing would raise over the real error); it is unmapped when freed.
+        mapped.close()
         if actual != entry.checksum:
-            raise SnapshotCorrupt(f"{where}: {manifest.checksum_algorithm} {actual} "
-                                  f"!= manifest {entry.checksum}")
+            raise _mismatch(where, manifest.checksum_algorithm, actual, entry)
         try:
             payload = torch.load(spool.name, weights_only=True, map_location="cpu", mmap=True)
         except Exception as exc:
@@ -228,43 +230,39 @@ def _remote_size(store: Store, path: str, entry: ObjectEntry, where: str) -> int
     return size
 
 
-_VERIFY_CHUNK = 64 << 20  # one read_into (parallel ranged GETs) at a time when only checking
+_VERIFY_CHUNK = 64 << 20  # bytes per read_into (parallel ranged GETs) of a remote payload
 
 
 def _check_remote(store: Store, path: str, entry: ObjectEntry, algorithm: ChecksumAlgorithm,
                   where: str) -> None:
-    """Size and checksum of a remote payload, read in bounded chunks (not loaded)."""
+    """Size and checksum of a remote payload, read through one reused chunk (not loaded)."""
     size = _remote_size(store, path, entry, where)
-    hasher = new_hasher(algorithm)
     chunk = bytearray(min(size, _VERIFY_CHUNK))
+    actual = _read_hashed(store, path, size, algorithm, where,
+                          lambda _, n: memoryview(chunk)[:n])
+    if actual != entry.checksum:
+        raise _mismatch(where, algorithm, actual, entry)
+
+
+def _read_hashed(store: Store, path: str, size: int, algorithm: ChecksumAlgorithm,
+                 where: str, into: Callable[[int, int], memoryview]) -> str:
+    """Read ``path`` chunk by chunk into ``into(offset, nbytes)``, hashing each chunk as
+    it lands; the whole object's checksum."""
+    hasher = new_hasher(algorithm)
     for offset in range(0, size, _VERIFY_CHUNK):
-        view = memoryview(chunk)[:min(_VERIFY_CHUNK, size - offset)]
+        view = into(offset, min(_VERIFY_CHUNK, size - offset))
         try:
             store.read_into(path, view, offset)
         except StorageNotFoundError as exc:
             raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
         hasher.update(view)
-    actual = hasher.hexdigest()
-    if actual != entry.checksum:
-        raise SnapshotCorrupt(f"{where}: {algorithm} {actual} != manifest {entry.checksum}")
-
-
-def _read_and_hash(store: Store, path: str, fd: int, size: int,
-                   algorithm: ChecksumAlgorithm, where: str) -> str:
-    """Read ``path`` into the file ``fd`` through a mapping of it; its checksum."""
-    mapped = mmap.mmap(fd, max(size, 1))
-    try:
-        store.read_into(path, memoryview(mapped)[:size])
-    except StorageNotFoundError as exc:
-        raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
-    # No close() on the error paths: the exception's frames may still hold views of
-    # the mapping (closing would raise over the real error); it is unmapped when freed.
-    hasher = new_hasher(algorithm)
-    for start in range(0, size, _VERIFY_CHUNK):
-        with memoryview(mapped)[start:min(size, start + _VERIFY_CHUNK)] as chunk:
-            hasher.update(chunk)
-    mapped.close()
+        view.release()
     return hasher.hexdigest()
+
+
+def _mismatch(where: str, algorithm: ChecksumAlgorithm, actual: str,
+              entry: ObjectEntry) -> SnapshotCorrupt:
+    return SnapshotCorrupt(f"{where}: {algorithm} {actual} != manifest {entry.checksum}")
 
 
 def _payload_entry(manifest: Manifest, where: str) -> ObjectEntry:

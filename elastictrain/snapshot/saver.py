@@ -259,5 +259,5 @@ class _CopyBehind:
             self.handle._finish(inner.state, inner.manifest, inner.error)
         except BaseException as exc:  # never leave the handle pending: waits would hang
             self.handle._finish(SaveState.FAILED, error=SnapshotWriteFailed(
-                f"snapshot of step {self.handle.step}: copying its state failed: "
+                f"snapshot of step {self.handle.step}: copying or handing over its state failed: "
                 f"{type(exc).__name__}: {exc}"))

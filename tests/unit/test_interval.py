@@ -37,6 +37,16 @@ class _Clock:
         return self.now
 
 
+def _steps_saving(snap: SnapshotManager, clock: _Clock, steps: int) -> list[int]:
+    """Take ``steps`` steps of one clock second each; the steps that saved."""
+    saved = []
+    for _ in range(steps):
+        clock.now += 1.0
+        if snap.step() is not None:
+            saved.append(snap.step_count)
+    return saved
+
+
 def test_young_daly_and_the_mtbf_prior() -> None:
     assert young_daly_s(2.0, 3600.0) == pytest.approx(120.0)
     assert estimate_mtbf_s(0.0, 0, prior_s=3600.0) == 3600.0  # no record: the prior
@@ -137,12 +147,8 @@ def test_manager_saves_on_the_automatic_interval(tmp_path: Path, trigger: str,
     snap = SnapshotManager(str(tmp_path / "s"), model=torch.nn.Linear(2, 2), ctx=ctx,
                            clock=clock, auto_mtbf_prior_s=1.0, auto_min_interval_s=5.0,
                            auto_max_interval_s=50.0, **triggers)
-    saved = []
     with capture_logs() as logs:
-        for _ in range(16):
-            clock.now += 1.0
-            if snap.step() is not None:
-                saved.append(snap.step_count)
+        saved = _steps_saving(snap, clock, 16)
     snap.close()
     assert saved == [5, 10, 15]
     intervals = [e for e in logs if e["event"] == "snapshot.interval"]
@@ -156,12 +162,8 @@ def test_manager_interval_grows_to_the_bound_with_a_long_mtbf(tmp_path: Path) ->
     snap = SnapshotManager(str(tmp_path / "s"), model=torch.nn.Linear(2, 2), ctx=ctx,
                            clock=clock, every_steps="auto", auto_mtbf_prior_s=1e12,
                            auto_min_interval_s=2.0, auto_max_interval_s=10.0)
-    saved = []
     with capture_logs() as logs:
-        for _ in range(25):
-            clock.now += 1.0
-            if snap.step() is not None:
-                saved.append(snap.step_count)
+        saved = _steps_saving(snap, clock, 25)
     snap.close()
     assert saved == [2, 12, 22]
     reasons = [e["reason"] for e in logs if e["event"] == "snapshot.interval"]
@@ -190,20 +192,14 @@ def test_after_a_restore_the_automatic_interval_counts_from_the_restored_step(
                           "auto_min_interval_s": 5.0, "auto_max_interval_s": 50.0}
     clock = _Clock()
     first = SnapshotManager(str(tmp_path / "s"), model=torch.nn.Linear(2, 2), clock=clock, **kw)
-    for _ in range(16):
-        clock.now += 1.0
-        first.step()
+    _steps_saving(first, clock, 16)
     first.close()
     clock = _Clock()
     resumed = SnapshotManager(str(tmp_path / "s"), model=torch.nn.Linear(2, 2), clock=clock,
                               **kw)
     assert resumed.restore().from_step == 15
-    saved = []
     with capture_logs() as logs:
-        for _ in range(6):
-            clock.now += 1.0
-            if resumed.step() is not None:
-                saved.append(resumed.step_count)
+        saved = _steps_saving(resumed, clock, 6)
     resumed.close()
     assert saved == [20]
     assert [e["interval_steps"] for e in logs if e["event"] == "snapshot.interval"] == [5]
