@@ -2,8 +2,8 @@
 
 crc32 is the default and the algorithm is named in every manifest: it is a
 small part of a persist or a restore and releases the GIL on large buffers.
-If ISA-L (``isal``, not a dependency) is installed, its identical, faster
-CRC-32 is used. Figures: docs/storage.md.
+ISA-L's identical CRC-32 (``isal``, a dependency) is used; zlib's, several
+times slower, only where isal cannot be installed. Figures: docs/storage.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from elastictrain.config import ChecksumAlgorithm
 
 try:
     from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # the default: isal is optional
+except ImportError:  # a platform without an isal build
     _crc32 = zlib.crc32
 
 

@@ -35,7 +35,7 @@ from elastictrain.errors import (
     StorageNotFoundError,
 )
 from elastictrain.log import get_logger
-from elastictrain.snapshot import layout, signing
+from elastictrain.snapshot import layout, onepass, signing
 from elastictrain.snapshot.checksum import new_hasher
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest, ObjectEntry
 from elastictrain.storage.api import Store
@@ -139,12 +139,14 @@ def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None
         spooled = _verify_spooled(store, path, entry, manifest, where)
         if spooled is not None:
             return spooled
+    elif load:
+        local = _load_one_pass(store, path, entry, manifest, where)
+        if local is not None:
+            return local
     try:
         with store.open_read(path) as f:
             size = f.seek(0, io.SEEK_END)
-            if size != entry.size_bytes:
-                raise SnapshotCorrupt(f"{where}: {size} bytes, manifest says "
-                                      f"{entry.size_bytes} (truncated?)")
+            _check_size(size, entry, where)
             reader = VerifyingReader(f, size, manifest.checksum_algorithm)
             payload, refused = _load(reader) if load else (None, None)
             actual = reader.finish()
@@ -218,16 +220,44 @@ def _verify_spooled(store: Store, path: str, entry: ObjectEntry, manifest: Manif
     return VerifiedSnapshot(manifest, payload)
 
 
+def _load_one_pass(store: Store, path: str, entry: ObjectEntry, manifest: Manifest,
+                   where: str) -> VerifiedSnapshot | None:
+    """A local payload read once, straight into the restored tensors, its checksum
+    computed on the way (snapshot/onepass.py); None (the caller streams) when its
+    layout is not recognised."""
+    local = store.local_path(path)
+    layout_plan = None if local is None else onepass.plan(local)
+    if layout_plan is None:
+        return None
+    try:
+        with store.open_read(path) as f:
+            size = f.seek(0, io.SEEK_END)
+            _check_size(size, entry, where)
+            actual, payload = onepass.read(f, size, layout_plan, manifest.checksum_algorithm)
+    except StorageNotFoundError as exc:
+        raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
+    if actual != entry.checksum:
+        raise _mismatch(where, manifest.checksum_algorithm, actual, entry)
+    if not isinstance(payload, dict):
+        raise _unloadable(where, TypeError(f"payload is a {type(payload).__name__}, "
+                                           "expected a dict"))
+    return VerifiedSnapshot(manifest, payload)
+
+
 def _remote_size(store: Store, path: str, entry: ObjectEntry, where: str) -> int:
     """The payload's size, which must be the manifest's."""
     try:
         size = store.size(path)
     except StorageNotFoundError as exc:
         raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
+    _check_size(size, entry, where)
+    return size
+
+
+def _check_size(size: int, entry: ObjectEntry, where: str) -> None:
     if size != entry.size_bytes:
         raise SnapshotCorrupt(f"{where}: {size} bytes, manifest says {entry.size_bytes} "
                               "(truncated?)")
-    return size
 
 
 _VERIFY_CHUNK = 64 << 20  # bytes per read_into (parallel ranged GETs) of a remote payload

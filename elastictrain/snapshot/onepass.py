@@ -1,0 +1,143 @@
+"""Restore of a local payload in one pass over its bytes.
+
+``torch.load`` of a stream reads every storage into memory torch allocates, one
+page fault per 4 KiB page, and the checksum is a second walk over what it read.
+Here ``torch.load(mmap=True)`` supplies only the state's structure and which file
+range each storage occupies (its mapping is never read), and the file is then
+read front to back, once: each storage's range straight into the memory the
+restored tensor keeps, everything between (zip headers, the pickle, the
+directory) into a small scratch buffer, every chunk hashed as it lands, in file
+order. The caller uses the state only when that checksum matches the manifest.
+
+Reads go through the store's ``open_read``, so a failed read is a storage error
+(and fault-injecting stores see it); nothing here maps file pages it reads, so
+an I/O error is an exception, never a SIGBUS. A payload whose layout is not the
+one recognised here (``plan`` returns None) is streamed by the caller instead.
+Figures: docs/restore.md.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from elastictrain.config import ChecksumAlgorithm
+from elastictrain.snapshot.checksum import Hasher, new_hasher
+from elastictrain.snapshot.views import StorageIndex, from_views, to_views
+
+_CHUNK = 64 << 20  # bytes per read and hash: large reads, a hash while the chunk is cached
+_SCRATCH = 8 << 20  # bytes of the buffer that takes everything between storages
+_DATA_RECORD = re.compile(r"[^/]+/data/\d+")
+_LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
+
+
+@dataclass(frozen=True)
+class Region:
+    """Storage number ``storage`` of the skeleton lies at ``offset`` in the file."""
+
+    offset: int
+    nbytes: int
+    storage: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The state's skeleton and where its storages lie, in file order."""
+
+    skeleton: Any
+    regions: list[Region]
+
+
+def plan(path: str) -> Plan | None:
+    """The layout of the payload at local ``path``, or None when it is not a plain
+    uncompressed torch zip whose every storage is one recognised record (the
+    caller then streams the payload; a payload that does not load at all is
+    classified there too, by its checksum)."""
+    try:
+        payload = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        records = _record_offsets(path)
+    except Exception:
+        return None
+    index = StorageIndex()
+    skeleton = to_views(payload, index)
+    storages = sorted(enumerate(index.storages), key=lambda item: item[1].data_ptr())
+    if len(storages) != len(records):
+        return None
+    regions: list[Region] = []
+    base: int | None = None
+    for (number, storage), (offset, nbytes) in zip(storages, records, strict=True):
+        # Every storage is a slice of one mapping of the file: the same distance
+        # between address and file offset for all of them proves which bytes each holds.
+        distance = storage.data_ptr() - offset
+        if storage.nbytes() != nbytes or (base is not None and distance != base):
+            return None
+        base = distance
+        regions.append(Region(offset, nbytes, number))
+    return Plan(skeleton, regions)
+
+
+def read(f: BinaryIO, size: int, layout: Plan,
+         algorithm: ChecksumAlgorithm) -> tuple[str, dict[str, Any]]:
+    """Read the file ``f`` (``size`` bytes) once, front to back, into fresh storages;
+    return its checksum and the state built on those storages.
+
+    Raises:
+        OSError or the store's StorageError: a read failed or the file ended early.
+    """
+    hasher = new_hasher(algorithm)
+    scratch = memoryview(bytearray(_SCRATCH))
+    storages: dict[int, torch.Tensor] = {}
+    position = 0
+    for region in layout.regions:
+        _read_hashed(f, position, region.offset - position, hasher, scratch)
+        target = torch.empty(region.nbytes, dtype=torch.uint8)
+        storages[region.storage] = target
+        _read_hashed(f, region.offset, region.nbytes, hasher, memoryview(target.numpy()))  # type: ignore[arg-type]
+        position = region.offset + region.nbytes
+    _read_hashed(f, position, size - position, hasher, scratch)
+    return hasher.hexdigest(), from_views(layout.skeleton, storages)
+
+
+def _read_hashed(f: BinaryIO, offset: int, nbytes: int, hasher: Hasher,
+                 into: memoryview) -> None:
+    """Read ``nbytes`` from ``offset``, hashing each chunk as it lands: into ``into``
+    when it is that long (a storage), else through it over and over (scratch)."""
+    f.seek(offset)
+    done = 0
+    while done < nbytes:
+        n = min(nbytes - done, _CHUNK)
+        view = into[done:done + n] if into.nbytes >= nbytes else into[:min(n, into.nbytes)]
+        got = 0
+        while got < view.nbytes:
+            read = f.readinto(view[got:])  # type: ignore[attr-defined]
+            if not read:
+                raise OSError(f"the file ends after {offset + done + got} bytes, "
+                              f"{offset + nbytes} expected")
+            got += read
+        hasher.update(view)
+        done += view.nbytes
+
+
+def _record_offsets(path: str) -> list[tuple[int, int]]:
+    """(offset, size) of every non-empty storage record's data in the zip, in file order.
+
+    Raises ValueError on a compressed record (torch.save never writes one).
+    """
+    found = []
+    with open(path, "rb") as raw, zipfile.ZipFile(raw) as archive:
+        for info in archive.infolist():
+            if not _DATA_RECORD.fullmatch(info.filename) or info.file_size == 0:
+                continue
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"{info.filename} is compressed")
+            raw.seek(info.header_offset)
+            header = raw.read(_LOCAL_HEADER)
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            found.append((info.header_offset + _LOCAL_HEADER + name_len + extra_len,
+                          info.file_size))
+    return sorted(found)
