@@ -18,6 +18,7 @@ Figures: docs/restore.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import struct
@@ -169,10 +170,9 @@ def _read_hashed(f: BinaryIO, offset: int, nbytes: int, hasher: Hasher,
 def _read_ahead(f: BinaryIO, offset: int) -> None:
     """Ask the kernel to start reading the next chunk from disk now, while this one is
     copied and hashed (a plain read waits for its own bytes only)."""
-    try:
+    # Not a local file (or no fadvise): reads still work, without the overlap.
+    with contextlib.suppress(OSError, AttributeError, ValueError):
         os.posix_fadvise(f.fileno(), offset, _CHUNK, os.POSIX_FADV_WILLNEED)
-    except (OSError, AttributeError, ValueError):
-        pass  # not a local file (or no fadvise): reads still work, without the overlap
 
 
 def _record_offsets(path: str) -> list[tuple[int, int]]:
