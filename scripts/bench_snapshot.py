@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -87,7 +88,12 @@ TARGETS = {"blocking_ratio_vs_sync": ("<=", 0.05),
            "blocking_ratio_vs_sync_overlap_copy": ("<=", 0.02),
            "step_rate_ratio_during_persist": (">=", 0.95),
            "persist_vs_raw_write": (">=", 0.80), "restore_vs_raw_read": ("<=", 1.25),
+           "restore_vs_raw_read_warm": ("<=", 1.25),
+           "restore_vs_raw_read_1rank": ("<=", 1.25),
+           "restore_vs_raw_read_1rank_warm": ("<=", 1.25),
+           "restore_peak_rss_over_state": ("<=", 1.20),
            "staging_bytes_over_state_bytes": ("<=", 1.10)}
+MIB = 1 << 20
 WIDTH = 1024
 GAP_STEPS = 3
 
@@ -424,7 +430,9 @@ def restore_worker(rank: int, world: int, port: int, root: str, size_mb: float, 
     ctx = DistContext(rank, world, rank, "gloo", torch.device("cpu"), True)
     trainer = Trainer.build(size_mb)
     payload = next(iter(Path(root).rglob(layout.PAYLOAD)))
+    state = payload.stat().st_size
     results: dict[str, list[float]] = {}
+    modes = ("each", "broadcast") if world > 1 else ("each",)
     for cold in (True, False):
         tag = "cold" if cold else "warm"
         for _ in range(reps):
@@ -437,27 +445,37 @@ def restore_worker(rank: int, world: int, port: int, root: str, size_mb: float, 
             elapsed = torch.tensor([raw_read_s(str(payload), cold=False)])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # every rank reads, as "each" does
             results.setdefault(f"raw_read_all_ranks_{tag}", []).append(float(elapsed))
-            for mode in ("each", "broadcast"):
+            for mode in modes:
                 manager = SnapshotManager(root, model=trainer.model, optimizer=trainer.opt,
                                           ctx=ctx, restore_mode=mode, every_steps=10**9)
+                # A restarted worker has an empty optimizer: the previous repetition's
+                # state would otherwise count in this one's peak memory.
+                trainer.opt.state.clear()
+                gc.collect()
                 if cold and rank == 0:
                     evict(str(payload))
+                base_rss = _status_kb("self", "VmRSS") / 1024
+                reset_peak_rss()
                 dist.barrier()
                 started = time.perf_counter()
                 manager.restore()
-                elapsed = torch.tensor([time.perf_counter() - started])
+                elapsed = torch.tensor([time.perf_counter() - started,
+                                        (peak_rss_mb() - base_rss) * MIB / state])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank
-                results.setdefault(f"restore_{mode}_{tag}", []).append(float(elapsed))
+                results.setdefault(f"restore_{mode}_{tag}", []).append(float(elapsed[0]))
+                results.setdefault(f"restore_rss_growth_{mode}_{tag}", []).append(
+                    float(elapsed[1]))
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def measure_restore_2ranks(root: Path, size_mb: float, reps: int) -> dict[str, list[float]]:
-    """Restore and raw-read times (seconds, every repetition) from 2 spawned gloo ranks."""
-    out = root.parent / "restore.json"
-    torch_mp.spawn(restore_worker, args=(2, free_port(), str(root), size_mb, reps, str(out)),
-                   nprocs=2, join=True)
+def measure_restore(root: Path, size_mb: float, reps: int, world: int) -> dict[str, list[float]]:
+    """Restore and raw-read times (seconds, every repetition) and the peak RSS growth of
+    the worst rank over the payload's bytes, from ``world`` spawned gloo ranks."""
+    out = root.parent / f"restore-{world}.json"
+    torch_mp.spawn(restore_worker, args=(world, free_port(), str(root), size_mb, reps, str(out)),
+                   nprocs=world, join=True)
     return dict(json.loads(out.read_text()))
 
 
@@ -481,9 +499,9 @@ def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
     trainer.steps.clear()
     raw_w = raw_write_s(root, state)
     default = SnapshotConfig().persister
-    methods: list[Any] = [SyncTorchSave(root, trainer),
-                          DcpAsyncSave(root, trainer, "process"),
-                          DcpAsyncSave(root, trainer, "thread"),
+    dcp: list[Any] = [] if args.skip_dcp else [DcpAsyncSave(root, trainer, "process"),
+                                                DcpAsyncSave(root, trainer, "thread")]
+    methods: list[Any] = [SyncTorchSave(root, trainer), *dcp,
                           ElasticTrainAsync(root, trainer, "thread", default == "thread"),
                           ElasticTrainAsync(root, trainer, "process", default == "process"),
                           ElasticTrainAsync(root, trainer, "thread", False, overlap=True)]
@@ -493,8 +511,12 @@ def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
                         and m.name.endswith("[default]")) / state
     flat = staging_flatness(root, args.staging_size_mb, args.staging_saves, default)
     dist.destroy_process_group()
-    restore_all = measure_restore_2ranks(et_root, size_mb, args.restore_reps)
+    del methods, trainer  # the restore ranks need the memory (a 4 GiB state: ~5.3 GiB each)
+    gc.collect()
+    restore_all = measure_restore(et_root, size_mb, args.restore_reps, 2)
     restore = {k: statistics.median(v) for k, v in restore_all.items()}
+    one_all = measure_restore(et_root, size_mb, args.restore_reps, 1)
+    one = {k: statistics.median(v) for k, v in one_all.items()}
     load_after = load_average()
     sync = results[0]
     ours = next(r for r in results if r.name.endswith("[default]"))
@@ -510,6 +532,10 @@ def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
                                      / restore["raw_read_warm"]),
         "restore_vs_raw_read_all_ranks": (restore[f"restore_{restore_mode}_cold"]
                                           / restore["raw_read_all_ranks_cold"]),
+        "restore_vs_raw_read_1rank": one["restore_each_cold"] / one["raw_read_cold"],
+        "restore_vs_raw_read_1rank_warm": one["restore_each_warm"] / one["raw_read_warm"],
+        "restore_peak_rss_over_state": max(restore[f"restore_rss_growth_{restore_mode}_{t}"]
+                                           for t in ("cold", "warm")),
         "staging_bytes_over_state_bytes": max(flat["staging_over_state"],
                                               staging_main or 0.0),
     }
@@ -530,6 +556,8 @@ def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
         "methods": [asdict(r) for r in results],
         "restore_s": restore,
         "restore_spread_s": {k: spread(v) for k, v in restore_all.items()},
+        "restore_1rank_s": one,
+        "restore_1rank_spread_s": {k: spread(v) for k, v in one_all.items()},
         "staging": flat,
         "curve": curve_point(state, ours, sync, restore_all, restore_mode),
     }
@@ -591,7 +619,7 @@ def table(report: dict[str, Any]) -> str:
             f"{m['persist_vs_raw_write']:6.2f} "
             f"{m['first_blocking_s']:8.3f} {m['first_durable_s']:8.3f} {m['peak_rss_mb']:7.0f} "
             f"{m['helper_peak_rss_mb']:7.0f}")
-    r = report["restore_s"]
+    r, one = report["restore_s"], report["restore_1rank_s"]
     lines += [
         f"raw write+fsync of the state bytes: {report['raw_write_s']:.3f} s at the start; "
         "'raw wr s' is the median of that and one write right before and after each method",
@@ -610,6 +638,13 @@ def table(report: dict[str, Any]) -> str:
         f"{report['restore_vs_raw_read']:.2f}"
         f"; warm: {report['restore_vs_raw_read_warm']:.2f}; vs both ranks reading at once: "
         f"{report['restore_vs_raw_read_all_ranks']:.2f}",
+        f"restore (1 rank)                  cold: {one['restore_each_cold']:.3f} s, raw read "
+        f"{one['raw_read_cold']:.3f} s ({report['restore_vs_raw_read_1rank']:.2f}); warm: "
+        f"{one['restore_each_warm']:.3f} s, raw read {one['raw_read_warm']:.3f} s "
+        f"({report['restore_vs_raw_read_1rank_warm']:.2f})",
+        "peak RSS growth during restore / payload bytes (worst rank, default mode): "
+        f"{report['restore_peak_rss_over_state']:.3f} (1 rank: "
+        f"{max(one['restore_rss_growth_each_cold'], one['restore_rss_growth_each_warm']):.3f})",
     ]
     st = report["staging"]
     lines += [
@@ -667,6 +702,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--staging-saves", type=int, default=50)
     p.add_argument("--staging-size-mb", type=float, default=32)
     p.add_argument("--restore-reps", type=int, default=3)
+    p.add_argument("--skip-dcp", action="store_true",
+                   help="leave out the dcp.async_save baselines (their process holds ~4.7x "
+                        "the state: a 4 GiB state does not fit in 24 GiB with them)")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="storage parent directory")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write the curve as JSON to FILE (no FILE or -: stdout)")
