@@ -709,6 +709,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write the curve as JSON to FILE (no FILE or -: stdout)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the curve")
+    p.add_argument("--from-json", nargs="+", default=[], metavar="FILE",
+                   help="measure nothing: print and plot the points of earlier --json runs "
+                        "(each keeps its own load and noisy flag), e.g. sizes run apart")
     args = p.parse_args(argv)
     for name in ("saves", "staging_saves", "staging_size_mb", "restore_reps"):
         if getattr(args, name) <= 0:
@@ -725,9 +728,10 @@ def main(argv: list[str] | None = None) -> None:
     et_log.configure(level="warning", stream=sys.stderr)
     stdout = os.dup(1)
     os.dup2(2, 1)  # helpers and DCP print; stdout carries only the result
-    points = []
+    points = sorted((p for f in args.from_json for p in json.loads(Path(f).read_text())["points"]),
+                    key=lambda p: p["setup"]["size_mb"])
     try:
-        for size in args.sizes:
+        for size in [] if args.from_json else args.sizes:
             root = Path(tempfile.mkdtemp(prefix="elastictrain-bench-", dir=args.dir))
             try:
                 points.append(run(args, root, size))
@@ -736,7 +740,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         os.dup2(stdout, 1)
     if args.json is not None:
-        write_json(args.json, {"sizes_mb": args.sizes, "points": points})
+        write_json(args.json, {"sizes_mb": [p["setup"]["size_mb"] for p in points],
+                               "points": points})
     if args.json != "-":
         print("\n\n".join(table(p) for p in points), flush=True)
         print("\n" + curve_table(points), flush=True)
