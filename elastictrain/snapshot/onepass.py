@@ -22,6 +22,7 @@ import contextlib
 import os
 import re
 import struct
+import sys
 import threading
 import zipfile
 from dataclasses import dataclass
@@ -130,6 +131,8 @@ class _Prefault:
     def _run(self, targets: list[torch.Tensor]) -> None:
         import ctypes
 
+        if not sys.platform.startswith("linux"):
+            return  # the advice's number means something else elsewhere
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         for target in targets:
             address, end = target.data_ptr(), target.data_ptr() + target.nbytes
