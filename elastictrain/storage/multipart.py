@@ -266,7 +266,7 @@ class RequestBody:
     all Python 3.11's socket transport copies). Not an ``io.IOBase``: aiohttp would
     then read it 256 KiB at a time through a thread pool, and a ``bytes`` or
     ``BytesIO`` body is copied whole (joined with the headers; ``BytesIO.getbuffer``
-    unshares it). A retry starts over: botocore seeks to 0, each send iterates afresh.
+    unshares it). Every send is the whole body (see ``_pieces``).
     """
 
     def __init__(self, pieces: Sequence[bytes | bytearray], piece_bytes: int = 1 << 20) -> None:
@@ -309,8 +309,13 @@ class RequestBody:
         return b"".join(self._slices(end, end))
 
     async def _pieces(self) -> AsyncIterator[memoryview]:
-        for piece in self._slices(self._total, self._piece):
-            yield piece
+        # Always the whole body, and the file position untouched: s3fs retries a throttled
+        # request with this same object, and botocore signs and checksums it again from
+        # the file position. Were sending to move it, the retry would announce the full
+        # Content-Length and send nothing (the server waits for the body forever).
+        for view in self._views:
+            for start in range(0, view.nbytes, self._piece):
+                yield view[start:start + self._piece]
 
     def __aiter__(self) -> AsyncIterator[memoryview]:
         return self._pieces()
