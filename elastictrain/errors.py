@@ -60,6 +60,15 @@ class StorageTransientError(StorageError):
     """A retryable fault (throttling, connection reset) outlived its retries."""
 
 
+class ObjectSizeMismatch(StorageError):
+    """An object is not the size the reader was told it must be (``actual`` bytes):
+    the store answered, so this is a fact about the object, not a failed read."""
+
+    def __init__(self, message: str, actual: int) -> None:
+        super().__init__(message)
+        self.actual = actual
+
+
 class SnapshotCorrupt(StorageError):
     """A snapshot's manifest or payload failed verification."""
 

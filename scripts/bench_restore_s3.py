@@ -97,8 +97,9 @@ class ReadCountingStore:
         self.counter[0] += len(data)
         return data
 
-    def read_into(self, path: str, buffer: Any, offset: int = 0) -> int:
-        n = self.inner.read_into(path, buffer, offset)
+    def read_into(self, path: str, buffer: Any, offset: int = 0, *,
+                  object_size: int | None = None) -> int:
+        n = self.inner.read_into(path, buffer, offset, object_size=object_size)
         self.counter[0] += n
         return n
 

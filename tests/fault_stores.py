@@ -160,9 +160,10 @@ class FailingReads(_Wrapper):
         with self.inner.open_read(path) as f:
             yield f
 
-    def read_into(self, path: str, buffer: Any, offset: int = 0) -> int:
+    def read_into(self, path: str, buffer: Any, offset: int = 0, *,
+                  object_size: int | None = None) -> int:
         self._maybe_fail(path)
-        return int(self.inner.read_into(path, buffer, offset))
+        return int(self.inner.read_into(path, buffer, offset, object_size=object_size))
 
 
 class SwitchedStore(_Wrapper):

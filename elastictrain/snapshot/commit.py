@@ -35,6 +35,7 @@ from elastictrain.errors import (
     SnapshotCorrupt,
     StorageConflictError,
     StorageError,
+    StorageNotFoundError,
 )
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout, signing
@@ -128,7 +129,7 @@ def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta,
     ``before_commit`` runs after the payload is durable and before the commit
     marker: raising there leaves an uncommitted (ignored, later pruned) write."""
     final = layout.step_dir(meta.step)
-    if store.exists(f"{final}/{layout.MANIFEST}"):
+    if _is_committed(store, final):
         if _committed_copy_verifies(store, meta.step):
             log.info("snapshot.exists", snapshot_step=meta.step, action="kept")
             return None
@@ -137,6 +138,19 @@ def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta,
     if store.supports_rename:
         return _persist_by_rename(store, payload, meta, final, check)
     return _persist_manifest_last(store, payload, meta, final, check)
+
+
+def _is_committed(store: Store, final: str) -> bool:
+    """Whether ``final`` has a manifest. A GET of it is one request on an object store
+    (a 404 when absent), where ``exists`` is two on S3 (s3fs follows a 404 HEAD with a
+    listing, to find a "directory"); the manifest is always an object. What it says is
+    the same, and a read that fails is raised as before: the commit stays the
+    conditional manifest PUT, so skipping nothing here weakens it."""
+    try:
+        store.read_bytes(f"{final}/{layout.MANIFEST}")
+    except StorageNotFoundError:
+        return False
+    return True
 
 
 def _committed_copy_verifies(store: Store, step: int) -> bool:

@@ -30,6 +30,7 @@ import torch
 
 from elastictrain.config import ChecksumAlgorithm
 from elastictrain.errors import (
+    ObjectSizeMismatch,
     SnapshotCorrupt,
     SnapshotUnloadable,
     StorageNotFoundError,
@@ -190,8 +191,12 @@ def _verify_spooled(store: Store, path: str, entry: ObjectEntry, manifest: Manif
 
     Returns None (the caller streams instead) when the local file cannot be made:
     ``TMPDIR`` without ``size`` free bytes, logged as ``snapshot.spool_skipped``.
+
+    The size is the manifest's: the ranged GETs check the object's size from their
+    own answers (a HEAD first would add a round trip and prove no more), and the
+    whole payload is one ``read_into``, so its ranges run in parallel across all of it.
     """
-    size = _remote_size(store, path, entry, where)
+    size = entry.size_bytes
     with tempfile.NamedTemporaryFile(prefix="elastictrain-restore-", suffix=".pt") as spool:
         try:
             # Reserve the blocks now: writing a mapping of a sparse file on a full disk
@@ -204,7 +209,8 @@ def _verify_spooled(store: Store, path: str, entry: ObjectEntry, manifest: Manif
             return None
         mapped = mmap.mmap(spool.fileno(), max(size, 1))
         actual = _read_hashed(store, path, size, manifest.checksum_algorithm, where,
-                              lambda offset, n: memoryview(mapped)[offset:offset + n])
+                              lambda offset, n: memoryview(mapped)[offset:offset + n],
+                              chunk=max(size, 1))
         # Not closed on the error paths: the exception's frames may still hold views of
         # the mapping (closing would raise over the real error); it is unmapped when freed.
         mapped.close()
@@ -244,16 +250,6 @@ def _load_one_pass(store: Store, path: str, entry: ObjectEntry, manifest: Manife
     return VerifiedSnapshot(manifest, payload)
 
 
-def _remote_size(store: Store, path: str, entry: ObjectEntry, where: str) -> int:
-    """The payload's size, which must be the manifest's."""
-    try:
-        size = store.size(path)
-    except StorageNotFoundError as exc:
-        raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
-    _check_size(size, entry, where)
-    return size
-
-
 def _check_size(size: int, entry: ObjectEntry, where: str) -> None:
     if size != entry.size_bytes:
         raise SnapshotCorrupt(f"{where}: {size} bytes, manifest says {entry.size_bytes} "
@@ -265,26 +261,34 @@ _VERIFY_CHUNK = 64 << 20  # bytes per read_into (parallel ranged GETs) of a remo
 
 def _check_remote(store: Store, path: str, entry: ObjectEntry, algorithm: ChecksumAlgorithm,
                   where: str) -> None:
-    """Size and checksum of a remote payload, read through one reused chunk (not loaded)."""
-    size = _remote_size(store, path, entry, where)
+    """Size and checksum of a remote payload, read through one reused chunk (not loaded);
+    the size is checked by the reads themselves (``_read_hashed``)."""
+    size = entry.size_bytes
     chunk = bytearray(min(size, _VERIFY_CHUNK))
     actual = _read_hashed(store, path, size, algorithm, where,
-                          lambda _, n: memoryview(chunk)[:n])
+                          lambda _, n: memoryview(chunk)[:n], chunk=_VERIFY_CHUNK)
     if actual != entry.checksum:
         raise _mismatch(where, algorithm, actual, entry)
 
 
 def _read_hashed(store: Store, path: str, size: int, algorithm: ChecksumAlgorithm,
-                 where: str, into: Callable[[int, int], memoryview]) -> str:
-    """Read ``path`` chunk by chunk into ``into(offset, nbytes)``, hashing each chunk as
-    it lands; the whole object's checksum."""
+                 where: str, into: Callable[[int, int], memoryview], chunk: int) -> str:
+    """Read ``path`` ``chunk`` bytes at a time into ``into(offset, nbytes)``, hashing each
+    chunk as it lands; the whole object's checksum.
+
+    Every read also checks that the object is ``size`` bytes (the manifest's), from the
+    store's own answers: a missing or differently sized object is corrupt; any other
+    failed read is raised as it is (it says nothing about the snapshot)."""
     hasher = new_hasher(algorithm)
-    for offset in range(0, size, _VERIFY_CHUNK):
-        view = into(offset, min(_VERIFY_CHUNK, size - offset))
+    for offset in range(0, size, chunk):
+        view = into(offset, min(chunk, size - offset))
         try:
-            store.read_into(path, view, offset)
+            store.read_into(path, view, offset, object_size=size)
         except StorageNotFoundError as exc:
             raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
+        except ObjectSizeMismatch as exc:
+            raise SnapshotCorrupt(f"{where}: {exc.actual} bytes, manifest says {size} "
+                                  "(truncated?)") from exc
         hasher.update(view)
         view.release()
     return hasher.hexdigest()

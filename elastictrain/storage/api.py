@@ -52,15 +52,21 @@ class Store(Protocol):
         """Stream an object."""
         ...
 
-    def read_into(self, path: str, buffer: Any, offset: int = 0) -> int:
+    def read_into(self, path: str, buffer: Any, offset: int = 0, *,
+                  object_size: int | None = None) -> int:
         """Fill the writable ``buffer`` (bytearray, memoryview, numpy array…) with the
         object's bytes from ``offset`` on, straight into it: object stores fetch it
-        as parallel ranged GETs, holding at most a few parts besides ``buffer``.
+        as parallel ranged GETs streamed into the buffer, holding little besides it.
+
+        Args:
+            object_size: the size the whole object must have (a manifest's): checked
+                from the answers themselves on object stores (no extra request).
 
         Returns:
             The bytes read: always the buffer's size.
 
         Raises:
+            ObjectSizeMismatch: the object is not ``object_size`` bytes.
             StorageError: the object ends before the buffer is full.
         """
         ...

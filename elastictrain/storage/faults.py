@@ -103,9 +103,10 @@ class FaultyStore:
         self._maybe_fail("read", path)
         return self.inner.open_read(path)
 
-    def read_into(self, path: str, buffer: Any, offset: int = 0) -> int:
+    def read_into(self, path: str, buffer: Any, offset: int = 0, *,
+                  object_size: int | None = None) -> int:
         self._maybe_fail("read", path)
-        return self.inner.read_into(path, buffer, offset)
+        return self.inner.read_into(path, buffer, offset, object_size=object_size)
 
     def list_dir(self, path: str) -> list[str]:
         self._maybe_fail("list", path)

@@ -1,16 +1,21 @@
 """Streaming multipart upload to S3: ``torch.save`` writes straight into upload parts.
 
 The serialised state never exists as one buffer. Bytes are copied once, from the
-staged tensors into a part buffer; a full part is handed to one of
-``concurrency`` upload threads and a fresh buffer is started, so memory depends
-on the settings, never on the state's size.
+staged tensors into a part (:class:`PartBuffer`: exact-size pieces, nothing
+over-allocated); a full part is handed to one of ``concurrency`` upload threads
+and a fresh one is started, so memory depends on the settings, never on the
+state's size.
 
 The first part is ``single_put_max`` bytes: a stream that ends within it is sent
 as one ``PutObject``, like s3fs and boto3 do for small objects (one request
 instead of three; servers that re-hash every part on completion, moto among
-them, are markedly slower on multipart). Later parts are ``part_size``. The
-HTTP client (aiohttp) copies a part once more while sending it, so one upload
-holds at most about ``2 * (single_put_max + concurrency * part_size)`` bytes.
+them, are markedly slower on multipart). Later parts are ``part_size``. Each
+request body is a :class:`RequestBody` over the part's own bytes, which aiohttp
+sends as 1 MiB ``memoryview`` slices: given plain ``bytes`` it would join the
+headers and the whole body into a second copy (and Python 3.11's socket
+transport copies what the kernel did not take at once a third time). So one
+upload holds at most about ``single_put_max + concurrency * part_size`` bytes
+(plus the part being filled): a state below ``single_put_max`` once, no more.
 
 Lifecycle (``UploadState``)::
 
@@ -26,10 +31,11 @@ bucket lifecycle rule (``AbortIncompleteMultipartUpload``) removes them.
 
 from __future__ import annotations
 
+import bisect
 import contextvars
 import enum
 import io
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -81,8 +87,7 @@ class MultipartWriter(io.RawIOBase):
         self._first_part_size = single_put_max if single_put_max and self._grow else part_size
         self._concurrency = concurrency
         self._call = call
-        self._buf: io.BytesIO | None = None
-        self._fill = 0
+        self._buf: PartBuffer | None = None
         self._size = 0  # capacity of the current part buffer
         self._upload_id: str | None = None
         self._next_part = 1
@@ -103,16 +108,13 @@ class MultipartWriter(io.RawIOBase):
         view = memoryview(data).cast("B")
         total = view.nbytes
         while view.nbytes:
-            if self._buf is not None and self._fill == self._size:
+            if self._buf is not None and self._buf.nbytes == self._size:
                 # Sent only once more bytes come: a stream of exactly one part is one PUT.
                 self._send_part()
             if self._buf is None:
-                # A BytesIO grows by realloc (no copy for large buffers) and getvalue()
-                # hands over its own bytes object: filling it copies each byte once.
-                self._buf, self._size = io.BytesIO(), self._current_part_size()
-            take = min(self._size - self._fill, view.nbytes)
-            self._buf.write(view[:take])
-            self._fill += take
+                self._buf, self._size = PartBuffer(), self._current_part_size()
+            take = min(self._size - self._buf.nbytes, view.nbytes)
+            self._buf.append(view[:take])
             view = view[take:]
         self.bytes_written += total
         return total
@@ -125,14 +127,9 @@ class MultipartWriter(io.RawIOBase):
             return self._part_size
         return self._part_size * 2 ** ((self._next_part - 1) // _GROW_EVERY)
 
-    def _take_buffer(self) -> bytes:
-        if self._buf is None:
-            return b""
-        self._buf.truncate(self._fill)  # a short last part
-        # getvalue() hands over the buffer's own bytes object (no copy): bytes, not a
-        # bytearray, because aiohttp copies a bytearray body twice while sending it.
-        body = self._buf.getvalue()
-        self._buf, self._fill, self._size = None, 0, 0
+    def _take_buffer(self) -> PartBuffer:
+        body = self._buf if self._buf is not None else PartBuffer()
+        self._buf, self._size = None, 0
         return body
 
     def _send_part(self) -> None:
@@ -152,10 +149,10 @@ class MultipartWriter(io.RawIOBase):
         context = contextvars.copy_context()
         self._pending.add(self._pool.submit(context.run, self._upload_part, number, body))
 
-    def _upload_part(self, number: int, body: bytes) -> tuple[int, str]:
+    def _upload_part(self, number: int, body: PartBuffer) -> tuple[int, str]:
         out = self._call(f"upload part {number} of", lambda: self._s3(
             "upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
-            PartNumber=number, Body=body))
+            PartNumber=number, Body=RequestBody(body.pieces)))
         return number, str(out["ETag"])
 
     def _collect(self, below: int) -> None:
@@ -176,9 +173,10 @@ class MultipartWriter(io.RawIOBase):
         if self._upload_id is None:
             body = self._take_buffer()
             self._call("write", lambda: self._s3(
-                "put_object", Bucket=self._bucket, Key=self._key, Body=body))
+                "put_object", Bucket=self._bucket, Key=self._key,
+                Body=RequestBody(body.pieces)))
         else:
-            if self._fill:
+            if self._buf is not None and self._buf.nbytes:
                 self._send_part()
             self._collect(below=1)
             parts = [{"PartNumber": n, "ETag": e} for n, e in sorted(self._etags.items())]
@@ -224,3 +222,100 @@ class MultipartWriter(io.RawIOBase):
             self.abort("closed without commit")
         super().close()
 
+
+
+
+
+class PartBuffer:
+    """One part's bytes, held as pieces of exact size: each byte is copied in once,
+    and nothing is over-allocated (a growing ``BytesIO`` reserves up to 1/8 more
+    than it holds, and joining pieces would make a second copy).
+
+    Writes of at least ``_OWN_PIECE`` bytes (the tensors) become pieces of their
+    own; smaller ones (pickle records, zip headers) are gathered into shared
+    pieces of up to ``_SMALL_PIECE`` bytes, so a part is a few hundred pieces,
+    not one per record.
+    """
+
+    _OWN_PIECE = 64 << 10
+    _SMALL_PIECE = 1 << 20
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes | bytearray] = []
+        self.nbytes = 0
+        self._small: bytearray | None = None
+
+    def append(self, view: memoryview) -> None:
+        if view.nbytes >= self._OWN_PIECE:
+            self.pieces.append(view.tobytes())
+            self._small = None  # keep the pieces in order
+        else:
+            if self._small is None or len(self._small) + view.nbytes > self._SMALL_PIECE:
+                self._small = bytearray()
+                self.pieces.append(self._small)
+            self._small += view
+        self.nbytes += view.nbytes
+
+
+class RequestBody:
+    """One request's body over a part's pieces, sent without copying them whole.
+
+    botocore reads it as a file (``read``/``seek``/``tell``) to sign and checksum
+    it, then seeks back; aiohttp sends it as an async iterable of ``memoryview``
+    slices of at most ``piece_bytes`` (a slice the kernel does not take at once is
+    all Python 3.11's socket transport copies). Not an ``io.IOBase``: aiohttp would
+    then read it 256 KiB at a time through a thread pool, and a ``bytes`` or
+    ``BytesIO`` body is copied whole (joined with the headers; ``BytesIO.getbuffer``
+    unshares it). Every send is the whole body (see ``_pieces``).
+    """
+
+    def __init__(self, pieces: Sequence[bytes | bytearray], piece_bytes: int = 1 << 20) -> None:
+        self._views = [memoryview(p).cast("B") for p in pieces if len(p)]
+        self._starts: list[int] = []
+        total = 0
+        for view in self._views:
+            self._starts.append(total)
+            total += view.nbytes
+        self._total = total
+        self._piece = piece_bytes
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._total
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._total}[whence]
+        self._pos = min(max(base + offset, 0), self._total)
+        return self._pos
+
+    def _slices(self, end: int, most: int) -> Iterator[memoryview]:
+        """Views of the bytes from the current position to ``end``, each at most
+        ``most`` long, advancing the position."""
+        index = bisect.bisect_right(self._starts, self._pos) - 1
+        while self._pos < end:
+            view, start = self._views[index], self._starts[index]
+            stop = min(end, start + view.nbytes, self._pos + most)
+            piece = view[self._pos - start:stop - start]
+            self._pos = stop
+            if stop == start + view.nbytes:
+                index += 1
+            yield piece
+
+    def read(self, n: int | None = -1) -> bytes:
+        end = self._total if n is None or n < 0 else min(self._pos + n, self._total)
+        return b"".join(self._slices(end, end))
+
+    async def _pieces(self) -> AsyncIterator[memoryview]:
+        # Always the whole body, and the file position untouched: s3fs retries a throttled
+        # request with this same object, and botocore signs and checksums it again from
+        # the file position. Were sending to move it, the retry would announce the full
+        # Content-Length and send nothing (the server waits for the body forever).
+        for view in self._views:
+            for start in range(0, view.nbytes, self._piece):
+                yield view[start:start + self._piece]
+
+    def __aiter__(self) -> AsyncIterator[memoryview]:
+        return self._pieces()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastictrain.errors import StorageError
+from elastictrain.errors import ObjectSizeMismatch, StorageError
 from elastictrain.storage import FsspecStore, open_store
 from tests.helpers import wait_for
 from tests.s3server import S3Bucket
@@ -22,14 +22,40 @@ def _gets(bucket: S3Bucket, key: str) -> int:
 
 
 @pytest.mark.s3
-def test_s3_read_into_fills_the_buffer_in_part_sized_ranges(s3: S3Bucket) -> None:
-    store = s3_store(s3)  # parts of 5 MiB, 2 at a time
+def test_s3_read_into_fills_the_buffer_in_concurrency_ranges(s3: S3Bucket) -> None:
+    store = s3_store(s3)  # parts of 5 MiB, 2 at a time, one GET up to 5 MiB
     data = data_of(12 * MIB + 3)
     store.write_bytes("big.bin", data)
     buffer = bytearray(len(data))
     assert store.read_into("big.bin", buffer) == len(data)
     assert buffer == data
-    assert _gets(s3, "big.bin") == 3  # 5 + 5 + 2 MiB: ranged, not one whole GET
+    # Two ranges of 6 MiB (concurrency of them, at least a part each), streamed into
+    # the buffer: ranged, not one whole GET, and no HEAD.
+    assert _gets(s3, "big.bin") == 2
+    assert not s3.server.faults.seen(lambda r: r.op == "HeadObject")
+
+
+@pytest.mark.s3
+def test_s3_an_object_up_to_the_threshold_is_one_get(s3: S3Bucket) -> None:
+    store = s3_store(s3, multipart_threshold_bytes=16 * MIB)
+    data = data_of(12 * MIB)
+    store.write_bytes("mid.bin", data)
+    buffer = bytearray(len(data))
+    store.read_into("mid.bin", buffer, object_size=len(data))
+    assert buffer == data and _gets(s3, "mid.bin") == 1
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("actual", [11 * MIB, 12 * MIB + 7, 3 * MIB])
+def test_s3_object_size_is_checked_from_the_answers(s3: S3Bucket, actual: int) -> None:
+    """A longer object, a shorter one, one shorter than the later ranges start (those
+    get a 416): each is an ObjectSizeMismatch naming its real size."""
+    store = s3_store(s3)
+    store.write_bytes("obj.bin", data_of(actual))
+    with pytest.raises(ObjectSizeMismatch, match=rf"is {actual} bytes, {12 * MIB} expected") \
+            as caught:
+        store.read_into("obj.bin", bytearray(12 * MIB), object_size=12 * MIB)
+    assert caught.value.actual == actual
 
 
 @pytest.mark.s3
@@ -98,3 +124,16 @@ def test_read_into_on_other_stores(tmp_path: Path, kind: str) -> None:
         store.read_into("obj.bin", b"\0" * 10)
     if kind == "memory":
         store.delete("", recursive=True)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("size", [0, 1000])
+def test_s3_read_bytes_is_one_get(s3: S3Bucket, size: int) -> None:
+    """No HEAD before the GET (s3fs's whole-object read asks for the size first); an
+    empty object, whose ranges S3 refuses, still reads."""
+    store = s3_store(s3)
+    store.write_bytes("m.json", data_of(size))
+    before = len(s3.server.faults.seen())
+    assert store.read_bytes("m.json") == data_of(size)
+    ops = [r.op for r in s3.server.faults.seen()[before:]]
+    assert ops == ["GetObject"] if size else ops[0] == "GetObject", ops

@@ -19,12 +19,13 @@ from structlog.testing import capture_logs
 
 from elastictrain.dist import DistContext
 from elastictrain.errors import (
+    SnapshotCorrupt,
     SnapshotUnloadable,
     StorageError,
     StoragePermissionError,
     StorageTransientError,
 )
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
+from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.snapshot.restore import load_newest, resolve_mode
 from elastictrain.storage import FsspecStore
 from tests.helpers import REPO, child_env
@@ -91,6 +92,38 @@ def test_a_throttled_payload_read_that_clears_restores_the_newest(s3: S3Bucket) 
     loaded = load_newest(store, SINGLE)
     assert loaded is not None and loaded.step == 20
     assert torch.equal(loaded.payload["w"], torch.full((64,), 20.0))
+
+
+def test_restore_reads_manifest_and_payload_only(s3: S3Bucket) -> None:
+    """The payload's size comes from the GET's own answer (Content-Range): no HEAD."""
+    store = s3_store(s3)
+    save(store, 10)
+    before = len(s3.server.faults.seen())
+    loaded = load_newest(store, SINGLE)
+    assert loaded is not None and loaded.step == 10
+    ops = [r.op for r in s3.server.faults.seen()[before:]]
+    assert "HeadObject" not in ops
+    assert ops.count("GetObject") == 2, ops  # the manifest, the payload in one GET
+
+
+@pytest.mark.parametrize("change", [-1, 5])
+def test_a_payload_of_the_wrong_size_is_corrupt_and_skipped(s3: S3Bucket,
+                                                            change: int) -> None:
+    """A payload shorter or longer than its manifest says is corrupt (the GET's answer
+    says so): restore skips it, verify names the sizes."""
+    store = s3_store(s3)
+    save(store, 10)
+    save(store, 20)
+    name = read_manifest(store, 20).objects[0].name
+    path = f"snapshots/step_{20:012d}/{name}"
+    data = store.read_bytes(path)
+    store.write_bytes(path, data[:change] if change < 0 else data + bytes(change))
+    with pytest.raises(SnapshotCorrupt, match=rf"{len(data) + change} bytes, manifest says "
+                                              rf"{len(data)} \(truncated\?\)"):
+        verify_snapshot(store, 20)
+    loaded = load_newest(store, SINGLE)
+    assert loaded is not None and loaded.step == 10
+    assert store.exists(path)  # nothing is deleted by a restore
 
 
 def test_an_unloadable_payload_on_s3_stops_the_run(s3: S3Bucket) -> None:

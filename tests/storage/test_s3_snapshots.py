@@ -52,6 +52,17 @@ def test_payload_first_then_one_create_only_manifest_put(s3: S3Bucket) -> None:
                                                          manifest.objects[0].name))
 
 
+def test_a_persist_is_three_requests(s3: S3Bucket) -> None:
+    """The committed-already check is one GET of the manifest (a 404), then the payload
+    PUT and the create-only manifest PUT: no HEAD, no listing."""
+    store = s3_store(s3)
+    before = len(s3.server.faults.seen())
+    assert save(store, 10) is not None
+    ops = [(r.op, r.status) for r in s3.server.faults.seen()[before:]]
+    assert ops == [("GetObject", 404), ("PutObject", 200), ("PutObject", 200)], ops
+    assert save(store, 10) is None  # already committed, verified: kept
+
+
 def test_two_writers_racing_for_one_step_commit_exactly_one(s3: S3Bucket) -> None:
     """Both upload their own payload; both manifest PUTs are held and released together;
     exactly one wins, the other backs off and deletes its payload."""
