@@ -223,9 +223,6 @@ class MultipartWriter(io.RawIOBase):
         super().close()
 
 
-
-
-
 class PartBuffer:
     """One part's bytes, held as pieces of exact size: each byte is copied in once,
     and nothing is over-allocated (a growing ``BytesIO`` reserves up to 1/8 more
