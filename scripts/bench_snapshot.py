@@ -688,8 +688,10 @@ def plot(path: str, points: list[dict[str, Any]]) -> None:
     sizes = [p["setup"]["size_mb"] for p in points]
     keys = {"elastictrain persist": "persist_mb_s", "raw write+fsync": "raw_write_mb_s",
             "elastictrain restore (cold)": "restore_cold_mb_s",
-            "raw read (cold)": "raw_read_cold_mb_s"}
-    plot_curve(path, "elastictrain snapshot throughput vs state size (local disk)", sizes,
+            "raw read (cold)": "raw_read_cold_mb_s",
+            "elastictrain restore (warm)": "restore_warm_mb_s",
+            "raw read (warm)": "raw_read_warm_mb_s"}
+    plot_curve(path, "snapshot throughput vs state size (local disk; restore: 2 ranks)", sizes,
                {name: [p["curve"][key] for p in points] for name, key in keys.items()}, "MB/s")
 
 
