@@ -102,11 +102,11 @@ def read(f: BinaryIO, size: int, layout: Plan,
     try:
         position = 0
         for region in layout.regions:
-            _read_hashed(f, position, region.offset - position, hasher, scratch)
+            _read_hashed(f, position, region.offset - position, hasher, scratch, reuse=True)
             target = memoryview(storages[region.storage].numpy())  # type: ignore[arg-type]
-            _read_hashed(f, region.offset, region.nbytes, hasher, target)
+            _read_hashed(f, region.offset, region.nbytes, hasher, target, reuse=False)
             position = region.offset + region.nbytes
-        _read_hashed(f, position, size - position, hasher, scratch)
+        _read_hashed(f, position, size - position, hasher, scratch, reuse=True)
     finally:
         prefault.stop()
     return hasher.hexdigest(), from_views(layout.skeleton, storages)
@@ -150,14 +150,15 @@ class _Prefault:
 
 
 def _read_hashed(f: BinaryIO, offset: int, nbytes: int, hasher: Hasher,
-                 into: memoryview) -> None:
-    """Read ``nbytes`` from ``offset``, hashing each chunk as it lands: into ``into``
-    when it is that long (a storage), else through it over and over (scratch)."""
+                 into: memoryview, *, reuse: bool) -> None:
+    """Read ``nbytes`` from ``offset``, hashing each chunk as it lands: into consecutive
+    slices of ``into`` (a storage, ``nbytes`` long), or with ``reuse`` through its
+    start over and over (the scratch buffer)."""
     f.seek(offset)
     done = 0
     while done < nbytes:
         n = min(nbytes - done, _CHUNK)
-        view = into[done:done + n] if into.nbytes >= nbytes else into[:min(n, into.nbytes)]
+        view = into[:min(n, into.nbytes)] if reuse else into[done:done + n]
         _read_ahead(f, offset + done + view.nbytes)
         got = 0
         while got < view.nbytes:

@@ -156,3 +156,14 @@ def test_a_truncated_payload_is_corruption_before_any_read(store: FsspecStore) -
     os.truncate(path, os.path.getsize(path) - 1)
     with pytest.raises(SnapshotCorrupt, match="manifest says"):
         verify_snapshot(store, 7, load=True)
+
+
+def test_a_pickle_larger_than_the_scratch_buffer_is_hashed_through_it(
+        store: FsspecStore) -> None:
+    """A 9 MiB string lives in the pickle, before the first storage: the gap is read
+    through the 8 MiB scratch buffer twice and must still hash in order."""
+    state = {"step": 7, "note": "x" * (9 << 20), "w": torch.arange(10_000.0)}
+    plant_snapshot(store, 7, state)
+    layout_plan = onepass.plan(_payload_path(store, 7))
+    assert layout_plan is not None and layout_plan.regions[0].offset > onepass._SCRATCH
+    _assert_same(state, verify_snapshot(store, 7, load=True).payload)
