@@ -133,7 +133,8 @@ def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None
     entry = _payload_entry(manifest, where)
     path = f"{layout.step_dir(step)}/{entry.name}"
     where = f"{store.url}/{path}"
-    if store.local_path(path) is None:  # remote: few large parallel reads, not a stream
+    local = store.local_path(path)
+    if local is None:  # remote: few large parallel reads, not a stream
         if not load:
             _check_remote(store, path, entry, manifest.checksum_algorithm, where)
             return VerifiedSnapshot(manifest, None)
@@ -141,9 +142,9 @@ def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None
         if spooled is not None:
             return spooled
     elif load:
-        local = _load_one_pass(store, path, entry, manifest, where)
-        if local is not None:
-            return local
+        one_pass = _load_one_pass(store, path, local, entry, manifest, where)
+        if one_pass is not None:
+            return one_pass
     try:
         with store.open_read(path) as f:
             size = f.seek(0, io.SEEK_END)
@@ -226,13 +227,12 @@ def _verify_spooled(store: Store, path: str, entry: ObjectEntry, manifest: Manif
     return VerifiedSnapshot(manifest, payload)
 
 
-def _load_one_pass(store: Store, path: str, entry: ObjectEntry, manifest: Manifest,
-                   where: str) -> VerifiedSnapshot | None:
-    """A local payload read once, straight into the restored tensors, its checksum
-    computed on the way (snapshot/onepass.py); None (the caller streams) when its
-    layout is not recognised."""
-    local = store.local_path(path)
-    layout_plan = None if local is None else onepass.plan(local)
+def _load_one_pass(store: Store, path: str, local: str, entry: ObjectEntry,
+                   manifest: Manifest, where: str) -> VerifiedSnapshot | None:
+    """A local payload (at ``local`` on this machine) read once, straight into the
+    restored tensors, its checksum computed on the way (snapshot/onepass.py); None
+    (the caller streams) when its layout is not recognised."""
+    layout_plan = onepass.plan(local)
     if layout_plan is None:
         return None
     try:
@@ -252,8 +252,11 @@ def _load_one_pass(store: Store, path: str, entry: ObjectEntry, manifest: Manife
 
 def _check_size(size: int, entry: ObjectEntry, where: str) -> None:
     if size != entry.size_bytes:
-        raise SnapshotCorrupt(f"{where}: {size} bytes, manifest says {entry.size_bytes} "
-                              "(truncated?)")
+        raise _wrong_size(where, size, entry.size_bytes)
+
+
+def _wrong_size(where: str, actual: int, expected: int) -> SnapshotCorrupt:
+    return SnapshotCorrupt(f"{where}: {actual} bytes, manifest says {expected} (truncated?)")
 
 
 _VERIFY_CHUNK = 64 << 20  # bytes per read_into (parallel ranged GETs) of a remote payload
@@ -287,8 +290,7 @@ def _read_hashed(store: Store, path: str, size: int, algorithm: ChecksumAlgorith
         except StorageNotFoundError as exc:
             raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
         except ObjectSizeMismatch as exc:
-            raise SnapshotCorrupt(f"{where}: {exc.actual} bytes, manifest says {size} "
-                                  "(truncated?)") from exc
+            raise _wrong_size(where, exc.actual, size) from exc
         hasher.update(view)
         view.release()
     return hasher.hexdigest()
