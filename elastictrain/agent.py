@@ -29,7 +29,11 @@ What it adds, each by overriding one of the agent's documented steps
   without bound; the restart restores the newest snapshot and finishes again;
 * **repeated notices ignored** while workers save after the launcher was
   signalled (a second SIGTERM would abort torchrun's graceful wait and orphan
-  workers mid-snapshot), and the workers' exit codes recorded afterwards.
+  workers mid-snapshot), and the workers' exit codes recorded afterwards;
+* **workers forked from a standby** (``launch.standby``): a process started with the
+  agent imports torch once, and every worker group, first and restarted, is forked
+  from it (``_start_workers``; :mod:`elastictrain.standby`); ``agent.standby_ready``
+  says what it imported, ``agent.attempt_started`` how each group started.
 
 torchrun's ``launch_agent`` builds ``LocalElasticAgent`` by name; :func:`installed`
 points that name at this class in the launcher process for the duration of
@@ -50,6 +54,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from elastictrain.config import LaunchDefaults
 from elastictrain.errors import (
     EXIT_FATAL,
     EXIT_HANG,
@@ -59,6 +64,8 @@ from elastictrain.errors import (
 )
 from elastictrain.log import bind, get_logger
 from elastictrain.proctree import tree_cpu_ticks
+from elastictrain.standby.client import Standby
+from elastictrain.standby.context import starting_from
 
 log = get_logger("elastictrain.agent")
 
@@ -107,9 +114,16 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     latest: ElasticTrainAgent | None = None
     exit_timeout_s: float = 60.0  # set by installed() from launch.exit_timeout_s
+    standby_preload: tuple[str, ...] | None = None  # None: no standby (launch.standby)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.standby: Standby | None = None
+        self._started_by: str | None = None
+        if self.standby_preload is not None:
+            # Started now, so its imports run during the first rendezvous.
+            self.standby = Standby(self.standby_preload)
+            self.standby.start()
         self.outcome: str | None = None
         self.worker_exit_codes: dict[int, int | None] = {}
         self._world_size: int | None = None
@@ -151,7 +165,36 @@ class ElasticTrainAgent(LocalElasticAgent):
                  pids={str(w.local_rank): w.id for w in worker_group.workers},
                  ranks=[w.global_rank for w in worker_group.workers],
                  master=f"{worker_group.master_addr}:{worker_group.master_port}",
+                 started_by=self._started_by,
                  rendezvous_s=None if self._rendezvous_s is None else round(self._rendezvous_s, 4))
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        standby = self.standby
+        if standby is None:
+            self._started_by = "popen"
+            return super()._start_workers(worker_group)
+        with starting_from(standby, self._on_group_start):
+            return super()._start_workers(worker_group)
+
+    def _on_group_start(self, forked: bool) -> None:
+        standby = self.standby
+        if standby is not None and not standby.info.get("logged"):
+            standby.info["logged"] = True
+            if standby.ready():
+                log.info("agent.standby_ready", pid=standby.pid,
+                         preload_s=standby.info.get("preload_s"),
+                         modules=list(standby.modules),
+                         failed=standby.info.get("failed") or {},
+                         threads=standby.info.get("threads"))
+            else:
+                log.warning("agent.standby_unavailable", reason=standby.info.get("reason"),
+                            fix="workers start as new processes; see the agent's stderr")
+        self._started_by = "standby" if forked else "popen"
+
+    def close_standby(self) -> None:
+        """End the standby process (its workers are not touched)."""
+        if self.standby is not None:
+            self.standby.close()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
         self._kill_survivors_of_a_failure()
@@ -279,9 +322,11 @@ def _ignoring(signals: Sequence[signal.Signals]) -> Iterator[None]:
 
 
 @contextmanager
-def installed(exit_timeout_s: float = 60.0) -> Iterator[type[ElasticTrainAgent]]:
+def installed(launch: LaunchDefaults | None = None) -> Iterator[type[ElasticTrainAgent]]:
     """Make torchrun's ``launch_agent`` build :class:`ElasticTrainAgent` (this process),
-    ending workers stuck in their exit after ``exit_timeout_s`` without CPU use."""
+    ending workers stuck in their exit after ``launch.exit_timeout_s`` without CPU use
+    and starting workers from a standby when ``launch.standby``."""
+    launch = launch or LaunchDefaults()
     original = getattr(launcher_api, "LocalElasticAgent", None)
     if original is not LocalElasticAgent:
         raise ElasticTrainError(
@@ -289,8 +334,12 @@ def installed(exit_timeout_s: float = 60.0) -> Iterator[type[ElasticTrainAgent]]
             "fix: run plain torchrun (no agent events; exit 1 instead of 75 on preemption) "
             "and report the torch version")
     launcher_api.LocalElasticAgent = ElasticTrainAgent  # type: ignore[misc]
-    ElasticTrainAgent.exit_timeout_s = exit_timeout_s
+    ElasticTrainAgent.exit_timeout_s = launch.exit_timeout_s
+    ElasticTrainAgent.standby_preload = tuple(launch.standby_preload) if launch.standby else None
+    ElasticTrainAgent.latest = None
     try:
         yield ElasticTrainAgent
     finally:
         launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+        if ElasticTrainAgent.latest is not None:
+            ElasticTrainAgent.latest.close_standby()

@@ -194,6 +194,12 @@ class WatchdogConfig(_Model):
     backstop: bool = Field(default=True, description="faulthandler exit if the GIL is stuck")
 
 
+ModuleName = Annotated[str, Field(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")]
+# torch._dynamo: DDP and the optimizers import it on first use (0.9 s here).
+STANDBY_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim",
+                   "torch._dynamo", "elastictrain")
+
+
 class LaunchDefaults(_Model):
     """What ``elastictrain run`` adds to torchrun's options when neither the command
     line nor a ``PET_*`` variable sets them."""
@@ -212,6 +218,11 @@ class LaunchDefaults(_Model):
     # torchrun restarts the group, which restores and finishes again (docs/faults.md).
     exit_timeout_s: float = Field(default=60.0, gt=0)
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    # Workers are forked from a standby process that imported these modules once, so
+    # a restarted worker does not pay torch's imports again (docs/recovery.md).
+    # False: every worker is a new interpreter, as with plain torchrun.
+    standby: bool = True
+    standby_preload: list[ModuleName] = Field(default_factory=lambda: list(STANDBY_PRELOAD))
 
 
 class LogConfig(_Model):

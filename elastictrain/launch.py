@@ -210,7 +210,7 @@ def _generated_run_id() -> str:
     return f"et-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
-def run_torchrun(argv: Sequence[str], exit_timeout_s: float) -> int:
+def run_torchrun(argv: Sequence[str], launch: LaunchDefaults) -> int:
     """Run torchrun's ``main`` with our agent in this process; return our exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -218,7 +218,7 @@ def run_torchrun(argv: Sequence[str], exit_timeout_s: float) -> int:
 
     from elastictrain.agent import ElasticTrainAgent, WorkersFatal, installed
 
-    with installed(exit_timeout_s):
+    with installed(launch):
         try:
             torchrun_main(list(argv))
             return EXIT_OK
@@ -306,7 +306,7 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
              monitor_interval_s=args.monitor_interval, rdzv_backend=args.rdzv_backend,
              rdzv_endpoint=args.rdzv_endpoint, shutdown_timeout_s=args.shutdown_timeout,
              signals_to_handle=args.signals_to_handle, entrypoint=args.training_script)
-    code = run_torchrun(full, settings.launch.exit_timeout_s)
+    code = run_torchrun(full, settings.launch)
     log.info("agent.finished", exit_code=code, outcome=_outcome(code),
              wall_s=round(time.monotonic() - started, 3))
     return code

@@ -1,0 +1,117 @@
+"""torchrun's worker bookkeeping, with workers forked by the standby instead of ``Popen``.
+
+torchrun's agent starts its workers through ``start_processes``, which builds a
+``SubprocessContext`` of one ``SubprocessHandler`` (a ``Popen``) per local rank.
+:class:`StandbyContext` is that context with :class:`StandbyHandler` in place of
+the handler, and :func:`starting_from` points the agent's ``start_processes`` at
+it while the agent starts a worker group: log files, tee, error files, failure
+reports and the stop signals stay torchrun's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed.elastic.agent.server.local_elastic_agent as local_agent
+from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
+
+from elastictrain.standby.client import Standby, StandbyProcess, StandbyUnavailable
+
+# What SubprocessContext takes of start_processes' arguments (start_method is for
+# function entry points only).
+_CONTEXT_ARGS = ("name", "entrypoint", "args", "envs", "logs_specs", "log_line_prefixes",
+                 "numa_options", "duplicate_stdout_filters", "duplicate_stderr_filters")
+
+
+def python_argv(entrypoint: object, args: Sequence[object]) -> list[str] | None:
+    """``args`` when torchrun asks for ``python -u SCRIPT ...`` or ``python -u -m MODULE
+    ...`` (what the standby can run); None for anything else (``--no-python``,
+    ``--run-path``, another interpreter)."""
+    argv = [str(a) for a in args]
+    if entrypoint != sys.executable or len(argv) < 2 or argv[0] != "-u":
+        return None
+    if argv[1] == "-m":
+        return argv if len(argv) >= 3 else None
+    return None if argv[1].startswith("-") else argv
+
+
+class StandbyHandler:
+    """One worker forked by the standby, shaped as torchrun's ``SubprocessHandler``."""
+
+    def __init__(self, proc: StandbyProcess, local_rank_id: int) -> None:
+        self.proc = proc
+        self.local_rank_id = local_rank_id
+
+    def close(self, death_sig: signal.Signals | None = None) -> None:
+        # The worker called setsid(): its process group is its own, as with Popen.
+        # ProcessLookupError: it ended between torchrun's poll and this signal.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
+
+
+class StandbyContext(SubprocessContext):
+    """torchrun's ``SubprocessContext`` whose workers the standby forks."""
+
+    def __init__(self, standby: Standby, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._standby = standby
+        self.forked = False  # True once the standby started the whole group
+
+    def _start(self) -> None:
+        handlers: dict[int, StandbyHandler] = {}
+        try:
+            for local_rank in range(self.nprocs):
+                env = {**os.environ, **self.envs[local_rank]}
+                proc = self._standby.spawn([str(a) for a in self.args[local_rank]], env,
+                                           self.stdouts[local_rank] or None,
+                                           self.stderrs[local_rank] or None)
+                handlers[local_rank] = StandbyHandler(proc, local_rank)
+        except StandbyUnavailable:
+            # Lost mid-group: stop what it started and start the whole group with Popen.
+            for handler in handlers.values():
+                handler.close(signal.SIGKILL)
+                handler.proc.wait()
+            super()._start()
+            return
+        self.subprocess_handlers = handlers  # type: ignore[assignment]
+        self.forked = True
+
+
+def start_processes_with(standby: Standby, original: Callable[..., PContext],
+                         on_start: Callable[[bool], None]) -> Callable[..., PContext]:
+    """A ``start_processes`` that forks Python workers from ``standby`` and leaves the
+    rest to ``original``; ``on_start(forked)`` says which started the group."""
+
+    def start(**kwargs: Any) -> PContext:
+        runnable = not kwargs.get("numa_options") and all(
+            python_argv(kwargs["entrypoint"], a) is not None for a in kwargs["args"].values())
+        if not runnable or not standby.ready():
+            on_start(False)
+            return original(**kwargs)
+        context = StandbyContext(standby, **{k: kwargs[k] for k in _CONTEXT_ARGS if k in kwargs})
+        try:
+            context.start()
+        except Exception:
+            context.close()
+            raise
+        on_start(context.forked)
+        return context
+
+    return start
+
+
+@contextmanager
+def starting_from(standby: Standby, on_start: Callable[[bool], None]) -> Iterator[None]:
+    """While inside, torchrun's local agent starts its workers from ``standby``."""
+    original = local_agent.start_processes
+    local_agent.start_processes = start_processes_with(standby, original, on_start)
+    try:
+        yield
+    finally:
+        local_agent.start_processes = original

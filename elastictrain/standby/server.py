@@ -1,0 +1,215 @@
+"""The standby process: imports the heavy modules once, then forks workers on request.
+
+Started by the agent (``python -u -m elastictrain.standby.server --fd N MODULE...``)
+before any worker, it imports the modules named on its command line and never
+touches an accelerator, opens a process group or starts a thread of its own, so a
+``fork`` of it is as clean as a new interpreter that has done those imports.
+
+One Unix socket to the agent carries JSON lines:
+
+* standby → agent, once: ``{"ready": true, "preload_s": S, "failed": {MODULE: ERROR}}``,
+  or ``{"ready": false, "reason": ...}`` when the preload initialised CUDA (a forked
+  child could not use it);
+* agent → standby: ``{"spawn": N, "argv": [...], "env": {...}, "cwd": DIR,
+  "stdout": PATH|null, "stderr": PATH|null}``, answered by ``{"spawned": N, "pid": P}``;
+* standby → agent, whenever a child ends: ``{"exited": P, "code": C}`` with ``C`` as
+  ``Popen.returncode`` gives it (``-N`` for signal ``N``).
+
+The agent closing its end ends the standby; workers already started keep running,
+as workers started with ``Popen`` do when their launcher dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import random
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+PYTHON_FLAGS = ("-u",)  # what torchrun puts before the script; the standby runs with -u
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m elastictrain.standby.server")
+    parser.add_argument("--fd", type=int, required=True, help="the agent's socket")
+    parser.add_argument("modules", nargs="*", help="modules to import before any fork")
+    args = parser.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    started = time.monotonic()
+    failed = preload(args.modules)
+    reason = _unforkable()
+    if reason:
+        _send(sock, {"ready": False, "reason": reason})
+        return 1
+    _send(sock, {"ready": True, "preload_s": round(time.monotonic() - started, 3),
+                 "failed": failed, "threads": len(os.listdir("/proc/self/task"))})
+    serve(sock)
+    return 0
+
+
+def preload(modules: list[str]) -> dict[str, str]:
+    """Import ``modules``; return those that failed with their error (they are simply
+    imported again, by the worker that needs them)."""
+    failed = {}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # any import error: the worker will see it itself
+            failed[name] = f"{type(exc).__name__}: {exc}"[:300]
+    return failed
+
+
+def _unforkable() -> str | None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "a preloaded module initialised CUDA, which a forked worker cannot use"
+    return None
+
+
+def serve(sock: socket.socket) -> None:
+    """Answer spawn requests and report exits until the agent closes the socket."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler, so the fd is written
+    signal.set_wakeup_fd(wake_w)
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    pending = b""
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj == wake_r:
+                os.read(wake_r, 4096)
+                _report_exits(sock)
+                continue
+            chunk = sock.recv(65536)
+            if not chunk:
+                return
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    _child(request, (sock.fileno(), wake_r, wake_w))
+                _send(sock, {"spawned": request["spawn"], "pid": pid})
+        _report_exits(sock)  # a child may have ended before the handler was set
+
+
+def _report_exits(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(message).encode() + b"\n")
+
+
+# -- the forked worker ----------------------------------------------------------------------
+def _child(request: dict[str, Any], inherited: tuple[int, ...]) -> None:
+    """Become the worker ``request`` describes, run it, and exit with its code."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for fd in inherited:
+            os.close(fd)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()  # as torchrun's Popen(start_new_session=True): signalled as a group
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            if path:
+                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(target, fd)
+                os.close(target)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        _reseed()
+        code = run_python(request["argv"])
+    except BaseException:  # the worker's own setup failed: say why, like a crash
+        traceback.print_exc()
+    finally:
+        _flush()
+        os._exit(code)
+
+
+def _reseed() -> None:
+    """A fork shares its parent's random state; fresh interpreters each seed their own."""
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def run_python(argv: list[str]) -> int:
+    """Run ``[-u] SCRIPT ARGS`` or ``[-u] -m MODULE ARGS`` as ``python`` would, as
+    ``__main__``, and return the exit code a fresh interpreter would have exited with."""
+    args = [a for a in argv if a not in PYTHON_FLAGS]
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+            runpy.run_path(args[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        _finish()
+        # As the interpreter does: die by SIGINT, so the parent sees the signal.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 130
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _finish()
+    return code
+
+
+def _exit_code(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _finish() -> None:
+    """What the interpreter does at exit before the process ends: wait for non-daemon
+    threads, then run the ``atexit`` functions."""
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        # A closed or broken stream: nothing left to save.
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
