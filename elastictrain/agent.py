@@ -120,6 +120,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.standby: Standby | None = None
         self._started_by: str | None = None
+        self._standby_announced = False
         if self.standby_preload is not None:
             # Started now, so its imports run during the first rendezvous.
             self.standby = Standby(self.standby_preload)
@@ -176,19 +177,20 @@ class ElasticTrainAgent(LocalElasticAgent):
         with starting_from(standby, self._on_group_start):
             return super()._start_workers(worker_group)
 
-    def _on_group_start(self, forked: bool) -> None:
+    def _on_group_start(self, forked: bool, why_not: str | None) -> None:
         standby = self.standby
-        if standby is not None and not standby.info.get("logged"):
-            standby.info["logged"] = True
-            if standby.ready():
-                log.info("agent.standby_ready", pid=standby.pid,
-                         preload_s=standby.info.get("preload_s"),
-                         modules=list(standby.modules),
-                         failed=standby.info.get("failed") or {},
-                         threads=standby.info.get("threads"))
-            else:
-                log.warning("agent.standby_unavailable", reason=standby.info.get("reason"),
-                            fix="workers start as new processes; see the agent's stderr")
+        if standby is None:
+            return
+        if forked and not self._standby_announced:
+            self._standby_announced = True
+            log.info("agent.standby_ready", pid=standby.pid,
+                     preload_s=standby.info.get("preload_s"), modules=list(standby.modules),
+                     failed=standby.info.get("failed") or {},
+                     threads=standby.info.get("threads"))
+        if not forked:
+            log.warning("agent.standby_unavailable", reason=why_not,
+                        fix="none needed: these workers start as new processes "
+                        "(launch.standby=false starts no standby)")
         self._started_by = "standby" if forked else "popen"
 
     def close_standby(self) -> None:

@@ -22,6 +22,16 @@ from elastictrain.errors import ElasticTrainError
 
 EXIT_UNKNOWN = 255  # the standby died before reporting a worker's end
 
+# Notices are ignored before anything is imported (importing elastictrain imports torch,
+# a second and more during which a scheduler's signal to the whole job would kill it).
+BOOT = """\
+import signal, sys
+for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
+from elastictrain.standby.server import main
+sys.exit(main(sys.argv[1:]))
+"""
+
 
 class StandbyUnavailable(ElasticTrainError):
     """The standby could not start or stopped answering: start workers the usual way."""
@@ -52,8 +62,7 @@ class Standby:
         """Start the standby process; its imports run while the agent goes on."""
         ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "elastictrain.standby.server",
-             f"--fd={theirs.fileno()}", *self.modules],
+            [sys.executable, "-u", "-c", BOOT, f"--fd={theirs.fileno()}", *self.modules],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
             start_new_session=True)  # a Ctrl-C on the terminal is for the agent alone
         theirs.close()
@@ -135,7 +144,10 @@ class Standby:
         readable, _, _ = select.select([self._sock], [], [], max(0.0, timeout_s))
         if not readable:
             return False
-        chunk = self._sock.recv(65536)
+        try:
+            chunk = self._sock.recv(65536)
+        except OSError:  # reset: it died with our request unread
+            chunk = b""
         if not chunk:
             self._lost = True
             self.info.setdefault("reason", "the standby process ended")

@@ -23,6 +23,8 @@ from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessCo
 
 from elastictrain.standby.client import Standby, StandbyProcess, StandbyUnavailable
 
+OnStart = Callable[[bool, "str | None"], None]  # (forked, why not)
+
 # What SubprocessContext takes of start_processes' arguments (start_method is for
 # function entry points only).
 _CONTEXT_ARGS = ("name", "entrypoint", "args", "envs", "logs_specs", "log_line_prefixes",
@@ -84,15 +86,21 @@ class StandbyContext(SubprocessContext):
 
 
 def start_processes_with(standby: Standby, original: Callable[..., PContext],
-                         on_start: Callable[[bool], None]) -> Callable[..., PContext]:
+                         on_start: OnStart) -> Callable[..., PContext]:
     """A ``start_processes`` that forks Python workers from ``standby`` and leaves the
-    rest to ``original``; ``on_start(forked)`` says which started the group."""
+    rest to ``original``; ``on_start(forked, why_not)`` says which started the group."""
 
     def start(**kwargs: Any) -> PContext:
-        runnable = not kwargs.get("numa_options") and all(
-            python_argv(kwargs["entrypoint"], a) is not None for a in kwargs["args"].values())
-        if not runnable or not standby.ready():
-            on_start(False)
+        why_not = None
+        if kwargs.get("numa_options"):
+            why_not = "NUMA binding wraps the command"
+        elif not all(python_argv(kwargs["entrypoint"], a) is not None
+                     for a in kwargs["args"].values()):
+            why_not = "the command is not `python -u SCRIPT` or `python -u -m MODULE`"
+        elif not standby.ready():
+            why_not = str(standby.info.get("reason"))
+        if why_not is not None:
+            on_start(False, why_not)
             return original(**kwargs)
         context = StandbyContext(standby, **{k: kwargs[k] for k in _CONTEXT_ARGS if k in kwargs})
         try:
@@ -100,14 +108,14 @@ def start_processes_with(standby: Standby, original: Callable[..., PContext],
         except Exception:
             context.close()
             raise
-        on_start(context.forked)
+        on_start(context.forked, None if context.forked else "the standby stopped answering")
         return context
 
     return start
 
 
 @contextmanager
-def starting_from(standby: Standby, on_start: Callable[[bool], None]) -> Iterator[None]:
+def starting_from(standby: Standby, on_start: OnStart) -> Iterator[None]:
     """While inside, torchrun's local agent starts its workers from ``standby``."""
     original = local_agent.start_processes
     local_agent.start_processes = start_processes_with(standby, original, on_start)

@@ -1,7 +1,7 @@
 """The standby process: imports the heavy modules once, then forks workers on request.
 
-Started by the agent (``python -u -m elastictrain.standby.server --fd N MODULE...``)
-before any worker, it imports the modules named on its command line and never
+Started by the agent (``client.BOOT``: notices ignored, then :func:`main` with
+``--fd N MODULE...``) before any worker, it imports the modules named on its command line and never
 touches an accelerator, opens a process group or starts a thread of its own, so a
 ``fork`` of it is as clean as a new interpreter that has done those imports.
 
@@ -16,7 +16,8 @@ One Unix socket to the agent carries JSON lines:
   ``Popen.returncode`` gives it (``-N`` for signal ``N``).
 
 The agent closing its end ends the standby; workers already started keep running,
-as workers started with ``Popen`` do when their launcher dies.
+as workers started with ``Popen`` do when their launcher dies. Notice signals are
+ignored here (a scheduler may signal every process of a job) and restored in workers.
 """
 
 from __future__ import annotations
@@ -38,11 +39,22 @@ import time
 import traceback
 from typing import Any
 
+from setproctitle import setproctitle
+
 PYTHON_FLAGS = ("-u",)  # what torchrun puts before the script; the standby runs with -u
 
 
+# Notices a scheduler may send to every process of the job (Slurm signals a whole step):
+# they are for the agent and the workers; the standby ends when the agent does.
+NOTICES = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+           signal.SIGUSR2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m elastictrain.standby.server")
+    for notice in NOTICES:  # already, by client.BOOT; again for a direct call
+        signal.signal(notice, signal.SIG_IGN)
+    setproctitle(f"elastictrain standby (agent {os.getppid()})")
+    parser = argparse.ArgumentParser(prog="elastictrain standby")
     parser.add_argument("--fd", type=int, required=True, help="the agent's socket")
     parser.add_argument("modules", nargs="*", help="modules to import before any fork")
     args = parser.parse_args(argv)
@@ -132,6 +144,11 @@ def _child(request: dict[str, Any], inherited: tuple[int, ...]) -> None:
         for fd in inherited:
             os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for notice in NOTICES:  # as a new interpreter has them
+            signal.signal(notice, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # ps, pkill -f and /proc/<pid>/cmdline show the worker's command, as after Popen.
+        setproctitle(" ".join([sys.executable, *request["argv"]]))
         os.setsid()  # as torchrun's Popen(start_new_session=True): signalled as a group
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             if path:

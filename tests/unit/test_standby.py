@@ -1,0 +1,211 @@
+"""The standby process on its own: a real standby forks real workers from scripts
+written here; what a worker sees and how it ends must match a fresh ``python -u``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastictrain.standby.client import EXIT_UNKNOWN, Standby, StandbyUnavailable
+from elastictrain.standby.context import python_argv
+from tests.helpers import pid_alive, wait_for
+
+# Cheap modules, so each test's standby is ready in well under a second.
+PRELOAD = ("json", "no_such_module_for_the_standby")
+
+
+@pytest.fixture
+def standby() -> Iterator[Standby]:
+    server = Standby(PRELOAD, ready_timeout_s=60)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+        assert server.pid is not None and not pid_alive(server.pid)
+
+
+def script(tmp_path: Path, body: str, name: str = "job.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def spawn(standby: Standby, tmp_path: Path, *argv: str,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -u ARGV`` through the standby; its exit code and output."""
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    proc = standby.spawn(["-u", *argv], env if env is not None else dict(os.environ),
+                         str(out), str(err))
+    code = proc.wait(timeout=60)
+    return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+
+
+def test_argv_torchrun_gives_python_is_what_the_standby_runs() -> None:
+    py = sys.executable
+    assert python_argv(py, ("-u", "train.py", "--lr", "1")) == ["-u", "train.py", "--lr", "1"]
+    assert python_argv(py, ("-u", "-m", "pkg.train")) == ["-u", "-m", "pkg.train"]
+    assert python_argv(py, ("-u", "-m")) is None  # nothing to run
+    assert python_argv("/usr/bin/env", ("-u", "train.py")) is None  # --no-python
+    assert python_argv(py, ("train.py",)) is None  # not torchrun's form
+    assert python_argv(py, ("-u", "-c", "print(1)")) is None
+
+
+def test_ready_reports_what_it_imported_and_what_failed(standby: Standby) -> None:
+    assert standby.ready()
+    assert standby.info["preload_s"] >= 0
+    assert list(standby.info["failed"]) == ["no_such_module_for_the_standby"]
+    assert "ModuleNotFoundError" in standby.info["failed"]["no_such_module_for_the_standby"]
+
+
+def test_a_worker_sees_what_a_fresh_interpreter_would(standby: Standby, tmp_path: Path) -> None:
+    (tmp_path / "sibling.py").write_text("VALUE = 'from the script dir'\n")
+    job = script(tmp_path, """
+        import os, sys
+        import sibling
+        print(__name__, sys.argv[1:], os.getcwd(), sibling.VALUE)
+        print(os.environ.get("ONLY_IN_REQUEST"), os.environ.get("ONLY_IN_AGENT"))
+        print(open(f"/proc/{os.getpid()}/cmdline", "rb").read().decode())
+        print(os.getsid(0) == os.getpid())
+    """)
+    env = {"PATH": os.environ["PATH"], "ONLY_IN_REQUEST": "yes"}
+    os.environ["ONLY_IN_AGENT"] = "leak"
+    try:
+        result = spawn(standby, tmp_path, str(job), "a", "b", env=env)
+    finally:
+        del os.environ["ONLY_IN_AGENT"]
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"__main__ ['a', 'b'] {os.getcwd()} from the script dir"
+    assert lines[1] == "yes None"  # exactly the environment asked for
+    assert f"-u {job} a b" in lines[2]  # its own command line, not the standby's
+    assert lines[3] == "True"  # its own session, as torchrun's Popen gives
+
+
+def test_a_module_runs_as_main(standby: Standby, tmp_path: Path) -> None:
+    result = spawn(standby, tmp_path, "-m", "json.tool", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout and "json.tool" in result.stdout
+
+
+@pytest.mark.parametrize(("body", "code"), [
+    ("import sys; sys.exit(75)", 75),
+    ("import sys; sys.exit()", 0),
+    ("import sys; sys.exit('bad config')", 1),
+    ("raise RuntimeError('planted')", 1),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM),
+    ("raise KeyboardInterrupt", -signal.SIGINT),
+])
+def test_exit_codes_are_the_interpreters(standby: Standby, tmp_path: Path, body: str,
+                                         code: int) -> None:
+    fresh = subprocess.run([sys.executable, "-u", "-c", body], capture_output=True,
+                           text=True, check=False)
+    result = spawn(standby, tmp_path, str(script(tmp_path, body)))
+    assert result.returncode == fresh.returncode == code
+    if "planted" in body:
+        assert "RuntimeError: planted" in result.stderr
+    if "bad config" in body:
+        assert result.stderr.strip() == "bad config"
+
+
+def test_exit_waits_for_threads_and_runs_atexit(standby: Standby, tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    job = script(tmp_path, f"""
+        import atexit, threading, time
+        def late():
+            time.sleep(0.3)
+            open({str(marker)!r}, "a").write("thread ")
+        threading.Thread(target=late).start()
+        atexit.register(lambda: open({str(marker)!r}, "a").write("atexit"))
+        print("main done")
+    """)
+    result = spawn(standby, tmp_path, str(job))
+    assert result.returncode == 0, result.stderr
+    assert marker.read_text() == "thread atexit"  # thread joined first, as at exit
+
+
+def test_forked_workers_do_not_share_random_state(standby: Standby, tmp_path: Path) -> None:
+    job = script(tmp_path, "import random; print(random.getrandbits(64))")
+    first = spawn(standby, tmp_path, str(job)).stdout
+    second = spawn(standby, tmp_path, str(job)).stdout
+    assert first and first != second
+
+
+def test_a_worker_killed_by_the_agent_reports_the_signal(standby: Standby,
+                                                         tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    job = script(tmp_path, f"""
+        import time
+        open({str(ready)!r}, "w").close()
+        time.sleep(600)
+    """)
+    proc = standby.spawn(["-u", str(job)], dict(os.environ), None, None)
+    wait_for(ready.exists, 60, "the worker to start")
+    assert proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_standby_lost_while_a_worker_runs(standby: Standby, tmp_path: Path) -> None:
+    """Killed under a running worker: the worker goes on, its end is still seen (with
+    an unknown code), and new workers are refused so the agent uses Popen."""
+    ready = tmp_path / "ready"
+    job = script(tmp_path, f"""
+        import time
+        open({str(ready)!r}, "w").close()
+        time.sleep(600)
+    """)
+    proc = standby.spawn(["-u", str(job)], dict(os.environ), None, None)
+    wait_for(ready.exists, 60, "the worker to start")
+    assert standby.pid is not None
+    os.kill(standby.pid, signal.SIGKILL)
+    with pytest.raises(StandbyUnavailable):
+        standby.spawn(["-u", str(job)], dict(os.environ), None, None)
+    assert not standby.ready()
+    assert pid_alive(proc.pid) and proc.poll() is None
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == EXIT_UNKNOWN
+
+
+def test_a_standby_that_dies_in_its_imports_is_not_ready(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "dies_on_import.py").write_text("import os\nos._exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    server = Standby(("json", "dies_on_import"), ready_timeout_s=60)
+    server.start()
+    try:
+        assert not server.ready()
+        assert server.info["reason"]
+        with pytest.raises(StandbyUnavailable):
+            server.spawn(["-u", "x.py"], {}, None, None)
+    finally:
+        server.close()
+
+
+def test_notices_to_the_whole_job_leave_the_standby_serving(standby: Standby,
+                                                            tmp_path: Path) -> None:
+    """Slurm signals every process of a step: the standby ignores notices, its workers
+    get a new interpreter's dispositions back."""
+    assert standby.ready() and standby.pid is not None
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        os.kill(standby.pid, sig)
+    job = script(tmp_path, """
+        import signal
+        print(signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL,
+              signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+              signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    """)
+    result = spawn(standby, tmp_path, str(job))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "True"]
+    assert pid_alive(standby.pid)
