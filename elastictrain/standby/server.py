@@ -159,6 +159,7 @@ def _child(request: dict[str, Any], inherited: tuple[int, ...]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         _reseed()
+        _threads_from_environment()
         code = run_python(request["argv"])
     except BaseException:  # the worker's own setup failed: say why, like a crash
         traceback.print_exc()
@@ -173,6 +174,15 @@ def _reseed() -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
+
+
+def _threads_from_environment() -> None:
+    """torch sizes its thread pool from ``OMP_NUM_THREADS`` when imported, which the
+    standby did under its own environment: apply the worker's value."""
+    torch = sys.modules.get("torch")
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and value.isdigit() and int(value) > 0:
+        torch.set_num_threads(int(value))
 
 
 def run_python(argv: list[str]) -> int:

@@ -209,3 +209,22 @@ def test_notices_to_the_whole_job_leave_the_standby_serving(standby: Standby,
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "True", "True"]
     assert pid_alive(standby.pid)
+
+
+def test_torch_threads_follow_the_workers_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch read OMP_NUM_THREADS when the standby imported it; a worker launched with
+    another value gets the thread count a fresh interpreter would."""
+    job = script(tmp_path, "import torch; print(torch.get_num_threads())")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    fresh = subprocess.run([sys.executable, str(job)], env=env, capture_output=True,
+                           text=True, check=True).stdout
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the standby imports without it
+    server = Standby(("torch",), ready_timeout_s=120)
+    server.start()
+    try:
+        ambient = dict(os.environ)
+        assert spawn(server, tmp_path, str(job), env=env).stdout == fresh == "1\n"
+        assert spawn(server, tmp_path, str(job), env=ambient).returncode == 0
+    finally:
+        server.close()
