@@ -52,6 +52,7 @@ class Standby:
         self._next = 0
         self._lost = False
         self._ready: bool | None = None
+        self.started_at = 0.0
         self._lock = threading.RLock()
 
     @property
@@ -166,6 +167,8 @@ class Standby:
         elif "ready" in message:
             self._ready = bool(message["ready"])
             self.info.update(message)
+            # preload_s misses the imports BOOT's `import elastictrain` already did.
+            self.info["ready_after_s"] = round(time.monotonic() - self.started_at, 3)
 
 
 def _code_without_report(pid: int) -> int | None:
