@@ -209,10 +209,20 @@ def run_python(argv: list[str]) -> int:
         os.kill(os.getpid(), signal.SIGINT)
         code = 130
     except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
+        code = _uncaught(*sys.exc_info())
     _finish()
     return code
+
+
+def _uncaught(*exc_info: Any) -> int:
+    """``sys.excepthook`` on an exception that ended the script; 1, or the code of a
+    ``SystemExit`` the hook raised (the interpreter exits with it: elastictrain's own
+    hook turns a fatal error into 78 that way)."""
+    try:
+        sys.excepthook(*exc_info)
+    except SystemExit as exc:
+        return _exit_code(exc.code)
+    return 1
 
 
 def _exit_code(value: object) -> int:

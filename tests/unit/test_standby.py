@@ -228,3 +228,21 @@ def test_torch_threads_follow_the_workers_environment(
         assert spawn(server, tmp_path, str(job), env=ambient).returncode == 0
     finally:
         server.close()
+
+
+def test_an_excepthook_that_exits_sets_the_code(standby: Standby, tmp_path: Path) -> None:
+    """elastictrain's own hook turns a fatal error into exit 78 by raising SystemExit."""
+    body = """
+        import sys
+        def hook(kind, value, tb):
+            print("hook saw", value, file=sys.stderr)
+            raise SystemExit(78)
+        sys.excepthook = hook
+        raise RuntimeError("planted")
+    """
+    job = script(tmp_path, body)
+    fresh = subprocess.run([sys.executable, "-u", str(job)], capture_output=True, text=True,
+                           check=False)
+    result = spawn(standby, tmp_path, str(job))
+    assert result.returncode == fresh.returncode == 78
+    assert result.stderr == fresh.stderr == "hook saw planted\n"
