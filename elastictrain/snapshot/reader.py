@@ -259,7 +259,11 @@ def _wrong_size(where: str, actual: int, expected: int) -> SnapshotCorrupt:
     return SnapshotCorrupt(f"{where}: {actual} bytes, manifest says {expected} (truncated?)")
 
 
-_VERIFY_CHUNK = 64 << 20  # bytes per read_into (parallel ranged GETs) of a remote payload
+# Bytes per read_into (parallel ranged GETs) of a remote payload that is checked, not
+# loaded: the memory a verification holds. Larger chunks mean fewer, larger ranges:
+# 64 MiB read 512 MB as 32 ranges, and a server that reads the whole object for every
+# range (moto) paid 32 times (docs/benchmarks.md#s3-benchmark).
+_VERIFY_CHUNK = 256 << 20
 
 
 def _check_remote(store: Store, path: str, entry: ObjectEntry, algorithm: ChecksumAlgorithm,
