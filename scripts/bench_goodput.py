@@ -115,7 +115,8 @@ def failure_schedule(seed: int, mtbf_s: float, wall_s: float, nproc: int) -> lis
 class DemoJob:
     """The demo under ``elastictrain run`` with restarts, and its event files."""
 
-    def __init__(self, work: Path, config: Config, nproc: int, kills: int, seed: int) -> None:
+    def __init__(self, work: Path, config: Config, nproc: int, kills: int, seed: int,
+                 durable_latency_s: float = 0.0) -> None:
         self.run_id = f"goodput-{uuid.uuid4().hex[:8]}"
         self.storage = work / "storage"
         self.events = work / "events" / self.run_id
@@ -131,6 +132,10 @@ class DemoJob:
                     "ELASTICTRAIN_SNAPSHOT__MEMORY_DIR": str(self.memory),
                     "PYTHONPATH": os.pathsep.join(filter(None, [
                         str(REPO), os.environ.get("PYTHONPATH", "")]))}
+        if durable_latency_s:
+            # The durable tier only (the memory tier opens its own store, never wrapped):
+            # every storage operation waits first, as a store a network away does.
+            self.env["ELASTICTRAIN_STORAGE__FAULTS__LATENCY_S"] = str(durable_latency_s)
         self.proc: subprocess.Popen[bytes] | None = None
         self.killed: set[int] = set()
 
@@ -224,7 +229,7 @@ def _is_worker(pid: int, needle: str = WORKER) -> bool:
 def run_config(config: Config, kills: list[Kill], args: argparse.Namespace) -> dict[str, Any]:
     """Run one configuration under the failure schedule and measure it."""
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-", dir=args.workdir))
-    job = DemoJob(work, config, args.nproc, len(kills), args.seed)
+    job = DemoJob(work, config, args.nproc, len(kills), args.seed, args.durable_latency_s)
     load_before = load_average()
     delivered: list[dict[str, Any]] = []
     try:
@@ -385,6 +390,9 @@ def main(argv: list[str] | None = None) -> None:
                    default=[parse_config(c) for c in DEFAULT_CONFIGS],
                    help=f"fixed:N | auto, optionally +memory:M (default {DEFAULT_CONFIGS})")
     p.add_argument("--nproc", type=int, default=2, help="workers (default 2)")
+    p.add_argument("--durable-latency-s", type=float, default=0.0,
+                   help="seconds every durable-storage operation waits first (a remote "
+                   "store; storage.faults.latency_s); default 0: the local disk")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="the report as JSON on stdout (or to FILE)")
     p.add_argument("--workdir", default=None, help="where runs go (default: the temp dir)")
@@ -399,6 +407,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in (("--wall-s", args.wall_s), ("--mtbf-s", args.mtbf_s)):
         if value <= 0:
             raise SystemExit(f"{name}={value}: must be > 0 seconds")
+    if not 0 <= args.durable_latency_s <= 60:
+        raise SystemExit(f"--durable-latency-s={args.durable_latency_s}: must be 0-60 seconds")
     kills = failure_schedule(args.seed, args.mtbf_s, args.wall_s, args.nproc)
     load_before = load_average()
     results = []
@@ -410,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     load_after = load_average()
     report = {"bench": "goodput", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "wall_s": args.wall_s, "mtbf_s": args.mtbf_s, "seed": args.seed,
+              "durable_latency_s": args.durable_latency_s,
               "nproc": args.nproc, "cpus": os.cpu_count(),
               "schedule": [{"at_s": k.at_s, "rank": k.rank} for k in kills],
               "load_avg_before": round(load_before, 2), "load_avg_after": round(load_after, 2),
