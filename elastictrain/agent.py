@@ -187,6 +187,7 @@ class ElasticTrainAgent(LocalElasticAgent):
                      ready_after_s=standby.info.get("ready_after_s"),
                      preload_s=standby.info.get("preload_s"), modules=list(standby.modules),
                      failed=standby.info.get("failed") or {},
+                     absent=standby.info.get("absent") or [],
                      threads=standby.info.get("threads"))
         if not forked:
             log.warning("agent.standby_unavailable", reason=why_not,

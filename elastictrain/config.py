@@ -195,9 +195,10 @@ class WatchdogConfig(_Model):
 
 
 ModuleName = Annotated[str, Field(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")]
-# torch._dynamo: DDP and the optimizers import it on first use (0.9 s here).
+# torch._dynamo: DDP and the optimizers import it on first use (0.9 s here); s3fs (an
+# extra, 0.3 s) on first use of S3, and is skipped where it is not installed.
 STANDBY_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim",
-                   "torch._dynamo", "elastictrain")
+                   "torch._dynamo", "elastictrain", "s3fs")
 
 
 class LaunchDefaults(_Model):

@@ -7,7 +7,8 @@ touches an accelerator, opens a process group or starts a thread of its own, so 
 
 One Unix socket to the agent carries JSON lines:
 
-* standby → agent, once: ``{"ready": true, "preload_s": S, "failed": {MODULE: ERROR}}``,
+* standby → agent, once: ``{"ready": true, "preload_s": S, "failed": {MODULE: ERROR},
+  "absent": [MODULE...]}`` (absent: not installed),
   or ``{"ready": false, "reason": ...}`` when the preload initialised CUDA (a forked
   child could not use it);
 * agent → standby: ``{"spawn": N, "argv": [...], "env": {...}, "cwd": DIR,
@@ -60,27 +61,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
     started = time.monotonic()
-    failed = preload(args.modules)
+    failed, absent = preload(args.modules)
     reason = _unforkable()
     if reason:
         _send(sock, {"ready": False, "reason": reason})
         return 1
     _send(sock, {"ready": True, "preload_s": round(time.monotonic() - started, 3),
-                 "failed": failed, "threads": len(os.listdir("/proc/self/task"))})
+                 "failed": failed, "absent": absent,
+                 "threads": len(os.listdir("/proc/self/task"))})
     serve(sock)
     return 0
 
 
-def preload(modules: list[str]) -> dict[str, str]:
+def preload(modules: list[str]) -> tuple[dict[str, str], list[str]]:
     """Import ``modules``; return those that failed with their error (they are simply
-    imported again, by the worker that needs them)."""
-    failed = {}
+    imported again, by the worker that needs them) and those not installed at all."""
+    failed, absent = {}, []
     for name in modules:
         try:
             importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name.split(".")[0]:
+                absent.append(name)  # an optional library (s3fs) this machine lacks
+            else:
+                failed[name] = f"{type(exc).__name__}: {exc}"[:300]
         except Exception as exc:  # any import error: the worker will see it itself
             failed[name] = f"{type(exc).__name__}: {exc}"[:300]
-    return failed
+    return failed, absent
 
 
 def _unforkable() -> str | None:

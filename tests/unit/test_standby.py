@@ -18,7 +18,7 @@ from elastictrain.standby.context import python_argv
 from tests.helpers import pid_alive, wait_for
 
 # Cheap modules, so each test's standby is ready in well under a second.
-PRELOAD = ("json", "no_such_module_for_the_standby")
+PRELOAD = ("json", "no_such_module_for_the_standby", "json.no_such_submodule")
 
 
 @pytest.fixture
@@ -61,8 +61,10 @@ def test_argv_torchrun_gives_python_is_what_the_standby_runs() -> None:
 def test_ready_reports_what_it_imported_and_what_failed(standby: Standby) -> None:
     assert standby.ready()
     assert standby.info["preload_s"] >= 0
-    assert list(standby.info["failed"]) == ["no_such_module_for_the_standby"]
-    assert "ModuleNotFoundError" in standby.info["failed"]["no_such_module_for_the_standby"]
+    # Not installed at all: an optional library; installed but broken: a failure.
+    assert standby.info["absent"] == ["no_such_module_for_the_standby"]
+    assert list(standby.info["failed"]) == ["json.no_such_submodule"]
+    assert "ModuleNotFoundError" in standby.info["failed"]["json.no_such_submodule"]
 
 
 def test_a_worker_sees_what_a_fresh_interpreter_would(standby: Standby, tmp_path: Path) -> None:
