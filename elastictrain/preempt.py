@@ -162,6 +162,14 @@ class PreemptionWatcher:
         """The stop decision from the all-reduced ``flags()`` (same on every rank)."""
         if not reduced or not reduced[0]:
             return None
+        notice = self._notice
+        if notice is not None and not self._logged:
+            # Our own notice came during the all-reduce a peer's notice decided: say so
+            # now, as the next step boundary (where flags() would) never comes.
+            self._logged = True
+            log.warning("preempt.notice", source=notice.source, detail=notice.detail,
+                        age_s=round(time.monotonic() - notice.at, 3),
+                        grace_period_s=self.config.grace_period_s)
         return StopRequest(notice_age_s=reduced[1] / 1000, agreed_at=time.monotonic(),
                            local=self._notice, grace_period_s=self.config.grace_period_s)
 

@@ -147,9 +147,12 @@ def test_signal_to_the_launcher_saves_the_step_in_progress(tmp_path: Path,
     assert step > 10
     forwarded = job.of("agent.signal_forwarded")
     assert forwarded and forwarded[0]["signal"] == sig.name and forwarded[0]["grace_s"] == 90
+    (attempt,) = job.of("agent.attempt_started")
+    assert sorted(forwarded[0]["pids"]) == sorted(attempt["pids"].values())  # to both
+    # Each rank logs its own notice unless its signal came after the stop was agreed
+    # (the launcher signals the workers one after the other).
     notices = job.of("preempt.notice")
-    assert {(e["source"], e["detail"]) for e in notices} == {("signal", sig.name)}
-    assert {e["rank"] for e in notices} == {0, 1}  # the launcher forwarded it to both
+    assert notices and {(e["source"], e["detail"]) for e in notices} == {("signal", sig.name)}
     assert_resumes_without_loss(job, step)
 
 

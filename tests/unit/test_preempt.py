@@ -103,6 +103,27 @@ def test_flags_and_agreement() -> None:
     assert watcher.notice is not None and watcher.notice.source == "file"
 
 
+def test_own_notice_arriving_during_the_agreement_is_logged() -> None:
+    """Our signal lands between our flags() (no notice yet) and the all-reduce's result
+    (a peer's notice): the stop is agreed and our own notice is still reported, once."""
+    watcher = preempt.PreemptionWatcher(PreemptConfig(), poll=False)
+    with capture_logs() as logs:
+        assert watcher.flags() == [0, 0]
+        watcher.notify("signal", "SIGTERM")
+        stop = watcher.agreed([1, 5])
+        watcher.flags()
+    assert stop is not None and stop.local is not None
+    notices = [e for e in logs if e["event"] == "preempt.notice"]
+    assert [(e["source"], e["detail"]) for e in notices] == [("signal", "SIGTERM")]
+
+
+def test_a_peers_notice_alone_logs_no_notice_here() -> None:
+    watcher = preempt.PreemptionWatcher(PreemptConfig(), poll=False)
+    with capture_logs() as logs:
+        assert watcher.agreed([1, 5]) is not None
+    assert not [e for e in logs if e["event"] == "preempt.notice"]
+
+
 class CountingCtx:
     """A one-rank DistContext stand-in that counts collectives."""
 
