@@ -400,9 +400,18 @@ def _env_names(model: type[BaseModel], prefix: str) -> dict[str, str]:
     for field_name, info in model.model_fields.items():
         name = f"{prefix}{field_name.upper()}"
         names[name] = _json_kind(info.annotation)
-        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
-            names.update(_env_names(info.annotation, f"{name}__"))
+        section = _section_model(info.annotation)
+        if section is not None:  # a section, or an optional one (storage.faults)
+            names.update(_env_names(section, f"{name}__"))
     return names
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model of a section field: ``Model`` or ``Model | None``."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) \
+        else (annotation,)
+    models = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+    return models[0] if len(models) == 1 else None
 
 
 def _json_kind(annotation: Any) -> str:

@@ -27,6 +27,7 @@ def _error(monkeypatch: pytest.MonkeyPatch, **env: str) -> str:
     ("ELASTICTRAIN_SNAPSHOTS__KEEP", "ELASTICTRAIN_SNAPSHOT__KEEP"),
     ("ELASTICTRAIN_SNAPSHOT__EVERY", "ELASTICTRAIN_SNAPSHOT__EVERY_STEPS"),
     ("ELASTICTRAIN_WATCHDOG__TIMEOUT", "ELASTICTRAIN_WATCHDOG__TIMEOUT_S"),
+    ("ELASTICTRAIN_STORAGE__FAULTS__LATENCY", "ELASTICTRAIN_STORAGE__FAULTS__LATENCY_S"),
     ("ELASTICTRAIN_CONFG", "ELASTICTRAIN_CONFIG")])
 def test_misspelt_environment_name_names_the_closest(monkeypatch: pytest.MonkeyPatch,
                                                      name: str, suggestion: str) -> None:
@@ -40,6 +41,14 @@ def test_valid_environment_names_pass() -> None:
                        "ELASTICTRAIN_CONFIG": "a.toml", "ELASTICTRAIN_SNAPSHOT": '{"keep": 4}',
                        "ELASTICTRAIN_STORAGE__STORAGE_OPTIONS__ANON": "true",
                        "ELASTICTRAIN_PREEMPT__SIGNALS": '["SIGUSR2"]'})
+
+
+def test_a_field_of_an_optional_section_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """storage.faults is ``FaultsConfig | None``: its fields are set one by one too, as
+    its docstring says (the check refused them before)."""
+    monkeypatch.setenv("ELASTICTRAIN_STORAGE__FAULTS__LATENCY_S", "0.25")
+    faults = load_settings().storage.faults
+    assert faults is not None and faults.latency_s == 0.25
 
 
 def test_lower_case_names_still_apply(monkeypatch: pytest.MonkeyPatch) -> None:
