@@ -345,5 +345,6 @@ def installed(launch: LaunchDefaults | None = None) -> Iterator[type[ElasticTrai
         yield ElasticTrainAgent
     finally:
         launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+        ElasticTrainAgent.standby_preload = None
         if ElasticTrainAgent.latest is not None:
             ElasticTrainAgent.latest.close_standby()
