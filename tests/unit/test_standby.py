@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.standby.client import EXIT_UNKNOWN, Standby, StandbyUnavailable
+from elastictrain.standby.client import (
+    EXIT_UNKNOWN,
+    Standby,
+    StandbyProcess,
+    StandbyUnavailable,
+)
 from elastictrain.standby.context import python_argv
 from tests.helpers import pid_alive, wait_for
 
@@ -141,8 +146,8 @@ def test_forked_workers_do_not_share_random_state(standby: Standby, tmp_path: Pa
     assert first and first != second
 
 
-def test_a_worker_killed_by_the_agent_reports_the_signal(standby: Standby,
-                                                         tmp_path: Path) -> None:
+def start_a_sleeper(standby: Standby, tmp_path: Path) -> tuple[Path, StandbyProcess]:
+    """A worker that says it started, then sleeps until killed."""
     ready = tmp_path / "ready"
     job = script(tmp_path, f"""
         import time
@@ -151,6 +156,12 @@ def test_a_worker_killed_by_the_agent_reports_the_signal(standby: Standby,
     """)
     proc = standby.spawn(["-u", str(job)], dict(os.environ), None, None)
     wait_for(ready.exists, 60, "the worker to start")
+    return job, proc
+
+
+def test_a_worker_killed_by_the_agent_reports_the_signal(standby: Standby,
+                                                         tmp_path: Path) -> None:
+    _, proc = start_a_sleeper(standby, tmp_path)
     assert proc.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(timeout=0.2)
@@ -161,14 +172,7 @@ def test_a_worker_killed_by_the_agent_reports_the_signal(standby: Standby,
 def test_standby_lost_while_a_worker_runs(standby: Standby, tmp_path: Path) -> None:
     """Killed under a running worker: the worker goes on, its end is still seen (with
     an unknown code), and new workers are refused so the agent uses Popen."""
-    ready = tmp_path / "ready"
-    job = script(tmp_path, f"""
-        import time
-        open({str(ready)!r}, "w").close()
-        time.sleep(600)
-    """)
-    proc = standby.spawn(["-u", str(job)], dict(os.environ), None, None)
-    wait_for(ready.exists, 60, "the worker to start")
+    job, proc = start_a_sleeper(standby, tmp_path)
     assert standby.pid is not None
     os.kill(standby.pid, signal.SIGKILL)
     with pytest.raises(StandbyUnavailable):
