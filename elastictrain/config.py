@@ -111,8 +111,9 @@ class SnapshotConfig(_Model):
     # step, no per-step logging. None: no such events (views then see snapshot steps).
     progress_every_s: float | None = Field(default=5.0, gt=0)
     # The node-memory tier (docs/memory-tier.md): a snapshot every `memory_every` steps
-    # to a node-local directory, one per node; None: off.
-    memory_every: int | None = Field(default=None, ge=1)
+    # to a node-local directory, one per node; "auto": Young/Daly from the memory
+    # snapshot's own cost and the MTBF estimate (docs/interval.md); None: off.
+    memory_every: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     # Default: /dev/shm/elastictrain/<run_id> (snapshot/memory.py).
     memory_dir: str | None = None
     # Copy parameters and optimizer state behind the loop: while the next forward and

@@ -76,7 +76,7 @@ class Config:
 
 
 def parse_config(text: str) -> Config:
-    """``fixed:N``, ``auto``, each optionally ``+memory:M``.
+    """``fixed:N``, ``auto``, each optionally ``+memory:M`` (``M``: steps or ``auto``).
 
     Raises:
         SystemExit: anything else (names the value and the fix).
@@ -91,10 +91,12 @@ def parse_config(text: str) -> Config:
             args.append(f"--snapshot-every={int(value)}")
         elif i > 0 and kind == "memory" and value.isdigit() and int(value) >= 1:
             args.append(f"--memory-every={int(value)}")
+        elif i > 0 and kind == "memory" and value == "auto":
+            args.append("--memory-every=auto")
         else:
             raise SystemExit(f"--configs {text!r}: expected fixed:N or auto, optionally "
-                             "followed by +memory:M (N, M whole numbers >= 1); fix: e.g. "
-                             "fixed:40 auto auto+memory:1")
+                             "followed by +memory:M (N, M whole numbers >= 1, M also "
+                             "auto); fix: e.g. fixed:40 auto auto+memory:auto")
     return Config(text, args)
 
 

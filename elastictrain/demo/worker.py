@@ -37,8 +37,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--snapshot-every", type=snapshot_every, default=25,
                    help="steps between durable snapshots, or 'auto' (docs/interval.md)")
-    p.add_argument("--memory-every", type=int, default=None,
-                   help="steps between node-memory snapshots (docs/memory-tier.md)")
+    p.add_argument("--memory-every", type=snapshot_every, default=None,
+                   help="steps between node-memory snapshots, or 'auto' "
+                   "(docs/memory-tier.md)")
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--kill-at", type=int, action="append", default=[])
     p.add_argument("--hang-at", type=int, default=None,
@@ -55,7 +56,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def snapshot_every(value: str) -> int | str:
-    """``--snapshot-every``: a whole number of steps, or ``auto`` (Young/Daly)."""
+    """``--snapshot-every`` / ``--memory-every``: a whole number of steps, or ``auto``
+    (Young/Daly)."""
     if value.strip().lower() == "auto":
         return "auto"
     try:

@@ -84,11 +84,14 @@ class IntervalPolicy:
         min_s / max_s: bounds on the interval.
         history: the earlier attempts' uptime and failures.
         clock: monotonic seconds (injected in tests).
+        tier: the tier whose snapshots it spaces (``durable`` or ``memory``), logged.
     """
 
     def __init__(self, prior_mtbf_s: float, min_s: float, max_s: float,
-                 history: FailureHistory, clock: Callable[[], float]) -> None:
+                 history: FailureHistory, clock: Callable[[], float],
+                 tier: str = "durable") -> None:
         self.prior_mtbf_s, self.min_s, self.max_s = prior_mtbf_s, min_s, max_s
+        self.tier = tier
         self.history = history
         self._clock = clock
         self._started = clock()
@@ -126,7 +129,7 @@ class IntervalPolicy:
             log.info("snapshot.interval", interval_s=round(interval, 3), interval_steps=steps,
                      cost_s=None if self.cost_s is None else round(self.cost_s, 4),
                      mtbf_s=round(mtbf, 1), failures=self.history.failures,
-                     reason=reason)
+                     reason=reason, tier=self.tier)
         return interval
 
 

@@ -172,11 +172,21 @@ class SnapshotManager:
         self._last_progress = clock()
         self._last_save_step = 0
         # The writer alone chooses an automatic interval; it rides the agreement below.
+        history = (failure_history(runtime.default_events_dir(settings))
+                   if self.ctx.is_writer and (self.config.auto or self._memory_auto)
+                   else None)
         self._auto = (IntervalPolicy(
             self.config.auto_mtbf_prior_s, self.config.auto_min_interval_s,
-            self.config.auto_max_interval_s,
-            failure_history(runtime.default_events_dir(settings)), clock)
-            if self.config.auto and self.ctx.is_writer else None)
+            self.config.auto_max_interval_s, history, clock)
+            if self.config.auto and history is not None else None)
+        # memory_every="auto": the writer (local rank 0 of its node, so it writes memory
+        # snapshots too) measures their cost and votes when one is due.
+        self._memory_policy = (IntervalPolicy(
+            self.config.auto_mtbf_prior_s, self.config.auto_min_interval_s,
+            self.config.auto_max_interval_s, history, clock, tier="memory")
+            if self._memory_auto and history is not None else None)
+        self._last_memory_step = 0
+        self._last_memory_time = clock()
         self._progress = _ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
         self._rng_rule = "none"
         self._preempt = preempt.current()
@@ -310,6 +320,7 @@ class SnapshotManager:
         # The restored step is the last save: intervals count from it, not from step 0
         # (with every_steps="auto" the steps since step 0 made a wrong step time).
         self._last_save_step, self._last_save_time = self.step_count, self._clock()
+        self._last_memory_step, self._last_memory_time = self.step_count, self._clock()
         self.extras = dict(payload.get("extras") or {})
         rng_states = payload["rng"]
         # RNG last: building the model and loading state may consume random numbers.
@@ -348,9 +359,11 @@ class SnapshotManager:
             self._progress.write(self.step_count)
         watchdog.beat(self.step_count)
         self._report_progress(loss)
-        due, stop, failed_step = self._decide()
+        due, stop, failed_step, memory_vote = self._decide()
         every_memory = self.config.memory_every
-        memory_due = not due and every_memory is not None and self.step_count % every_memory == 0
+        memory_due = not due and (memory_vote if every_memory == "auto" else
+                                  every_memory is not None
+                                  and self.step_count % every_memory == 0)
         for saver, busy in ((self._saver if self.ctx.is_writer else None, due),
                             (self._memory, memory_due)):
             if saver is not None and not busy:
@@ -389,13 +402,15 @@ class SnapshotManager:
         self._last_progress = now
         log.info("train.progress", loss=None if loss is None else round(float(loss), 6))
 
-    def _decide(self) -> tuple[bool, preempt.StopRequest | None, int]:
-        """(save due, agreed stop, step of a failed save or 0): the same on every rank.
+    def _decide(self) -> tuple[bool, preempt.StopRequest | None, int, bool]:
+        """(save due, agreed stop, step of a failed save or 0, memory snapshot due under
+        ``memory_every="auto"``): the same on every rank.
 
-        Step triggers are deterministic. Clocks, notices and the writer's failed
-        persist differ between ranks: they ride one small all-reduce, on the steps
-        where one is needed anyway (preemption on, or a time trigger not already due).
-        The step path stays collective-free otherwise: ``save`` agrees on a failure.
+        Step triggers are deterministic. Clocks, notices, the writer's failed persist
+        and its automatic memory interval differ between ranks: they ride one small
+        all-reduce, on the steps where one is needed anyway (preemption on, a time
+        trigger not already due, or an automatic memory interval). The step path stays
+        collective-free otherwise: ``save`` agrees on a failure.
         """
         every = self.config.every_steps
         due = isinstance(every, int) and self.step_count % every == 0
@@ -403,12 +418,27 @@ class SnapshotManager:
         elapsed: bool | None = None  # None: no time trigger to check at this step
         if (seconds is not None or self.config.auto) and not due:
             elapsed = self._time_due()
-        if self._preempt is None and elapsed is None:
-            return due, None, 0
+        if self._preempt is None and elapsed is None and not self._memory_auto:
+            return due, None, 0, False
         notice = self._preempt.flags() if self._preempt is not None else []
-        agreed = self.ctx.all_reduce_max([int(bool(elapsed)), self._failed_step(), *notice])
-        stop = self._preempt.agreed(agreed[2:]) if self._preempt is not None else None
-        return due or bool(agreed[0]), stop, agreed[1]
+        agreed = self.ctx.all_reduce_max([int(bool(elapsed)), self._failed_step(),
+                                          int(self._memory_time_due()), *notice])
+        stop = self._preempt.agreed(agreed[3:]) if self._preempt is not None else None
+        return due or bool(agreed[0]), stop, agreed[1], bool(agreed[2])
+
+    @property
+    def _memory_auto(self) -> bool:
+        return self.config.memory_every == "auto"
+
+    def _memory_time_due(self) -> bool:
+        """The writer's vote for a memory snapshot now (``memory_every="auto"``)."""
+        if self._memory_policy is None:
+            return False
+        steps = self.step_count - self._last_memory_step
+        since = self._clock() - self._last_memory_time
+        step_time = since / steps if steps else None
+        interval = self._memory_policy.evaluate(step_time_s=step_time)
+        return step_time is not None and steps >= interval_steps(interval, step_time)
 
     def _time_due(self) -> bool:
         """This rank's vote for a save now: a fixed ``every_seconds`` that elapsed, or
@@ -449,6 +479,9 @@ class SnapshotManager:
             gathered = self.ctx.all_gather_object((capture_rng(), self._failed_step()))
             self._last_save_time = self._clock()
             self._last_save_step = self.step_count
+            # A durable snapshot of this step is newer than any memory one: the
+            # automatic memory interval counts from here too.
+            self._last_memory_step, self._last_memory_time = self.step_count, self._clock()
             failed_step = gathered[0][1]
             if failed_step:
                 self._raise_failed(failed_step)
@@ -472,6 +505,7 @@ class SnapshotManager:
         gather, then each node's local rank 0 stages and persists in the background.
         A failed memory persist is logged, never raised: durable storage is the truth."""
         started = time.perf_counter()
+        self._last_memory_step, self._last_memory_time = self.step_count, self._clock()
         if self._memory is not None:
             self._memory.wait_in_flight(self.step_count)
         with watchdog.busy("snapshot.save"):
@@ -482,6 +516,8 @@ class SnapshotManager:
             if failure is not None:
                 log.warning("snapshot.memory_failed", error=str(failure), tier="memory")
             self._memory.save(self._state(rng), self._meta(), started, defer=self._deferred())
+        if self._memory_policy is not None:  # what the loop waited for (copy behind: less)
+            self._memory_policy.observe_cost(time.perf_counter() - started)
 
     def _meta(self) -> SnapshotMeta:
         return SnapshotMeta(

@@ -18,6 +18,8 @@ def test_configs_map_to_demo_worker_options() -> None:
     assert bench_goodput.parse_config("auto").worker_args == ["--snapshot-every=auto"]
     assert bench_goodput.parse_config("auto+memory:1").worker_args == [
         "--snapshot-every=auto", "--memory-every=1"]
+    assert bench_goodput.parse_config("auto+memory:auto").worker_args == [
+        "--snapshot-every=auto", "--memory-every=auto"]
     assert bench_goodput.parse_config("fixed:10").fixed
     assert not bench_goodput.parse_config("fixed:10+memory:2").fixed
 
@@ -28,7 +30,7 @@ def test_bad_config_names_value_and_fix(bad: str) -> None:
     with pytest.raises(SystemExit) as info:
         bench_goodput.parse_config(bad)
     assert f"--configs {bad!r}: expected fixed:N or auto" in str(info.value)
-    assert "fix: e.g. fixed:40 auto auto+memory:1" in str(info.value)
+    assert "fix: e.g. fixed:40 auto auto+memory:auto" in str(info.value)
 
 
 def test_schedule_is_seeded_exponential_within_the_wall() -> None:

@@ -156,6 +156,31 @@ def test_manager_saves_on_the_automatic_interval(tmp_path: Path, trigger: str,
     assert intervals[0]["interval_steps"] == 5 and intervals[0]["interval_s"] == 5.0
 
 
+def test_memory_snapshots_on_their_own_automatic_interval(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """memory_every="auto": the memory tier gets its own Young/Daly interval (logged with
+    tier=memory), its first snapshot at the minimum (no cost yet); durable saves keep
+    their fixed steps and restart the memory interval (they are newer)."""
+    monkeypatch.setenv("ELASTICTRAIN_LOG__EVENTS_DIR", str(tmp_path / "events"))
+    clock = _Clock()
+    ctx = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
+    snap = SnapshotManager(str(tmp_path / "s"), model=torch.nn.Linear(2, 2), ctx=ctx,
+                           clock=clock, every_steps=10, memory_every="auto",
+                           memory_dir=str(tmp_path / "memory"), auto_mtbf_prior_s=1e12,
+                           auto_min_interval_s=3.0, auto_max_interval_s=7.0)
+    with capture_logs() as logs:
+        durable = _steps_saving(snap, clock, 22)
+        snap.wait()
+    snap.close()
+    assert durable == [10, 20]
+    committed = {e["snapshot_step"] for e in logs if e["event"] == "snapshot.committed"}
+    # 3 s at first (no cost yet), then the 7 s bound (a 1e12 s MTBF), counted from the
+    # newest snapshot of either tier: 3, durable 10, 17, durable 20.
+    assert sorted(committed - set(durable)) == [3, 17]
+    intervals = [(e["tier"], e["reason"]) for e in logs if e["event"] == "snapshot.interval"]
+    assert intervals == [("memory", "no_cost_yet"), ("memory", "max_bound")]
+
+
 def test_manager_interval_grows_to_the_bound_with_a_long_mtbf(tmp_path: Path) -> None:
     clock = _Clock()
     ctx = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
