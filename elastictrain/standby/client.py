@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from elastictrain.errors import ElasticTrainError
@@ -173,14 +174,13 @@ class Standby:
 
 def _code_without_report(pid: int) -> int | None:
     """With the standby gone, its orphaned children are reaped by someone else: all we
-    can tell is whether ``pid`` still runs."""
+    can tell is whether ``pid`` still runs (a zombie does not: whoever adopted it may
+    never reap it, a container's PID 1 among them)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return EXIT_UNKNOWN
-    except PermissionError:
-        return EXIT_UNKNOWN  # the pid was reused by another user's process
-    return None
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return EXIT_UNKNOWN  # gone (or no /proc: nothing more to learn)
+    return EXIT_UNKNOWN if state in ("Z", "X") else None
 
 
 class StandbyProcess:
