@@ -252,3 +252,30 @@ def test_an_excepthook_that_exits_sets_the_code(standby: Standby, tmp_path: Path
     result = spawn(standby, tmp_path, str(job))
     assert result.returncode == fresh.returncode == 78
     assert result.stderr == fresh.stderr == "hook saw planted\n"
+
+
+@pytest.mark.parametrize("ending", ["", "raise RuntimeError('planted')"])
+def test_the_scripts_objects_live_until_the_interpreter_finalizes(
+        standby: Standby, tmp_path: Path, ending: str) -> None:
+    """As in a fresh interpreter, what the script built is torn down after ``atexit``,
+    while finalizing: torn down earlier, a DDP model's gloo process group deadlocked
+    in its destructor with its own thread (about one worker exit in 30 hung)."""
+    # The check lives in another module: a function of the script's own would keep the
+    # script's globals alive through its __globals__.
+    (tmp_path / "checker.py").write_text(
+        "def report(ref):\n    print('alive at atexit:', ref() is not None)\n")
+    job = script(tmp_path, f"""
+        import atexit, weakref
+        import checker
+        class Held:
+            pass
+        held = Held()
+        atexit.register(checker.report, weakref.ref(held))
+        {ending}
+    """)
+    fresh = subprocess.run([sys.executable, "-u", str(job)], capture_output=True, text=True,
+                           check=False)
+    result = spawn(standby, tmp_path, str(job))
+    assert result.returncode == fresh.returncode
+    assert result.stdout.splitlines()[0] == fresh.stdout.splitlines()[0] == \
+        "alive at atexit: True"
