@@ -25,13 +25,18 @@ EXIT_UNKNOWN = 255  # the standby died before reporting a worker's end
 
 # Notices are ignored before anything is imported (importing elastictrain imports torch,
 # a second and more during which a scheduler's signal to the whole job would kill it).
+# SPT_NOENV: setproctitle must not reuse the environment's memory for titles, or
+# /proc/<pid>/environ of the standby and its workers would show a title (tools find a
+# job's processes there: elastictrain chaos does); the trailing comment is the room
+# the titles get instead (the command line's own memory).
 BOOT = """\
-import signal, sys
+import os, signal, sys
 for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
     signal.signal(getattr(signal, name), signal.SIG_IGN)
+os.environ["SPT_NOENV"] = "1"
 from elastictrain.standby.server import main
 sys.exit(main(sys.argv[1:]))
-"""
+#""" + " " * 4096
 
 
 class StandbyUnavailable(ElasticTrainError):

@@ -81,6 +81,7 @@ def test_a_worker_sees_what_a_fresh_interpreter_would(standby: Standby, tmp_path
         print(os.environ.get("ONLY_IN_REQUEST"), os.environ.get("ONLY_IN_AGENT"))
         print(open(f"/proc/{os.getpid()}/cmdline", "rb").read().decode())
         print(os.getsid(0) == os.getpid())
+        print(b"PATH=" in open(f"/proc/{os.getpid()}/environ", "rb").read())
     """)
     env = {"PATH": os.environ["PATH"], "ONLY_IN_REQUEST": "yes"}
     os.environ["ONLY_IN_AGENT"] = "leak"
@@ -94,6 +95,9 @@ def test_a_worker_sees_what_a_fresh_interpreter_would(standby: Standby, tmp_path
     assert lines[1] == "yes None"  # exactly the environment asked for
     assert f"-u {job} a b" in lines[2]  # its own command line, not the standby's
     assert lines[3] == "True"  # its own session, as torchrun's Popen gives
+    # /proc/<pid>/environ still holds an environment (the standby's), not a title:
+    # elastictrain chaos finds a job's processes by a variable there.
+    assert lines[4] == "True"
 
 
 def test_a_module_runs_as_main(standby: Standby, tmp_path: Path) -> None:
