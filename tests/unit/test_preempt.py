@@ -160,8 +160,9 @@ def test_one_all_reduce_per_step_carries_time_trigger_and_notice(
     for _ in range(5):
         snap.step()
     assert len(ctx.all_reduces) == 5
-    # [time due, failed save's step, noticed, notice age]
-    assert all(len(v) == 4 for v in ctx.all_reduces)
+    # [time due, failed save's step, memory snapshot due, noticed, notice age]
+    assert all(len(v) == 5 for v in ctx.all_reduces)
+    assert all(v[2] == 0 for v in ctx.all_reduces)  # no memory tier: never a vote
 
 
 def test_notice_takes_a_final_snapshot_of_this_step_and_exits_75(
