@@ -11,6 +11,24 @@ from pathlib import Path
 PROC = Path("/proc")
 
 
+def stat_fields(pid: int | str) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces
+    and parentheses): state first, then ppid, ...
+
+    Raises:
+        OSError: the process is gone (or ``/proc`` unreadable); IndexError: no fields.
+    """
+    return (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        return stat_fields(pid)[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def tree_cpu_ticks(pids: list[int]) -> dict[int, int | None]:
     """For each of ``pids``: user + system CPU ticks of it and its live descendants
     (their reaped children included); None for a pid that is gone or when ``/proc``
@@ -29,9 +47,8 @@ def tree_cpu_ticks(pids: list[int]) -> dict[int, int | None]:
         if not entry.name.isdigit():
             continue
         try:
-            # Fields after the command name (which may hold spaces and parentheses):
             # state, ppid, ... utime, stime, cutime, cstime at offsets 11-14.
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(entry.name)
             parent[int(entry.name)] = int(fields[1])
             ticks[int(entry.name)] = sum(int(f) for f in fields[11:15])
         except (OSError, IndexError, ValueError):

@@ -19,6 +19,7 @@ from typing import IO, Any
 
 from elastictrain.launch import LaunchSpec, start_torchrun
 from elastictrain.log import read_events
+from elastictrain.proctree import stat_fields
 
 MARKER_VAR = "ETCHAOS_RUN"
 
@@ -38,7 +39,7 @@ def processes_with_marker(marker: str) -> list[int]:
             continue
         try:
             environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            state = stat_fields(entry.name)[0]
         except (OSError, IndexError):
             continue  # gone, or not ours to read
         if state not in ("Z", "X") and any(

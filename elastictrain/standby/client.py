@@ -16,10 +16,10 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from elastictrain.errors import ElasticTrainError
+from elastictrain.proctree import is_running
 
 EXIT_UNKNOWN = 255  # the standby died before reporting a worker's end
 
@@ -181,11 +181,7 @@ def _code_without_report(pid: int) -> int | None:
     """With the standby gone, its orphaned children are reaped by someone else: all we
     can tell is whether ``pid`` still runs (a zombie does not: whoever adopted it may
     never reap it, a container's PID 1 among them)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return EXIT_UNKNOWN  # gone (or no /proc: nothing more to learn)
-    return EXIT_UNKNOWN if state in ("Z", "X") else None
+    return None if is_running(pid) else EXIT_UNKNOWN
 
 
 class StandbyProcess:
