@@ -117,10 +117,12 @@ class SnapshotConfig(_Model):
     # Default: /dev/shm/elastictrain/<run_id> (snapshot/memory.py).
     memory_dir: str | None = None
     # Copy parameters and optimizer state behind the loop: while the next forward and
-    # backward run; the optimizer's next step() waits for the copy. Needs optimizer=
-    # and async mode; only for loops where nothing but optimizer.step() changes them
+    # backward run; the optimizer's next step() waits for the copy. A copy whose source
+    # changed in place before it was done is dropped, and copies are made at once from
+    # then on. "auto": on wherever it applies (async mode, a torch.optim optimizer=, a
+    # model that is not sharded); true: the same, and an error where it cannot apply
     # (docs/performance.md#copy-behind).
-    overlap_copy: bool = False
+    overlap_copy: bool | Literal["auto"] = "auto"
 
     @field_validator("every_steps", "every_seconds", mode="before")
     @classmethod
@@ -145,7 +147,7 @@ class SnapshotConfig(_Model):
 
     @model_validator(mode="after")
     def _check_auto(self) -> SnapshotConfig:
-        if self.overlap_copy and self.mode == "sync":
+        if self.overlap_copy is True and self.mode == "sync":
             raise ValueError(
                 "snapshot.overlap_copy=true copies behind the loop and needs "
                 "snapshot.mode='async' (it is 'sync'); fix: unset one of them")

@@ -86,5 +86,13 @@ class SnapshotUnloadable(ElasticTrainError):
     exit_code = EXIT_FATAL
 
 
+class RestoreOverwrote(ElasticTrainError):
+    """No committed snapshot verifies, and one of them was already read into the
+    model's tensors (an in-place restore): the process cannot start fresh from the
+    model's initial values, so it stops instead; nothing was deleted."""
+
+    exit_code = EXIT_FATAL
+
+
 class SnapshotWriteFailed(StorageError):
     """Too many consecutive background persists failed."""

@@ -15,10 +15,18 @@ the launcher gets SIGTERM (final snapshot, exit 75). Figures per configuration:
 - the bound 1 - sqrt(2C/MTBF) - R/MTBF, with MTBF the realised one (wall / kills) and
   the nominal one; goodput / bound and goodput / the best fixed interval's goodput.
 
+With several ``--seeds`` every configuration runs under each seed's schedule, and the
+table pools them: each part of the split summed over the runs over their summed wall
+time, C and R averaged over all snapshots and recoveries, the bound from those and
+the realised MTBF of all runs; ``/best fixed`` is the pooled ratio with the seeds' own
+ratios [min-max] beside it. A handful of kills per run makes one seed's lost work a
+matter of where the kills land against the snapshots; pooling seeds averages that out.
+
 The machine's other work makes every figure noisy: load averages and the flag are in
 the report. Figures and how to read them: docs/goodput.md.
 
     python scripts/bench_goodput.py --wall-s 180 --mtbf-s 60
+    python scripts/bench_goodput.py --wall-s 180 --seeds 0 1 2 --json pooled.json
     python scripts/bench_goodput.py --configs fixed:40 auto auto+memory:1 --json
 """
 
@@ -228,10 +236,11 @@ def _is_worker(pid: int, needle: str = WORKER) -> bool:
     return WORKER in cmdline and needle in cmdline
 
 
-def run_config(config: Config, kills: list[Kill], args: argparse.Namespace) -> dict[str, Any]:
-    """Run one configuration under the failure schedule and measure it."""
+def run_config(config: Config, kills: list[Kill], seed: int,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """Run one configuration under the failure schedule of ``seed`` and measure it."""
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-", dir=args.workdir))
-    job = DemoJob(work, config, args.nproc, len(kills), args.seed, args.durable_latency_s)
+    job = DemoJob(work, config, args.nproc, len(kills), seed, args.durable_latency_s)
     load_before = load_average()
     delivered: list[dict[str, Any]] = []
     try:
@@ -358,6 +367,43 @@ def compare(results: list[dict[str, Any]]) -> None:
         r["best_fixed_interval_loss"] = least_loss
 
 
+def pool(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per configuration over every seed's run: the time of each part of the
+    split summed over the runs, over their summed wall time (so each second weighs the
+    same), the bound from the mean C and R and the realised MTBF of all runs together,
+    and each seed's own goodput and ratio to the best fixed interval for the spread."""
+    rows = []
+    for index, first in enumerate(runs[0]["results"]):
+        same = [run["results"][index] for run in runs]
+        wall = sum(r["wall_s"] for r in same)
+        seconds: dict[str, float] = {}
+        for r in same:
+            for part, value in r["seconds"].items():
+                seconds[part] = seconds.get(part, 0.0) + value
+        kills = sum(r["kills"] for r in same)
+        recs = [x for r in same for x in r["recoveries"]]
+        measured = [x["recovery_s"] for x in recs if x["recovery_s"] is not None]
+        recovery = sum(measured) / len(measured) if measured else None
+        snapshots = sum(r["cost"]["snapshots"] for r in same)
+        cost = (sum(r["cost"]["mean_s"] * r["cost"]["snapshots"] for r in same
+                    if r["cost"]["mean_s"] is not None) / snapshots if snapshots else None)
+        realised = wall / kills if kills else math.inf
+        rows.append({
+            "config": first["config"], "worker_args": first["worker_args"],
+            "goodput": seconds.get("productive", 0.0) / wall, "wall_s": wall,
+            "fractions": {part: round(value / wall, 4) for part, value in seconds.items()},
+            "seconds": seconds, "kills": kills, "recoveries": recs,
+            "cost": {"mean_s": cost, "snapshots": snapshots}, "recovery_s": recovery,
+            "mtbf_realised_s": None if math.isinf(realised) else realised,
+            "bound": bound(cost, recovery if kills else 0.0, realised),
+            "per_seed": {"seeds": [run["seed"] for run in runs],
+                         "goodput": [r["goodput"] for r in same],
+                         "ratio_to_best_fixed": [r["ratio_to_best_fixed"] for r in same]},
+            "noisy": any(r["noisy"] for r in same)})
+    compare(rows)
+    return rows
+
+
 def _f(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -375,10 +421,16 @@ def table(results: list[dict[str, Any]]) -> str:
             str(r["kills"]), _f(r["cost"]["mean_s"] and r["cost"]["mean_s"] * 1e3, ".1f"),
             _f(r["recovery_s"], ".2f"), _f(sum(lost) / len(lost) if lost else None, ".1f"),
             _f(r["bound"], ".3f"), _f(r["ratio_to_bound"], ".3f"),
-            _f(r["ratio_to_best_fixed"], ".3f"), _f(r["interval_loss"], ".3f")))
+            _f(r["ratio_to_best_fixed"], ".3f") + _spread(r), _f(r["interval_loss"], ".3f")))
     widths = [max(len(row[i]) for row in rows) + 2 for i in range(len(head))]
     return "\n".join("".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
                      for row in rows)
+
+
+def _spread(row: dict[str, Any]) -> str:
+    """`` [min-max]`` of the seeds' own ratios to their best fixed interval, if pooled."""
+    ratios = [x for x in row.get("per_seed", {}).get("ratio_to_best_fixed", []) if x]
+    return f" [{min(ratios):.3f}-{max(ratios):.3f}]" if len(ratios) > 1 else ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -387,7 +439,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds each configuration trains, from its first step (default 300)")
     p.add_argument("--mtbf-s", type=float, default=60.0,
                    help="mean seconds between kills (exponential; default 60)")
-    p.add_argument("--seed", type=int, default=0, help="the failure process's seed")
+    p.add_argument("--seed", "--seeds", dest="seeds", type=int, nargs="+", default=[0],
+                   help="the failure process's seeds: every configuration runs under each; "
+                   "with several, the table pools them (default 0)")
     p.add_argument("--configs", nargs="+", type=parse_config,
                    default=[parse_config(c) for c in DEFAULT_CONFIGS],
                    help=f"fixed:N | auto, optionally +memory:M (default {DEFAULT_CONFIGS})")
@@ -411,28 +465,34 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{name}={value}: must be > 0 seconds")
     if not 0 <= args.durable_latency_s <= 60:
         raise SystemExit(f"--durable-latency-s={args.durable_latency_s}: must be 0-60 seconds")
-    kills = failure_schedule(args.seed, args.mtbf_s, args.wall_s, args.nproc)
     load_before = load_average()
-    results = []
-    for config in args.configs:
-        results.append(run_config(config, kills, args))
-        if args.json is None:
-            print(f"{config.name}: goodput {results[-1]['goodput']:.3f}", file=sys.stderr)
-    compare(results)
+    runs = []
+    for seed in args.seeds:
+        kills = failure_schedule(seed, args.mtbf_s, args.wall_s, args.nproc)
+        results = []
+        for config in args.configs:
+            results.append(run_config(config, kills, seed, args))
+            if args.json is None:
+                print(f"seed {seed} {config.name}: goodput {results[-1]['goodput']:.3f}",
+                      file=sys.stderr)
+        compare(results)
+        runs.append({"seed": seed, "schedule": [{"at_s": k.at_s, "rank": k.rank}
+                                                for k in kills], "results": results})
+    results = runs[0]["results"] if len(runs) == 1 else pool(runs)
     load_after = load_average()
     report = {"bench": "goodput", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "wall_s": args.wall_s, "mtbf_s": args.mtbf_s, "seed": args.seed,
+              "wall_s": args.wall_s, "mtbf_s": args.mtbf_s, "seeds": args.seeds,
               "durable_latency_s": args.durable_latency_s,
               "nproc": args.nproc, "cpus": os.cpu_count(),
-              "schedule": [{"at_s": k.at_s, "rank": k.rank} for k in kills],
               "load_avg_before": round(load_before, 2), "load_avg_after": round(load_after, 2),
               "noisy": noisy(load_before, load_after, None) or any(r["noisy"] for r in results),
-              "results": results}
+              "results": results, "runs": runs}
     if args.json is not None:
         write_json(args.json, report)
     else:
         print(table(results))
-        print(f"{len(kills)} kills scheduled (seed {args.seed}, MTBF {args.mtbf_s:.0f} s, "
+        kills_total = sum(len(run["schedule"]) for run in runs)
+        print(f"{kills_total} kills scheduled (seeds {args.seeds}, MTBF {args.mtbf_s:.0f} s, "
               f"{args.wall_s:.0f} s each); load average before/after "
               f"{load_before:.2f}/{load_after:.2f}"
               + ("  (NOISY: other work was running)" if report["noisy"] else ""))

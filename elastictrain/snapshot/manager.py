@@ -56,6 +56,7 @@ from elastictrain.snapshot import memory
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.digest import param_digest
 from elastictrain.snapshot.interval import IntervalPolicy, failure_history, interval_steps
+from elastictrain.snapshot.onepass import InPlace
 from elastictrain.snapshot.persister import SaveHandle
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world, restore_rng
@@ -209,10 +210,14 @@ class SnapshotManager:
 
     def _copy_behind_fence(self) -> Any:
         """With ``overlap_copy``, the optimizer's step pre-hook that waits for the copies
-        a save deferred (its handle, to remove at close); None otherwise."""
-        if not self.config.overlap_copy:
+        a save deferred (its handle, to remove at close); None otherwise ("auto" where
+        copy behind cannot apply: sync mode, no torch.optim optimizer, a sharded model)."""
+        setting = self.config.overlap_copy
+        if setting is False:
             return None
         register = getattr(self.optimizer, "register_step_pre_hook", None)
+        if setting == "auto" and (register is None or self.sharded or self.config.mode == "sync"):
+            return None
         if register is None or self.sharded:
             problem = ("this model is sharded (sharded saves stage every rank at once)"
                        if self.sharded else "no torch.optim optimizer= was given (its "
@@ -234,12 +239,18 @@ class SnapshotManager:
     def _deferred(self) -> frozenset[int]:
         """What a save copies behind: parameters and optimizer state (only the
         optimizer's step changes them); buffers and the rest are copied at once."""
-        if self._fence_hook is None:
+        if self._fence_hook is None or not self._saver_copies_behind():
             return frozenset()
         ptrs = {p.data_ptr() for p in unwrap(self.model).parameters()}
         for state in getattr(self.optimizer, "state", {}).values():
             ptrs.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
         return frozenset(ptrs)
+
+    def _saver_copies_behind(self) -> bool:
+        """False once a copy behind of either tier raced a change of its source
+        (saver.py): the loop changes these tensors outside the optimizer's step."""
+        memory_ok = self._memory is None or self._memory.copy_behind
+        return isinstance(self._saver, Saver) and self._saver.copy_behind and memory_ok
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -270,7 +281,7 @@ class SnapshotManager:
                                          unwrap(self.model), self.optimizer)
         else:
             loaded = load_newest(self.store, self.ctx, self.config.restore_mode,
-                                 self.memory_store)
+                                 self.memory_store, self._in_place())
         step = loaded.step if loaded else None
         if self._memory is not None:  # every rank has loaded: nobody reads it any more
             memory.drop_newer(self._memory.store, step)
@@ -298,6 +309,21 @@ class SnapshotManager:
                  world_size_changed=info.saved_world_size != info.world_size,
                  **self._resume_fields(payload))
         return info
+
+    def _in_place(self) -> InPlace:
+        """The model's tensors as targets a local restore reads straight into (the copy
+        ``load_state_dict`` would make, and fresh memory for it, saved); checks that
+        would refuse the snapshot run first, on its structure, so a refused resume
+        leaves the model as it was (docs/restore.md)."""
+        targets = {("model", key): tensor
+                   for key, tensor in unwrap(self.model).state_dict().items()}
+
+        def precheck(skeleton: Any) -> None:
+            if self.sampler is not None:
+                saved = skeleton.get("sampler") or {}
+                check_dataset_len(self.sampler.dataset_len, saved.get("dataset_len"))
+
+        return InPlace(targets, precheck)
 
     def _apply(self, payload: dict[str, Any]) -> None:
         names = ["scheduler", "scaler"]
@@ -472,6 +498,9 @@ class SnapshotManager:
         Raises:
             SnapshotWriteFailed: the previous save gave up (on every rank).
         """
+        return self._save(copy_behind=True)
+
+    def _save(self, copy_behind: bool) -> SaveHandle:
         started = time.perf_counter()
         if self.ctx.is_writer or self.sharded:  # sharded: every rank persists
             self._saver.wait_in_flight(self.step_count)  # its outcome is agreed below
@@ -491,7 +520,8 @@ class SnapshotManager:
             self._last_handle = (
                 self._saver.save(self._state(rng), self._meta(), started)
                 if isinstance(self._saver, ShardedSaver) else
-                self._saver.save(self._state(rng), self._meta(), started, self._deferred()))
+                self._saver.save(self._state(rng), self._meta(), started,
+                                 self._deferred() if copy_behind else frozenset()))
             if self._auto is not None:  # what the loop waited for: back-pressure + staging
                 cost = time.perf_counter() - started
                 if self._fence_hook is None:
@@ -550,7 +580,7 @@ class SnapshotManager:
         waited = time.monotonic() - started
         reason: str | None = None
         try:
-            self.save()
+            self._save(copy_behind=False)  # the last snapshot: nothing may drop it
             self._saver.close()
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"

@@ -9,6 +9,12 @@ restored tensor keeps, everything between (zip headers, the pickle, the
 directory) into a small scratch buffer, every chunk hashed as it lands, in file
 order. The caller uses the state only when that checksum matches the manifest.
 
+With ``InPlace`` targets (the model's own tensors), the ranges of the tensors
+that match one exactly are read straight into them instead: the model's memory
+is already mapped, and ``load_state_dict`` then copies nothing. Those tensors
+hold unverified bytes until the checksum is known (``InPlace.touched``); what
+that means for restore is settled in restore.py.
+
 Reads go through the store's ``open_read``, so a failed read is a storage error
 (and fault-injecting stores see it); nothing here maps file pages it reads, so
 an I/O error is an exception, never a SIGBUS. A payload whose layout is not the
@@ -25,6 +31,7 @@ import struct
 import sys
 import threading
 import zipfile
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -32,7 +39,7 @@ import torch
 
 from elastictrain.config import ChecksumAlgorithm
 from elastictrain.snapshot.checksum import Hasher, new_hasher
-from elastictrain.snapshot.views import StorageIndex, from_views, to_views
+from elastictrain.snapshot.views import StorageIndex, ViewRef, from_views, to_views
 
 _CHUNK = 64 << 20  # bytes per read and hash: large reads, a hash while the chunk is cached
 _SCRATCH = 8 << 20  # bytes of the buffer that takes everything between storages
@@ -57,6 +64,35 @@ class Plan:
 
     skeleton: Any
     regions: list[Region]
+
+
+StatePath = tuple[Any, ...]  # keys from the state's root to one value, e.g. ("model", "w")
+
+
+@dataclass
+class InPlace:
+    """Existing tensors a read may fill directly, by their path in the state.
+
+    ``precheck`` sees the state's structure first (tensors as ViewRefs, every other
+    value as saved); if it raises, nothing is placed (the caller checks the verified
+    state again and reports it then). ``touched`` turns true once a byte has landed
+    in one of the tensors: they hold unverified bytes from then on.
+    """
+
+    targets: Mapping[StatePath, torch.Tensor]
+    precheck: Callable[[Any], None] | None = None
+    touched: bool = False
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """File range ``offset``/``nbytes`` goes into ``receiver``, which then stands in the
+    loaded state at every one of ``paths``."""
+
+    offset: int
+    nbytes: int
+    receiver: torch.Tensor
+    paths: tuple[StatePath, ...]
 
 
 def plan(path: str) -> Plan | None:
@@ -87,10 +123,11 @@ def plan(path: str) -> Plan | None:
     return Plan(skeleton, regions)
 
 
-def read(f: BinaryIO, size: int, layout: Plan,
-         algorithm: ChecksumAlgorithm) -> tuple[str, dict[str, Any]]:
-    """Read the file ``f`` (``size`` bytes) once, front to back, into fresh storages;
-    return its checksum and the state built on those storages.
+def read(f: BinaryIO, size: int, layout: Plan, algorithm: ChecksumAlgorithm,
+         in_place: InPlace | None = None) -> tuple[str, dict[str, Any]]:
+    """Read the file ``f`` (``size`` bytes) once, front to back, into fresh storages
+    and the ``in_place`` tensors that match a saved one exactly; return its checksum
+    and the state built on them.
 
     Raises:
         OSError or the store's StorageError: a read failed or the file ended early.
@@ -98,18 +135,151 @@ def read(f: BinaryIO, size: int, layout: Plan,
     hasher = new_hasher(algorithm)
     scratch = memoryview(bytearray(_SCRATCH))
     storages = {r.storage: torch.empty(r.nbytes, dtype=torch.uint8) for r in layout.regions}
-    prefault = _Prefault([storages[r.storage] for r in layout.regions])
+    placements = _placements(layout, in_place)
+    pieces = list(_pieces(layout.regions, placements, storages))
+    prefault = _Prefault([into for _, into, placed in pieces if not placed])
     try:
         position = 0
-        for region in layout.regions:
-            _read_hashed(f, position, region.offset - position, hasher, scratch, reuse=True)
-            target = memoryview(storages[region.storage].numpy())  # type: ignore[arg-type]
-            _read_hashed(f, region.offset, region.nbytes, hasher, target, reuse=False)
-            position = region.offset + region.nbytes
+        for offset, into, placed in pieces:
+            _read_hashed(f, position, offset - position, hasher, scratch, reuse=True)
+            if placed and in_place is not None:
+                in_place.touched = True
+            _read_hashed(f, offset, into.nbytes, hasher, _bytes_of(into), reuse=False)
+            position = offset + into.nbytes
         _read_hashed(f, position, size - position, hasher, scratch, reuse=True)
     finally:
         prefault.stop()
-    return hasher.hexdigest(), from_views(layout.skeleton, storages)
+    state = from_views(layout.skeleton, storages)
+    for placement in placements:
+        for path in placement.paths:
+            _put(state, path, placement.receiver)
+    return hasher.hexdigest(), state
+
+
+def _pieces(regions: list[Region], placements: list[_Placement],
+            storages: Mapping[int, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor, bool]]:
+    """(file offset, where its bytes go, placed or not) for every storage byte, in file
+    order: the placed ranges into their receivers, the rest into the fresh storages."""
+    ordered = sorted(placements, key=lambda p: p.offset)
+    for region in regions:
+        fresh, cursor, end = storages[region.storage], region.offset, region.offset + region.nbytes
+        for placement in (p for p in ordered if region.offset <= p.offset < end):
+            if placement.offset > cursor:
+                yield cursor, fresh[cursor - region.offset:placement.offset - region.offset], False
+            yield placement.offset, _uint8(placement.receiver), True
+            cursor = placement.offset + placement.nbytes
+        if cursor < end:
+            yield cursor, fresh[cursor - region.offset:], False
+
+
+def _placements(layout: Plan, in_place: InPlace | None) -> list[_Placement]:
+    """The saved tensors read straight into a target: same dtype and shape, both
+    contiguous, and no other saved or receiving tensor sharing any of their bytes
+    (those go through fresh memory, and ``load_state_dict`` copies them)."""
+    if in_place is None or not in_place.targets:
+        return []
+    if in_place.precheck is not None:
+        try:
+            in_place.precheck(layout.skeleton)
+        except Exception:
+            return []  # reported by the caller's check of the verified state
+    regions = {r.storage: r for r in layout.regions}
+    saved = {path: span for path, span in _view_ranges(layout.skeleton, regions, ()) if span[1]}
+    groups: dict[tuple[int, int, torch.dtype, tuple[int, ...]],
+                 list[tuple[StatePath, torch.Tensor]]] = {}
+    for path, target in in_place.targets.items():
+        view = _lookup(layout.skeleton, path)
+        if isinstance(view, ViewRef) and path in saved and _fits(view, target):
+            groups.setdefault((*saved[path], view.dtype, view.size), []).append((path, target))
+    # A group is placed only if the bytes it reads are read by nobody else, and the
+    # memory it writes is written by nobody else (tied tensors inside it may coincide).
+    in_file = _clusters([(start, start + n, path) for path, (start, n) in saved.items()])
+    in_memory = _clusters([(t.data_ptr(), t.data_ptr() + t.nbytes, path)
+                           for members in groups.values() for path, t in members])
+    file_members: dict[int, set[StatePath]] = {}
+    memory_members: dict[int, set[StatePath]] = {}
+    for path, number in in_file.items():
+        file_members.setdefault(number, set()).add(path)
+    for path, number in in_memory.items():
+        memory_members.setdefault(number, set()).add(path)
+    placements = []
+    for (offset, nbytes, _, _), members in groups.items():
+        paths = {path for path, _ in members}
+        if all(file_members[in_file[p]] <= paths and memory_members[in_memory[p]] <= paths
+               for p in paths):
+            placements.append(_Placement(offset, nbytes, members[0][1],
+                                         tuple(p for p, _ in members)))
+    return placements
+
+
+def _clusters(spans: list[tuple[int, int, StatePath]]) -> dict[StatePath, int]:
+    """A number per span: spans that share a byte (directly or through others) share it."""
+    numbers: dict[StatePath, int] = {}
+    number, reach = -1, -1
+    for start, end, path in sorted(spans, key=lambda span: span[:2]):
+        if start >= reach:
+            number += 1
+        reach = max(reach, end)
+        numbers[path] = number
+    return numbers
+
+
+def _view_ranges(skeleton: Any, regions: Mapping[int, Region],
+                 path: StatePath) -> Iterator[tuple[StatePath, tuple[int, int]]]:
+    """(path, (file offset, bytes)) of every saved tensor: its storage's record plus its
+    offset, over the bytes a contiguous view of its size spans."""
+    if isinstance(skeleton, ViewRef):
+        region = regions.get(skeleton.storage)
+        if region is not None:
+            itemsize = torch.empty(0, dtype=skeleton.dtype).element_size()
+            extent = 1 + sum((n - 1) * s for n, s in zip(skeleton.size, skeleton.stride,
+                                                         strict=True))
+            start = region.offset + skeleton.offset * itemsize
+            yield path, (start, extent * itemsize if all(skeleton.size) else 0)
+        return
+    if isinstance(skeleton, dict):
+        items: Any = skeleton.items()
+    elif isinstance(skeleton, (list, tuple)):
+        items = enumerate(skeleton)
+    else:
+        return
+    for key, value in items:
+        yield from _view_ranges(value, regions, (*path, key))
+
+
+def _fits(view: ViewRef, target: torch.Tensor) -> bool:
+    """``target`` can take the saved bytes as they are: a plain contiguous CPU tensor of
+    the same dtype and shape as a contiguous saved one."""
+    return (type(target) is torch.Tensor and target.device.type == "cpu"
+            and target.dtype == view.dtype and tuple(target.shape) == view.size
+            and target.numel() > 0 and target.is_contiguous()
+            and view.stride == tuple(torch.empty(view.size, device="meta").stride()))
+
+
+def _lookup(state: Any, path: StatePath) -> Any:
+    for key in path:
+        try:
+            state = state[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return state
+
+
+def _put(state: Any, path: StatePath, value: torch.Tensor) -> None:
+    for key in path[:-1]:
+        state = state[key]
+    state[path[-1]] = value
+
+
+def _uint8(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor, as a uint8 tensor over the same memory."""
+    return torch.empty(0, dtype=torch.uint8).set_(
+        tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(),
+        (tensor.numel() * tensor.element_size(),), (1,))
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.numpy())  # type: ignore[arg-type]
 
 
 class _Prefault:
@@ -122,7 +292,7 @@ class _Prefault:
     read already placed. Where the kernel refuses it the reads fault as usual.
     """
 
-    def __init__(self, targets: list[torch.Tensor]) -> None:
+    def __init__(self, targets: list[torch.Tensor]) -> None:  # uint8 tensors
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(targets,), daemon=True,
                                         name="et-prefault")

@@ -105,7 +105,8 @@ def newest_first(store: Store) -> Iterator[Candidate]:
 
 
 def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None,
-                    load: bool = False) -> VerifiedSnapshot:
+                    load: bool = False,
+                    in_place: onepass.InPlace | None = None) -> VerifiedSnapshot:
     """Check ``step``'s payload against its manifest; with ``load``, deserialize it
     while its checksum is computed over the same reads.
 
@@ -116,6 +117,9 @@ def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None
     Args:
         manifest: the already read manifest of ``step`` (read here when None).
         load: also return the deserialized state.
+        in_place: existing tensors a local one-pass read may fill directly
+            (snapshot/onepass.py); they hold unverified bytes once ``touched``,
+            whatever this raises.
 
     Raises:
         SnapshotCorrupt: missing or invalid manifest, missing payload, wrong size or
@@ -142,7 +146,7 @@ def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None
         if spooled is not None:
             return spooled
     elif load:
-        one_pass = _load_one_pass(store, path, local, entry, manifest, where)
+        one_pass = _load_one_pass(store, path, local, entry, manifest, where, in_place)
         if one_pass is not None:
             return one_pass
     try:
@@ -228,7 +232,8 @@ def _verify_spooled(store: Store, path: str, entry: ObjectEntry, manifest: Manif
 
 
 def _load_one_pass(store: Store, path: str, local: str, entry: ObjectEntry,
-                   manifest: Manifest, where: str) -> VerifiedSnapshot | None:
+                   manifest: Manifest, where: str,
+                   in_place: onepass.InPlace | None) -> VerifiedSnapshot | None:
     """A local payload (at ``local`` on this machine) read once, straight into the
     restored tensors, its checksum computed on the way (snapshot/onepass.py); None
     (the caller streams) when its layout is not recognised."""
@@ -239,7 +244,8 @@ def _load_one_pass(store: Store, path: str, local: str, entry: ObjectEntry,
         with store.open_read(path) as f:
             size = f.seek(0, io.SEEK_END)
             _check_size(size, entry, where)
-            actual, payload = onepass.read(f, size, layout_plan, manifest.checksum_algorithm)
+            actual, payload = onepass.read(f, size, layout_plan, manifest.checksum_algorithm,
+                                           in_place)
     except StorageNotFoundError as exc:
         raise SnapshotCorrupt(f"{where}: missing ({exc})") from exc
     if actual != entry.checksum:

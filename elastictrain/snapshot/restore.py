@@ -24,6 +24,13 @@ take a step, skip it or fail together, so no rank resumes alone or from another
 step than its peers. The default mode, "auto", is "each" on a local file system
 (ranks share the page cache) and "broadcast" elsewhere (each byte read from the
 object store once). Measurements: docs/restore.md.
+
+In mode "each" and from the memory tier, the model's own tensors are read into
+directly (``in_place``, snapshot/onepass.py): they hold unverified bytes until the
+snapshot verifies. A snapshot that does not verify is followed by the next older
+one, whose load overwrites every model tensor again; when none is left, the
+process cannot start fresh from the model's initial values and raises
+``RestoreOverwrote`` on every rank instead of starting at step 0.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from elastictrain.dist import DistContext
 from elastictrain.errors import (
     ConfigError,
     ElasticTrainError,
+    RestoreOverwrote,
     SnapshotCorrupt,
     SnapshotUnloadable,
     StorageError,
@@ -46,6 +54,7 @@ from elastictrain.errors import (
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout, memory
 from elastictrain.snapshot.manifest import Manifest
+from elastictrain.snapshot.onepass import InPlace
 from elastictrain.snapshot.reader import newest_first, verify_snapshot
 from elastictrain.snapshot.views import StorageIndex, as_bytes, from_views, to_views
 from elastictrain.storage.api import Store
@@ -88,7 +97,8 @@ def resolve_mode(store: Store, mode: str) -> str:
 
 
 def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
-                memory_store: Store | None = None) -> LoadedSnapshot | None:
+                memory_store: Store | None = None,
+                in_place: InPlace | None = None) -> LoadedSnapshot | None:
     """The newest snapshot that verifies on every rank, loaded everywhere; None if none.
 
     Args:
@@ -96,30 +106,33 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
             sends the state over the process group) or ``"auto"`` (see ``resolve_mode``).
         memory_store: this node's memory tier; its snapshot is loaded instead when the
             ranks agree on it (module docstring).
+        in_place: the model's tensors, read into directly where this rank reads a
+            local payload itself (module docstring).
 
     Raises:
         StorageError: a read failed on some rank (after the store's retries); every
             rank raises, so torchrun retries the attempt.
         SnapshotUnloadable: the newest snapshot verifies but does not deserialize.
         ConfigError: a rank does not see the snapshots rank 0 sees.
+        RestoreOverwrote: none verifies, and ``in_place`` tensors were written.
     """
     mode = resolve_mode(store, mode)
     manifests = _discover(store, ctx)
+    written = _Written(ctx, in_place)
     if memory_store is not None:
         durable_step = manifests[0].step if manifests else memory.NO_STEP
-        loaded = _load_memory(memory_store, ctx, durable_step)
+        loaded = _load_memory(memory_store, ctx, durable_step, written)
         if loaded is not None:
             return loaded
-    if not manifests:
-        return None
-    _check_same_view(store, ctx, manifests[0].step)
+    if manifests:
+        _check_same_view(store, ctx, manifests[0].step)
     for manifest in manifests:
         started = time.perf_counter()
         if mode == "broadcast" and ctx.initialized and ctx.world_size > 1:
             outcome = _load_broadcast(store, ctx, manifest)
         else:
-            outcome = _load_here(store, manifest)
-        worst = _Status(ctx.all_reduce_max([outcome.status])[0])
+            outcome = _load_here(store, manifest, in_place)
+        worst = written.agree(outcome.status)
         if worst == _Status.OK:
             assert outcome.loaded is not None
             if ctx.is_writer:
@@ -136,10 +149,40 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
         if outcome.status > _Status.CORRUPT and outcome.error is not None:
             raise outcome.error  # this rank's own failure says most
         raise _peer_error(worst, store, manifest.step)
+    if written.anywhere:
+        raise RestoreOverwrote(
+            f"{store.url}: no committed snapshot verifies (each was logged as "
+            "snapshot.corrupt), and one was already read into the model's tensors, so this "
+            "process cannot start fresh from the model's initial values; nothing was "
+            f"deleted; fix: list them with `elastictrain snapshots verify {store.url}`, "
+            "then move the corrupt step directories aside to start fresh")
     return None
 
 
-def _load_memory(store: Store, ctx: DistContext, durable_step: int) -> LoadedSnapshot | None:
+class _Written:
+    """Whether any rank's in-place tensors hold bytes of a snapshot that did not verify
+    (they stay so until a verified load overwrites them); agreed with each outcome."""
+
+    def __init__(self, ctx: DistContext, in_place: InPlace | None) -> None:
+        self._ctx = ctx
+        self.in_place = in_place
+        self.anywhere = False
+
+    def agree(self, status: _Status) -> _Status:
+        """The worst status on any rank; notes whether a rank wrote unverified bytes."""
+        touched = self.in_place is not None and self.in_place.touched
+        worst, touched_somewhere = self._ctx.all_reduce_max([status, int(touched)])
+        if worst == _Status.OK:
+            self.anywhere = False  # a verified load overwrites every in-place tensor
+        elif touched_somewhere:
+            self.anywhere = True
+        if self.in_place is not None:
+            self.in_place.touched = False
+        return _Status(worst)
+
+
+def _load_memory(store: Store, ctx: DistContext, durable_step: int,
+                 written: _Written) -> LoadedSnapshot | None:
     """This node's memory snapshot when every rank agrees on it and it verifies
     everywhere, else None (logged as ``snapshot.memory_skipped``)."""
     started = time.perf_counter()
@@ -153,8 +196,8 @@ def _load_memory(store: Store, ctx: DistContext, durable_step: int) -> LoadedSna
                  reason=reason, error=error)
         return None
     assert manifest is not None
-    outcome = _load_here(store, manifest)  # each node reads its own copy
-    worst = _Status(ctx.all_reduce_max([outcome.status])[0])
+    outcome = _load_here(store, manifest, written.in_place)  # each node reads its own copy
+    worst = written.agree(outcome.status)
     if worst != _Status.OK:
         # A read error is no corruption, but durable storage holds the truth: use it.
         log.warning("snapshot.memory_skipped", memory_step=step, durable_step=durable_step,
@@ -232,10 +275,11 @@ def _check_same_view(store: Store, ctx: DistContext, newest: int) -> None:
             "storage (NFS, S3) that every node reads, or copy the snapshots to every node")
 
 
-def _load_here(store: Store, manifest: Manifest) -> _Outcome:
+def _load_here(store: Store, manifest: Manifest, in_place: InPlace | None = None) -> _Outcome:
     """Read, verify and deserialize on this rank; never raises (peers must agree first)."""
     try:
-        found = verify_snapshot(store, manifest.step, manifest=manifest, load=True)
+        found = verify_snapshot(store, manifest.step, manifest=manifest, load=True,
+                                in_place=in_place)
     except SnapshotCorrupt as exc:
         return _Outcome(_Status.CORRUPT, error=exc)
     except SnapshotUnloadable as exc:

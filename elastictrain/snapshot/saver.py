@@ -20,6 +20,9 @@ and optimizer state, which only the optimizer's step changes) are copied on a
 thread while the loop runs the next forward and backward; the persister gets the
 state once they are copied, and ``fence()`` (the optimizer's step pre-hook) waits
 for them. What is left of the copy then is the only blocking (docs/performance.md).
+A copy whose source changed in place before it was done (its version counter moved:
+another optimizer, an update outside ``optimizer.step()``) drops that save
+(``snapshot.copy_raced``, never committed), and copies are made at once from then on.
 
 The persister is a thread by default (``persister="process"`` is the option
 for loops that hold the GIL far more): measured in docs/persister.md.
@@ -144,6 +147,7 @@ class Saver(InFlightSave):
         self._persister: Persister | None = None
         self._behind: _CopyBehind | None = None
         self.copy_wait_s = 0.0  # all fence waits so far (benchmarks count them as blocking)
+        self.copy_behind = True  # until a copy behind races a change of its source
 
     def warm_up(self) -> None:
         """Start the persister now (a helper process imports torch for seconds), from
@@ -181,7 +185,7 @@ class Saver(InFlightSave):
             persister = self.persister
             if later:
                 self._behind = _CopyBehind(later, lambda: persister.submit(staged, meta),
-                                           meta.step)
+                                           meta.step, self._copy_raced)
                 self._last = self._behind.handle
             else:
                 self._last = persister.submit(staged, meta)
@@ -201,6 +205,19 @@ class Saver(InFlightSave):
         log.info("snapshot.copy_wait", snapshot_step=behind.handle.step, tier=self.tier,
                  wait_s=round(waited, 4))
         return waited
+
+    def _copy_raced(self, step: int, source: torch.Tensor) -> None:
+        """A copy behind saw its source change before it was done: that save is
+        dropped, and every later save copies at once."""
+        self.copy_behind = False
+        log.warning("snapshot.copy_raced", snapshot_step=step, tier=self.tier,
+                    tensor=f"{source.dtype} {tuple(source.shape)}",
+                    reason="a parameter or optimizer state tensor changed in place before "
+                    "its copy behind was done (a second optimizer, or an update outside "
+                    "optimizer.step())",
+                    action="snapshot dropped, never committed; later saves copy at once",
+                    fix="give the manager the optimizer that changes these tensors, or set "
+                    "snapshot.overlap_copy=false")
 
     def prepare_ahead(self, make_state: Callable[[], Any]) -> None:
         """Allocate the staging slabs off the training loop, once, so the first save
@@ -239,21 +256,32 @@ class _CopyBehind:
     """
 
     def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]],
-                 submit: Callable[[], SaveHandle], step: int) -> None:
+                 submit: Callable[[], SaveHandle], step: int,
+                 raced: Callable[[int, torch.Tensor], None]) -> None:
         self.handle = SaveHandle(step)
         self.copied = threading.Event()
-        self._copies, self._submit = copies, submit
+        # In-place changes bump a tensor's version; the save's values are these versions'.
+        self._copies = [(buffer, source, source._version) for buffer, source in copies]
+        self._submit, self._raced = submit, raced
         context = contextvars.copy_context()  # the persister logs with the caller's binding
         threading.Thread(target=context.run, args=(self._run,), name="et-copy-behind",
                          daemon=True).start()
 
     def _run(self) -> None:
         try:
+            changed = None
             try:
-                for buffer, source in self._copies:
+                for buffer, source, version in self._copies:
                     buffer.copy_(source)  # releases the GIL: the loop runs meanwhile
+                    if source._version != version:
+                        changed = source
+                        break
             finally:
                 self.copied.set()
+            if changed is not None:
+                self._raced(self.handle.step, changed)
+                self.handle._finish(SaveState.SKIPPED)
+                return
             inner = self._submit()
             inner.join()
             self.handle._finish(inner.state, inner.manifest, inner.error)

@@ -142,7 +142,7 @@ def test_a_peer_node_on_another_step_means_durable(tmp_path: Path) -> None:
 
 def test_a_peer_that_fails_to_verify_means_durable(tmp_path: Path) -> None:
     _run(tmp_path, 7)
-    ctx = _PeerCtx([[7, -7], [1]])  # same step everywhere, corrupt on the peer
+    ctx = _PeerCtx([[7, -7], [1, 0]])  # same step everywhere, corrupt on the peer
     loaded = load_newest(open_store(str(tmp_path / "run")), ctx, "each",
                          open_store(str(tmp_path / "mem")))
     assert loaded is not None and (loaded.step, loaded.tier) == (5, "durable")

@@ -19,7 +19,7 @@ from elastictrain.accounting.split import split_run
 from elastictrain.errors import ConfigError
 from elastictrain.snapshot import saver as saver_module
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.reader import verify_snapshot
+from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
 
 PERSISTERS = ["thread", "process"]
@@ -128,6 +128,61 @@ def test_overlap_copy_needs_an_optimizer_and_async_mode(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"overlap_copy.*mode='async'.*fix"):
         SnapshotManager(str(tmp_path), model=model, overlap_copy=True, mode="sync",
                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("change", ["second optimizer", "in-place update"])
+def test_a_source_changed_before_its_copy_drops_that_snapshot_and_copies_at_once_after(
+        tmp_path: Path, change: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window between a save and the manager's optimizer's next step is the
+    copy's: a change there (an optimizer the manager does not know, an update of the
+    weights outside optimizer.step()) moves the tensor's version, so the mixed
+    snapshot is never committed, and the saves after it copy at once."""
+    gate = Gate(monkeypatch)
+    model, opt, snap = make(tmp_path, "thread", overlap_copy="auto")
+    other = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(5):
+        one_step(model, opt)
+        snap.step()  # step 5 saves; its copy is held
+    assert gate.held == 1
+    loss = model(torch.randn(8, 8)).pow(2).mean()
+    loss.backward()
+    if change == "second optimizer":
+        other.step()
+    else:
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+    with capture_logs() as logs:
+        gate.open()
+        opt.step()  # the fence
+        for _ in range(5):
+            one_step(model, opt)
+            snap.step()  # step 10: copied at once
+        snap.close()
+    raced = [e for e in logs if e["event"] == "snapshot.copy_raced"]
+    assert [e["snapshot_step"] for e in raced] == [5]
+    assert "fix" in raced[0] and raced[0]["tensor"].startswith("torch.float32")
+    staged = {e["snapshot_step"]: e["copy_behind"] for e in logs
+              if e["event"] == "snapshot.staged"}
+    assert staged == {10: 0}
+    store = open_store(str(tmp_path))
+    assert list_snapshot_dirs(store) == [10]  # 5 was never committed
+    saved = verify_snapshot(store, 10, load=True).payload
+    for name, value in model.state_dict().items():
+        assert torch.equal(saved["model"][name], value), name
+
+
+def test_auto_copies_behind_where_it_applies_and_quietly_not_elsewhere(
+        tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    on = SnapshotManager(str(tmp_path / "on"), model=model, optimizer=sgd)
+    assert on.config.overlap_copy == "auto" and on._fence_hook is not None
+    on.close()
+    for kw in ({}, {"mode": "sync", "optimizer": sgd}, {"overlap_copy": False,
+                                                         "optimizer": sgd}):
+        off = SnapshotManager(str(tmp_path / "off"), model=model, **kw)
+        assert off._fence_hook is None and off._deferred() == frozenset()
+        off.close()
 
 
 def test_goodput_counts_the_copy_wait_as_snapshot_blocking(tmp_path: Path) -> None:
