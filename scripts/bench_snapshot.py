@@ -31,7 +31,8 @@ step's compute:
 ``--batch`` sets the rows per step (default 8: a step far shorter than the copy).
 Baselines: a raw write+fsync and a raw read of the same bytes.
 
-Step rate during a persist counts the steps inside [save returned, durable],
+Persist time runs from the state staged (save returned; a copy behind: copied) to
+durable. Step rate during a persist counts the steps inside [save returned, durable],
 partial steps by the fraction that overlaps, against the rate of the steps
 outside any save in the same method's run (same machine load). A calibration
 runs first: the step rate with a plain busy-loop process beside the loop
@@ -141,6 +142,9 @@ class Pending:
     done: Callable[[], bool]
     finished_at: Callable[[], float | None]
     finish: Callable[[], None] = lambda: None
+    # When the bytes to write were ready (a copy behind: once copied), if after save()
+    # returned: the persist (write) time counts from there.
+    staged_at: Callable[[], float | None] = lambda: None
 
 
 class SyncTorchSave:
@@ -221,7 +225,9 @@ class ElasticTrainAsync:
     def save(self, step: int) -> Pending:
         self.manager.step_count = step
         handle = self.manager.save()
-        return Pending(handle.done, lambda: handle.finished_at, lambda: _wait(handle))
+        behind = self.manager._saver._behind
+        return Pending(handle.done, lambda: handle.finished_at, lambda: _wait(handle),
+                       lambda: None if behind is None else behind.copied_at)
 
     def fence_wait_s(self) -> float:
         """Seconds the optimizer's steps waited for copies behind since the last call:
@@ -288,7 +294,8 @@ def measure(method: Any, trainer: Trainer, saves: int, root: Path,
         pending.finish()
         durable = pending.finished_at() or time.perf_counter()
         durable = max(durable, returned)
-        figures.append(SaveFigures(returned - started, durable - started, durable - returned,
+        staged = min(max(pending.staged_at() or returned, returned), durable)
+        figures.append(SaveFigures(returned - started, durable - started, durable - staged,
                                    (returned, durable)))
         for _ in range(GAP_STEPS):
             trainer.step()
@@ -625,8 +632,9 @@ def table(report: dict[str, Any]) -> str:
     lines += [
         f"raw write+fsync of the state bytes: {report['raw_write_s']:.3f} s at the start; "
         "'raw wr s' is the median of that and one write right before and after each method",
-        "persist s: save returned -> durable; steps%: training step rate while persisting vs"
-        " without a save; vs raw: raw write time / persist time (1.00 = as fast as raw)",
+        "persist s: save returned (a copy behind: copied) -> durable; steps%: training step"
+        " rate while persisting vs without a save; vs raw: raw write time / persist time"
+        " (1.00 = as fast as raw)",
         "",
         f"restore (2 ranks, slowest rank)   cold: each {r['restore_each_cold']:.3f} s, "
         f"broadcast {r['restore_broadcast_cold']:.3f} s, raw read {r['raw_read_cold']:.3f} s "

@@ -260,6 +260,7 @@ class _CopyBehind:
                  raced: Callable[[int, torch.Tensor], None]) -> None:
         self.handle = SaveHandle(step)
         self.copied = threading.Event()
+        self.copied_at: float | None = None  # perf_counter once copied (benchmarks)
         # In-place changes bump a tensor's version; the save's values are these versions'.
         self._copies = [(buffer, source, source._version) for buffer, source in copies]
         self._submit, self._raced = submit, raced
@@ -277,6 +278,7 @@ class _CopyBehind:
                         changed = source
                         break
             finally:
+                self.copied_at = time.perf_counter()
                 self.copied.set()
             if changed is not None:
                 self._raced(self.handle.step, changed)
