@@ -229,9 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
-        from elastictrain.launch import cli_main
+        from elastictrain.launch import cli_main, exit_launcher
 
-        sys.exit(cli_main(argv[1:]))
+        exit_launcher(cli_main(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     et_log.configure()  # events this process logs go to stderr: stdout is for --json

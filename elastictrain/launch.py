@@ -29,6 +29,8 @@ A thin layer over ``torch.distributed.run``, never a fork of it:
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -38,7 +40,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, NoReturn
 
 from elastictrain.config import LaunchDefaults, Settings
 from elastictrain.env import launcher_environ
@@ -349,5 +351,21 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
 
 
+def exit_launcher(code: int) -> NoReturn:
+    """End the launcher process with ``code`` once Python's ``atexit`` work is done (the
+    event log's last upload, logging's flush), without the interpreter's teardown.
+
+    After torchrun's agent has finished, tearing down torch's native state at exit could
+    destroy a still-running C++ thread and abort the process ("terminate called without
+    an active exception", exit -6 instead of 75: seen once in the suite). Nothing is
+    left to tear down by then: the workers are stopped and the events are written.
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(cli_main())
+    exit_launcher(cli_main())

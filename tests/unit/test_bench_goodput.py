@@ -49,3 +49,28 @@ def test_bound_is_young_daly() -> None:
         1 - math.sqrt(0.06 / 60) - 0.1)
     assert bench_goodput.bound(0.03, 0.0, math.inf) == 1.0  # no failure: no loss
     assert bench_goodput.bound(None, 6.0, 60.0) is None
+
+
+def _row(config: str, productive: float, lost: float, kills: int, goodput_seed: float) -> dict:
+    wall = productive + lost
+    return {"config": config, "worker_args": [], "goodput": goodput_seed, "wall_s": wall,
+            "seconds": {"productive": productive, "lost_work": lost}, "kills": kills,
+            "recoveries": [{"recovery_s": 0.5, "lost_steps": 3, "tier": "durable"}] * kills,
+            "cost": {"mean_s": 0.01, "snapshots": 10}, "noisy": False,
+            "fractions": {"productive": goodput_seed}, "bound": 0.95}
+
+
+def test_several_seeds_pool_their_seconds_and_keep_each_seeds_ratio() -> None:
+    runs = [{"seed": 0, "results": [_row("fixed:10", 90, 10, 2, 0.9),
+                                     _row("auto", 95, 5, 2, 0.95)]},
+            {"seed": 1, "results": [_row("fixed:10", 80, 20, 1, 0.8),
+                                     _row("auto", 70, 30, 1, 0.7)]}]
+    for run in runs:
+        bench_goodput.compare(run["results"])
+    fixed, auto = bench_goodput.pool(runs)
+    assert fixed["goodput"] == pytest.approx(170 / 200)
+    assert auto["goodput"] == pytest.approx(165 / 200)
+    assert auto["kills"] == 3 and auto["ratio_to_best_fixed"] == pytest.approx(165 / 170)
+    assert auto["per_seed"]["ratio_to_best_fixed"] == pytest.approx([0.95 / 0.9, 0.7 / 0.8])
+    assert auto["bound"] == pytest.approx(bench_goodput.bound(0.01, 0.5, 200 / 3))
+    assert "[0.875-1.056]" in bench_goodput.table([fixed, auto])
