@@ -6,8 +6,9 @@ Here ``torch.load(mmap=True)`` supplies only the state's structure and which fil
 range each storage occupies (its mapping is never read), and the file is then
 read front to back, once: each storage's range straight into the memory the
 restored tensor keeps, everything between (zip headers, the pickle, the
-directory) into a small scratch buffer, every chunk hashed as it lands, in file
-order. The caller uses the state only when that checksum matches the manifest.
+directory) into a small scratch buffer, every chunk hashed in file order (on a
+second thread, while the next chunk is read). The caller uses the state only
+when that checksum matches the manifest.
 
 With ``InPlace`` targets (the model's own tensors), the ranges of the tensors
 that match one exactly are read straight into them instead: the model's memory
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import re
 import struct
 import sys
@@ -132,12 +134,12 @@ def read(f: BinaryIO, size: int, layout: Plan, algorithm: ChecksumAlgorithm,
     Raises:
         OSError or the store's StorageError: a read failed or the file ended early.
     """
-    hasher = new_hasher(algorithm)
     scratch = memoryview(bytearray(_SCRATCH))
     storages = {r.storage: torch.empty(r.nbytes, dtype=torch.uint8) for r in layout.regions}
     placements = _placements(layout, in_place)
     pieces = list(_pieces(layout.regions, placements, storages))
     prefault = _Prefault([into for _, into, placed in pieces if not placed])
+    hasher = _Hashing(new_hasher(algorithm))
     try:
         position = 0
         for offset, into, placed in pieces:
@@ -147,13 +149,15 @@ def read(f: BinaryIO, size: int, layout: Plan, algorithm: ChecksumAlgorithm,
             _read_hashed(f, offset, into.nbytes, hasher, _bytes_of(into), reuse=False)
             position = offset + into.nbytes
         _read_hashed(f, position, size - position, hasher, scratch, reuse=True)
+        checksum = hasher.finish()
     finally:
+        hasher.stop()
         prefault.stop()
     state = from_views(layout.skeleton, storages)
     for placement in placements:
         for path in placement.paths:
             _put(state, path, placement.receiver)
-    return hasher.hexdigest(), state
+    return checksum, state
 
 
 def _pieces(regions: list[Region], placements: list[_Placement],
@@ -319,11 +323,52 @@ class _Prefault:
         self._thread.join()
 
 
-def _read_hashed(f: BinaryIO, offset: int, nbytes: int, hasher: Hasher,
+class _Hashing:
+    """Hashes chunks on a second thread, in the order they are given, while the next
+    chunk is read: the checksum (0.06-0.09 s per GiB) leaves the read's critical path.
+
+    A chunk whose buffer is about to be reused (the scratch buffer) is hashed with
+    ``now``, after everything before it, so the order of the bytes never changes.
+    """
+
+    def __init__(self, hasher: Hasher) -> None:
+        self._hasher = hasher
+        self._queue: queue.Queue[memoryview | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="et-hash")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            view = self._queue.get()
+            try:
+                if view is None:
+                    return
+                self._hasher.update(view)  # releases the GIL
+            finally:
+                self._queue.task_done()
+
+    def later(self, view: memoryview) -> None:
+        self._queue.put(view)
+
+    def now(self, view: memoryview) -> None:
+        self._queue.join()
+        self._hasher.update(view)
+
+    def finish(self) -> str:
+        self.stop()
+        return self._hasher.hexdigest()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
+def _read_hashed(f: BinaryIO, offset: int, nbytes: int, hasher: _Hashing,
                  into: memoryview, *, reuse: bool) -> None:
-    """Read ``nbytes`` from ``offset``, hashing each chunk as it lands: into consecutive
-    slices of ``into`` (a storage, ``nbytes`` long), or with ``reuse`` through its
-    start over and over (the scratch buffer)."""
+    """Read ``nbytes`` from ``offset``, hashing each chunk once it has landed: into
+    consecutive slices of ``into`` (a storage, ``nbytes`` long), or with ``reuse``
+    through its start over and over (the scratch buffer)."""
     f.seek(offset)
     done = 0
     while done < nbytes:
@@ -337,7 +382,10 @@ def _read_hashed(f: BinaryIO, offset: int, nbytes: int, hasher: Hasher,
                 raise OSError(f"the file ends after {offset + done + got} bytes, "
                               f"{offset + nbytes} expected")
             got += read
-        hasher.update(view)
+        if reuse:
+            hasher.now(view)
+        else:
+            hasher.later(view)
         done += view.nbytes
 
 
