@@ -27,7 +27,7 @@ _LOG_CHANGE = 0.1
 # Weight of a new cost measurement in the running estimate of C.
 _COST_WEIGHT = 0.3
 # How many failures' worth of evidence the MTBF prior counts for once failures are seen.
-_PRIOR_WEIGHT = 0.5
+_PRIOR_WEIGHT = 0.2
 # Events that end an attempt without losing work: not failures for the MTBF.
 _CLEAN_ENDS = frozenset({"run.finished", "preempt.saved"})
 

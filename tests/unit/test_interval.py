@@ -52,7 +52,7 @@ def test_young_daly_and_the_mtbf_prior() -> None:
     assert estimate_mtbf_s(0.0, 0, prior_s=3600.0) == 3600.0  # no record: the prior
     assert estimate_mtbf_s(7200.0, 0, prior_s=3600.0) == 7200.0  # no failure in 2 h
     # 4 failures in 400 s with a half-failure prior of 3600 s: (1800 + 400) / 4.5.
-    assert estimate_mtbf_s(400.0, 4, prior_s=3600.0) == pytest.approx(2200.0 / 4.5)
+    assert estimate_mtbf_s(400.0, 4, prior_s=3600.0) == pytest.approx(1120.0 / 4.2)
     assert estimate_mtbf_s(1e6, 1000, prior_s=3600.0) == pytest.approx(1e6 / 1000, rel=0.01)
     assert interval_steps(10.0, 3.0) == 3 and interval_steps(0.1, 3.0) == 1
 
@@ -82,12 +82,12 @@ def test_failure_history_counts_attempts_across_restarts_and_relaunches(tmp_path
 
 def test_policy_bounds_reasons_and_reevaluation() -> None:
     clock = _Clock()
-    policy = IntervalPolicy(3600.0, 1.0, 600.0, FailureHistory(450.0, 4), clock)
+    policy = IntervalPolicy(3600.0, 1.0, 600.0, FailureHistory(1380.0, 4), clock)
     with capture_logs() as logs:
         assert policy.evaluate() == 1.0  # no cost measured yet: the minimum, to measure it
         policy.observe_cost(2.0)
         assert policy.evaluate() == pytest.approx(math.sqrt(2 * 2.0 * 500.0))
-        clock.now = 2250.0  # a long attempt without failures raises the MTBF estimate
+        clock.now = 2100.0  # a long attempt without failures raises the MTBF estimate
         assert policy.evaluate() == pytest.approx(math.sqrt(2 * 2.0 * 1000.0))
         policy.observe_cost(1e6)
         assert policy.evaluate() == 600.0
