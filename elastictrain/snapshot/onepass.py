@@ -197,35 +197,31 @@ def _placements(layout: Plan, in_place: InPlace | None) -> list[_Placement]:
             groups.setdefault((*saved[path], view.dtype, view.size), []).append((path, target))
     # A group is placed only if the bytes it reads are read by nobody else, and the
     # memory it writes is written by nobody else (tied tensors inside it may coincide).
-    in_file = _clusters([(start, start + n, path) for path, (start, n) in saved.items()])
-    in_memory = _clusters([(t.data_ptr(), t.data_ptr() + t.nbytes, path)
-                           for members in groups.values() for path, t in members])
-    file_members: dict[int, set[StatePath]] = {}
-    memory_members: dict[int, set[StatePath]] = {}
-    for path, number in in_file.items():
-        file_members.setdefault(number, set()).add(path)
-    for path, number in in_memory.items():
-        memory_members.setdefault(number, set()).add(path)
+    in_file = _sharing([(start, start + n, path) for path, (start, n) in saved.items()])
+    in_memory = _sharing([(t.data_ptr(), t.data_ptr() + t.nbytes, path)
+                          for members in groups.values() for path, t in members])
     placements = []
     for (offset, nbytes, _, _), members in groups.items():
         paths = {path for path, _ in members}
-        if all(file_members[in_file[p]] <= paths and memory_members[in_memory[p]] <= paths
-               for p in paths):
+        if all(in_file[p] <= paths and in_memory[p] <= paths for p in paths):
             placements.append(_Placement(offset, nbytes, members[0][1],
                                          tuple(p for p, _ in members)))
     return placements
 
 
-def _clusters(spans: list[tuple[int, int, StatePath]]) -> dict[StatePath, int]:
-    """A number per span: spans that share a byte (directly or through others) share it."""
-    numbers: dict[StatePath, int] = {}
-    number, reach = -1, -1
+def _sharing(spans: list[tuple[int, int, StatePath]]) -> dict[StatePath, set[StatePath]]:
+    """For each span's path, the paths of every span that shares a byte with it,
+    directly or through others (itself included)."""
+    found: dict[StatePath, set[StatePath]] = {}
+    group: set[StatePath] = set()
+    reach = -1
     for start, end, path in sorted(spans, key=lambda span: span[:2]):
         if start >= reach:
-            number += 1
+            group = set()
+        group.add(path)
+        found[path] = group
         reach = max(reach, end)
-        numbers[path] = number
-    return numbers
+    return found
 
 
 def _view_ranges(skeleton: Any, regions: Mapping[int, Region],
@@ -235,7 +231,7 @@ def _view_ranges(skeleton: Any, regions: Mapping[int, Region],
     if isinstance(skeleton, ViewRef):
         region = regions.get(skeleton.storage)
         if region is not None:
-            itemsize = torch.empty(0, dtype=skeleton.dtype).element_size()
+            itemsize = skeleton.dtype.itemsize
             extent = 1 + sum((n - 1) * s for n, s in zip(skeleton.size, skeleton.stride,
                                                          strict=True))
             start = region.offset + skeleton.offset * itemsize

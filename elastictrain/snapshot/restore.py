@@ -131,7 +131,7 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
         if mode == "broadcast" and ctx.initialized and ctx.world_size > 1:
             outcome = _load_broadcast(store, ctx, manifest)
         else:
-            outcome = _load_here(store, manifest, in_place)
+            outcome = _load_here(store, manifest, written.in_place)
         worst = written.agree(outcome.status)
         if worst == _Status.OK:
             assert outcome.loaded is not None
@@ -160,8 +160,9 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
 
 
 class _Written:
-    """Whether any rank's in-place tensors hold bytes of a snapshot that did not verify
-    (they stay so until a verified load overwrites them); agreed with each outcome."""
+    """Whether any rank's in-place tensors were written, agreed with each outcome. Only
+    a failed load leaves them so, and restore stops at the first verified one (its
+    load overwrites every in-place tensor)."""
 
     def __init__(self, ctx: DistContext, in_place: InPlace | None) -> None:
         self._ctx = ctx
@@ -169,15 +170,10 @@ class _Written:
         self.anywhere = False
 
     def agree(self, status: _Status) -> _Status:
-        """The worst status on any rank; notes whether a rank wrote unverified bytes."""
+        """The worst status on any rank; notes whether a rank wrote its tensors."""
         touched = self.in_place is not None and self.in_place.touched
         worst, touched_somewhere = self._ctx.all_reduce_max([status, int(touched)])
-        if worst == _Status.OK:
-            self.anywhere = False  # a verified load overwrites every in-place tensor
-        elif touched_somewhere:
-            self.anywhere = True
-        if self.in_place is not None:
-            self.in_place.touched = False
+        self.anywhere = self.anywhere or bool(touched_somewhere)
         return _Status(worst)
 
 
