@@ -89,7 +89,7 @@ from elastictrain.storage import open_store
 
 TARGETS = {"blocking_ratio_vs_sync": ("<=", 0.02),
            "step_rate_ratio_during_persist": (">=", 0.95),
-           "persist_vs_raw_write": (">=", 0.80), "restore_vs_raw_read": ("<=", 1.25),
+           "persist_vs_raw_write": (">=", 0.90), "restore_vs_raw_read": ("<=", 1.25),
            "restore_vs_raw_read_warm": ("<=", 1.25),
            "restore_vs_raw_read_1rank": ("<=", 1.25),
            "restore_vs_raw_read_1rank_warm": ("<=", 1.25),

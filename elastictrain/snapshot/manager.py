@@ -55,7 +55,12 @@ from elastictrain.log import bind_step, get_logger
 from elastictrain.snapshot import memory
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.digest import param_digest
-from elastictrain.snapshot.interval import IntervalPolicy, failure_history, interval_steps
+from elastictrain.snapshot.interval import (
+    FailureHistory,
+    IntervalPolicy,
+    failure_history,
+    interval_steps,
+)
 from elastictrain.snapshot.onepass import InPlace
 from elastictrain.snapshot.persister import SaveHandle
 from elastictrain.snapshot.restore import load_newest
@@ -164,6 +169,7 @@ class SnapshotManager:
         self._saver: Saver | ShardedSaver = (
             ShardedSaver(self.store, self.config, self.ctx, unwrap(model), optimizer)
             if self.sharded else Saver(self.store, self.config))
+        self._memory_kept = False  # this node's memory directory predates this attempt
         self.memory_store, self._memory = self._memory_tier()
         self._unfenced_cost: float | None = None
         self._fence_hook = self._copy_behind_fence()
@@ -176,9 +182,12 @@ class SnapshotManager:
         history = (failure_history(runtime.default_events_dir(settings))
                    if self.ctx.is_writer and (self.config.auto or self._memory_auto)
                    else None)
+        self._history = history
+        # With a memory tier, a durable snapshot matters only for the failures that took
+        # a node's memory with them: the durable interval counts only those.
         self._auto = (IntervalPolicy(
             self.config.auto_mtbf_prior_s, self.config.auto_min_interval_s,
-            self.config.auto_max_interval_s, history, clock)
+            self.config.auto_max_interval_s, self._durable_history(history), clock)
             if self.config.auto and history is not None else None)
         # memory_every="auto": the writer (local rank 0 of its node, so it writes memory
         # snapshots too) measures their cost and votes when one is due.
@@ -202,11 +211,29 @@ class SnapshotManager:
             raise ConfigError(
                 f"snapshot.memory_every={every}: the memory tier holds replicated (DDP) state "
                 "and this model is sharded; fix: unset snapshot.memory_every")
-        store = memory.open_memory_store(self.config, self.run_id)
+        store, self._memory_kept = memory.open_memory_store(self.config, self.run_id)
         if self.ctx.local_rank != 0:
             return store, None
         config = self.config.model_copy(update={"keep": 1, "mode": "async"})
         return store, Saver(store, config, tier="memory")
+
+    def _durable_history(self, history: FailureHistory) -> FailureHistory:
+        return history if self.config.memory_every is None else history.durable_view()
+
+    def _agree_memory_kept(self) -> bool | None:
+        """Whether every node kept its memory tier since the last attempt (None without
+        a memory tier), and with it what the failures since then were: a failure the
+        memory tier covers leaves the durable interval alone (docs/interval.md)."""
+        if self.memory_store is None:
+            return None
+        kept = not self.ctx.all_reduce_max([int(not self._memory_kept)])[0]
+        if self._history is not None:
+            self._history = self._history.resolved(kept)
+            if self._auto is not None:
+                self._auto.history = self._durable_history(self._history)
+            if self._memory_policy is not None:
+                self._memory_policy.history = self._history
+        return kept
 
     def _copy_behind_fence(self) -> Any:
         """With ``overlap_copy``, the optimizer's step pre-hook that waits for the copies
@@ -285,6 +312,7 @@ class SnapshotManager:
         step = loaded.step if loaded else None
         if self._memory is not None:  # every rank has loaded: nobody reads it any more
             memory.drop_newer(self._memory.store, step)
+        memory_kept = self._agree_memory_kept()
         if loaded is not None and self.sampler is not None:
             # Before anything is applied or trained; every rank holds the same payload.
             saved = loaded.payload.get("sampler") or {}
@@ -292,7 +320,8 @@ class SnapshotManager:
         previous_high = self._progress.read() if self._progress else None
         if step is None:
             info = ResumeInfo(None, self.epoch, None, self.ctx.world_size, previous_high or 0)
-            log.info("resume", from_step=None, lost_steps=previous_high or 0)
+            log.info("resume", from_step=None, lost_steps=previous_high or 0,
+                     memory_kept=memory_kept)
             return info
         assert loaded is not None
         payload = loaded.payload
@@ -305,6 +334,7 @@ class SnapshotManager:
                  restore_mode=self.config.restore_mode, tier=loaded.tier,
                  duration_s=round(time.perf_counter() - started, 4))
         log.info("resume", from_step=step, lost_steps=lost, epoch=info.epoch, tier=loaded.tier,
+                 memory_kept=memory_kept,
                  saved_world_size=info.saved_world_size, world_size=info.world_size,
                  world_size_changed=info.saved_world_size != info.world_size,
                  **self._resume_fields(payload))

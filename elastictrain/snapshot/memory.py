@@ -47,11 +47,14 @@ def memory_dir(config: SnapshotConfig, run_id: str) -> Path:
     return Path(configured)
 
 
-def open_memory_store(config: SnapshotConfig, run_id: str) -> Store:
-    """The Store on this node's memory directory (created if missing)."""
+def open_memory_store(config: SnapshotConfig, run_id: str) -> tuple[Store, bool]:
+    """The Store on this node's memory directory (created if missing), and whether it
+    was there already: this node kept its memory since an earlier attempt of the run
+    (the directory lives until the run ends; a replaced or rebooted node has none)."""
     path = memory_dir(config, run_id)
+    kept = path.is_dir()
     path.mkdir(parents=True, exist_ok=True)
-    return open_store(str(path))
+    return open_store(str(path)), kept
 
 
 def skip_reason(highest: int, lowest: int, durable_step: int) -> str | None:

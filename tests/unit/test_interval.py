@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,14 +48,29 @@ def _steps_saving(snap: SnapshotManager, clock: _Clock, steps: int) -> list[int]
     return saved
 
 
-def test_young_daly_and_the_mtbf_prior() -> None:
+def test_young_daly_and_the_mtbf_estimate() -> None:
     assert young_daly_s(2.0, 3600.0) == pytest.approx(120.0)
-    assert estimate_mtbf_s(0.0, 0, prior_s=3600.0) == 3600.0  # no record: the prior
-    assert estimate_mtbf_s(7200.0, 0, prior_s=3600.0) == 7200.0  # no failure in 2 h
-    # 4 failures in 400 s with a half-failure prior of 3600 s: (1800 + 400) / 4.5.
-    assert estimate_mtbf_s(400.0, 4, prior_s=3600.0) == pytest.approx(1120.0 / 4.2)
-    assert estimate_mtbf_s(1e6, 1000, prior_s=3600.0) == pytest.approx(1e6 / 1000, rel=0.01)
+    # With failures: the run's own record, uptime / failures, within 10 s .. 15 days.
+    assert estimate_mtbf_s(400.0, 4, prior_s=3600.0) == pytest.approx(100.0)
+    assert estimate_mtbf_s(1e6, 1000, prior_s=3600.0) == pytest.approx(1000.0)
+    assert estimate_mtbf_s(5.0, 1, prior_s=3600.0) == pytest.approx(10.0)  # the short bound
+    assert estimate_mtbf_s(1e9, 1, prior_s=3600.0) == pytest.approx(3600.0 * 360)
     assert interval_steps(10.0, 3.0) == 3 and interval_steps(0.1, 3.0) == 1
+
+
+def test_mtbf_before_the_first_failure_starts_short_and_grows_with_uptime() -> None:
+    """A prior flat in log(rate) over 10 s .. 15 days: its mean rate is dominated by
+    the fast-failing end (a new run snapshots as if failures might be minutes apart),
+    and every failure-free second rules those out, so the estimate grows about with
+    the uptime, past it, and never beyond the long bound."""
+    uptimes = [0.0, 10.0, 60.0, 600.0, 3600.0, 86400.0, 1e8]
+    estimates = [estimate_mtbf_s(t, 0, prior_s=3600.0) for t in uptimes]
+    assert 50.0 < estimates[0] < 3600.0  # below the prior's centre: the rate's mean
+    assert estimates == sorted(estimates) and len(set(estimates)) == len(estimates)
+    assert all(e > t for e, t in zip(estimates[1:-1], uptimes[1:-1], strict=True))
+    assert estimates[-1] == pytest.approx(3600.0 * 360, rel=0.01)
+    # The prior's centre scales it: ten times the prior, ten times the estimate at start.
+    assert estimate_mtbf_s(0.0, 0, prior_s=36000.0) == pytest.approx(10 * estimates[0])
 
 
 def _write(path: Path, events: list[dict[str, Any]]) -> None:
@@ -80,14 +96,52 @@ def test_failure_history_counts_attempts_across_restarts_and_relaunches(tmp_path
     assert failure_history(None) == FailureHistory()
 
 
+def test_failure_history_leaves_out_the_running_attempt(tmp_path: Path) -> None:
+    """init() logs this process's worker.start before the manager reads the history:
+    that attempt is running, not failed."""
+    _write(tmp_path / "attempt000-rank0.jsonl", [
+        {"event": "worker.start", "ts": 100.0, "pid": os.getpid() + 1},
+        {"event": "demo.kill", "ts": 130.0}])
+    _write(tmp_path / "attempt001-rank0.jsonl", [
+        {"event": "worker.start", "ts": 140.0, "pid": os.getpid()}])
+    assert failure_history(tmp_path) == FailureHistory(30.0, 1, memory_kept=0, unresolved=1)
+
+
+def test_failure_history_tells_which_failures_kept_the_memory_tier(tmp_path: Path) -> None:
+    """A failure kept the memory tier when the next attempt that resumed says so; one
+    that died before resuming is settled by the next resume; the newest is unresolved
+    until the running attempt's restore tells."""
+    _write(tmp_path / "attempt000-rank0.jsonl", [
+        {"event": "worker.start", "ts": 0.0}, {"event": "resume", "ts": 1.0},
+        {"event": "x", "ts": 10.0}])
+    _write(tmp_path / "attempt001-rank0.jsonl", [  # after a worker kill: memory kept
+        {"event": "worker.start", "ts": 11.0}, {"event": "resume", "ts": 12.0,
+                                                "memory_kept": True},
+        {"event": "x", "ts": 20.0}])
+    _write(tmp_path / "attempt002-rank0.jsonl", [  # died in start-up, before resuming
+        {"event": "worker.start", "ts": 21.0}, {"event": "x", "ts": 22.0}])
+    _write(tmp_path / "attempt003-rank0.jsonl", [  # a new node: memory lost
+        {"event": "worker.start", "ts": 23.0}, {"event": "resume", "ts": 24.0,
+                                                "memory_kept": False},
+        {"event": "x", "ts": 30.0}])
+    history = failure_history(tmp_path)
+    assert history == FailureHistory(10.0 + 9.0 + 1.0 + 7.0, 4, memory_kept=1, unresolved=1)
+    # The durable tier's view: only the failures that lost a node's memory (and the
+    # unresolved one, until resolved).
+    assert history.durable_view() == FailureHistory(27.0, 3)
+    assert history.resolved(True).durable_view() == FailureHistory(27.0, 2)
+    assert history.resolved(False).durable_view() == FailureHistory(27.0, 3)
+    assert history.resolved(True).resolved(False) == history.resolved(True)
+
+
 def test_policy_bounds_reasons_and_reevaluation() -> None:
     clock = _Clock()
-    policy = IntervalPolicy(3600.0, 1.0, 600.0, FailureHistory(1380.0, 4), clock)
+    policy = IntervalPolicy(3600.0, 1.0, 600.0, FailureHistory(2000.0, 4), clock)
     with capture_logs() as logs:
         assert policy.evaluate() == 1.0  # no cost measured yet: the minimum, to measure it
         policy.observe_cost(2.0)
         assert policy.evaluate() == pytest.approx(math.sqrt(2 * 2.0 * 500.0))
-        clock.now = 2100.0  # a long attempt without failures raises the MTBF estimate
+        clock.now = 2000.0  # a long attempt without failures raises the MTBF estimate
         assert policy.evaluate() == pytest.approx(math.sqrt(2 * 2.0 * 1000.0))
         policy.observe_cost(1e6)
         assert policy.evaluate() == 600.0
@@ -200,7 +254,7 @@ def test_simulation_auto_within_five_percent_of_the_best_fixed_interval() -> Non
     a grid of fixed intervals chosen in hindsight on the same failure traces."""
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "simulate_interval.py"), "--mtbf", "120",
-         "600", "--dist", "exponential", "weibull", "--trials", "2", "--seed", "1",
+         "600", "--dist", "exponential", "weibull", "--trials", "5", "--seed", "0",
          "--json"], capture_output=True, text=True, timeout=300, check=True)
     out = json.loads(result.stdout)
     assert len(out["rows"]) == 4 and all(r["failures"] > 50 for r in out["rows"])
@@ -228,3 +282,35 @@ def test_after_a_restore_the_automatic_interval_counts_from_the_restored_step(
     resumed.close()
     assert saved == [20]
     assert [e["interval_steps"] for e in logs if e["event"] == "snapshot.interval"] == [5]
+
+
+@pytest.mark.parametrize("node_kept_memory", [True, False])
+def test_durable_interval_counts_only_failures_that_lost_the_memory_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, node_kept_memory: bool) -> None:
+    """An earlier attempt failed. If this node's memory directory is still there, its
+    memory snapshot covers that failure: the durable interval leaves it out (prior
+    rules), the memory interval counts it. A node that lost its memory directory
+    (replaced, rebooted) counts it for both. The resume event says which."""
+    events_dir = tmp_path / "events"
+    events_dir.mkdir()
+    monkeypatch.setenv("ELASTICTRAIN_LOG__EVENTS_DIR", str(events_dir))
+    _write(events_dir / "attempt000-rank0.jsonl", [
+        {"event": "worker.start", "ts": 0.0, "pid": os.getpid() + 1},
+        {"event": "x", "ts": 50.0}])
+    memory_dir = tmp_path / "memory"
+    if node_kept_memory:
+        memory_dir.mkdir()
+    ctx = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
+    snap = SnapshotManager(str(tmp_path / "s"), model=torch.nn.Linear(2, 2), ctx=ctx,
+                           clock=_Clock(), every_steps="auto", memory_every="auto",
+                           memory_dir=str(memory_dir))
+    with capture_logs() as logs:
+        snap.restore()
+    resume = next(e for e in logs if e["event"] == "resume")
+    assert resume["memory_kept"] is node_kept_memory
+    assert snap._auto is not None and snap._memory_policy is not None
+    assert snap._memory_policy.history.failures == 1
+    assert snap._auto.history.failures == (0 if node_kept_memory else 1)
+    assert snap._auto.mtbf_s() == pytest.approx(
+        estimate_mtbf_s(50.0, 0, 3600.0) if node_kept_memory else 50.0)
+    snap.close()
