@@ -10,6 +10,7 @@ restarted workers read stale addresses), and destroy the group on exit.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import threading
@@ -214,7 +215,10 @@ def _pickled(obj: Any, device: torch.device) -> torch.Tensor:
 
 
 def _unpickled(data: torch.Tensor) -> Any:
-    return pickle.loads(bytes(data.cpu().tolist()))
+    # The bytes straight from the tensor's memory: a list of Python ints first cost
+    # ~0.3 ms per 15 kB object, once per rank on every snapshot's RNG gather.
+    cpu = data.cpu().contiguous()
+    return pickle.loads(ctypes.string_at(cpu.data_ptr(), cpu.numel()))
 
 
 def _choose_backend(requested: str) -> str:

@@ -58,7 +58,7 @@ from elastictrain.launch import LaunchSpec, start_torchrun  # noqa: E402
 from elastictrain.log import read_events  # noqa: E402
 
 WORKER = "elastictrain.demo.worker"
-DEFAULT_CONFIGS = ["fixed:10", "fixed:40", "fixed:160", "auto", "auto+memory:1", "auto+memory:10"]
+DEFAULT_CONFIGS = ["fixed:20", "fixed:40", "fixed:80", "auto", "auto+memory:auto"]
 STOP_TIMEOUT_S = 120.0  # SIGTERM -> launcher exit (final snapshot, a restart in flight)
 START_TIMEOUT_S = 300.0  # launch -> first step, on a busy machine
 

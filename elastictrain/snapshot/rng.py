@@ -20,8 +20,11 @@ except ImportError:  # pragma: no cover - numpy is installed with the test extra
 
 def capture_rng() -> dict[str, Any]:
     """This process's RNG states: python, torch CPU, CUDA (if initialised), numpy."""
+    version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
-        "python": random.getstate(),
+        # Its 625 words as one tensor, not a tuple of ints: a save walks every leaf of
+        # every rank's RNG state, and this was 1250 of them at two ranks.
+        "python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -41,6 +44,8 @@ def restore_rng(state: dict[str, Any]) -> None:
     2.13), so each state is cloned into a tensor of its own first.
     """
     version, internal, gauss = state["python"]
+    if isinstance(internal, torch.Tensor):  # a tuple of ints in snapshots before session 7
+        internal = internal.tolist()
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"].clone())
     if "cuda" in state and torch.cuda.is_available():

@@ -4,6 +4,7 @@ back-pressure, flat staging memory, time triggers, and verified loading."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -254,8 +255,9 @@ def test_restore_rng_from_a_loaded_view_at_an_offset(tmp_path: Path) -> None:
     """Staged RNG states share one slab; rank 1's state sits at an offset in it."""
     rank0 = capture_rng()
     torch.rand(7)
+    random.random()
     rank1 = capture_rng()
-    expected = torch.rand(5)
+    expected, expected_py = torch.rand(5), [random.random() for _ in range(3)]
     staged = StagingBuffers().stage({"rng": [rank0, rank1]})
     store = open_store(str(tmp_path))
     persist_snapshot(store, staged, SnapshotMeta("t", 1, 0, 2, "crc32"))
@@ -264,6 +266,16 @@ def test_restore_rng_from_a_loaded_view_at_an_offset(tmp_path: Path) -> None:
     assert loaded["rng"][1]["torch"].storage_offset() > 0
     restore_rng(loaded["rng"][1])
     assert torch.equal(torch.rand(5), expected)
+    assert [random.random() for _ in range(3)] == expected_py  # python's, from a tensor
+
+
+def test_restore_rng_accepts_python_state_as_a_tuple() -> None:
+    """Snapshots written before session 7 hold python's RNG words as a tuple of ints."""
+    state = capture_rng()
+    version, internal, gauss = state["python"]
+    expected = [random.random() for _ in range(3)]
+    restore_rng({**state, "python": (version, tuple(internal.tolist()), gauss)})
+    assert [random.random() for _ in range(3)] == expected
 
 
 @pytest.mark.parametrize("where", ["first", "early", "middle", "last"])
