@@ -31,6 +31,8 @@ for loops that hold the GIL far more): measured in docs/persister.md.
 from __future__ import annotations
 
 import contextvars
+import functools
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -146,6 +148,7 @@ class Saver(InFlightSave):
         self._policy = RetryPolicy(config.max_consecutive_failures, config.retry_backoff_s)
         self._persister: Persister | None = None
         self._behind: _CopyBehind | None = None
+        self._copier = _CopyThread()
         self.copy_wait_s = 0.0  # all fence waits so far (benchmarks count them as blocking)
         self.copy_behind = True  # until a copy behind races a change of its source
 
@@ -185,7 +188,7 @@ class Saver(InFlightSave):
             persister = self.persister
             if later:
                 self._behind = _CopyBehind(later, lambda: persister.submit(staged, meta),
-                                           meta.step, self._copy_raced)
+                                           meta.step, self._copy_raced, self._copier.run)
                 self._last = self._behind.handle
             else:
                 self._last = persister.submit(staged, meta)
@@ -230,6 +233,7 @@ class Saver(InFlightSave):
         try:
             self.wait()
         finally:
+            self._copier.close()
             if self._persister is not None:
                 self._persister.close()
                 self._persister = None
@@ -248,6 +252,34 @@ class Saver(InFlightSave):
         return ProcessPersister(store, self._keep, self._policy)
 
 
+class _CopyThread:
+    """The one thread that runs a saver's copies behind, one save after another (saves
+    never overlap: ``wait_in_flight``). A thread per save cost the loop about a
+    millisecond on a busy machine: ``Thread.start`` waits until the new thread runs.
+    A daemon, like the persisters' threads: a hung persist never holds up exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] | None = None
+
+    def run(self, job: Callable[[], None]) -> None:
+        if self._jobs is None:  # each thread has its own queue: close() ends that one
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(self._jobs,), name="et-copy-behind",
+                             daemon=True).start()
+        self._jobs.put(job)
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while (job := jobs.get()) is not None:
+            job()
+
+    def close(self) -> None:
+        """The thread ends after the job it runs, if any (a later ``run`` starts anew)."""
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
+
+
 class _CopyBehind:
     """The copies one save deferred, on a thread, then that save's persist.
 
@@ -257,7 +289,8 @@ class _CopyBehind:
 
     def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]],
                  submit: Callable[[], SaveHandle], step: int,
-                 raced: Callable[[int, torch.Tensor], None]) -> None:
+                 raced: Callable[[int, torch.Tensor], None],
+                 run: Callable[[Callable[[], None]], None]) -> None:
         self.handle = SaveHandle(step)
         self.copied = threading.Event()
         self.copied_at: float | None = None  # perf_counter once copied (benchmarks)
@@ -265,8 +298,7 @@ class _CopyBehind:
         self._copies = [(buffer, source, source._version) for buffer, source in copies]
         self._submit, self._raced = submit, raced
         context = contextvars.copy_context()  # the persister logs with the caller's binding
-        threading.Thread(target=context.run, args=(self._run,), name="et-copy-behind",
-                         daemon=True).start()
+        run(functools.partial(context.run, self._run))
 
     def _run(self) -> None:
         try:
