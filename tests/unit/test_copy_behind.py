@@ -30,14 +30,24 @@ class Gate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.event = threading.Event()
-        self.held = 0
+        self._entered = threading.Condition()
+        self._held = 0
         run = saver_module._CopyBehind._run
 
         def held_run(behind: Any) -> None:
-            self.held += 1
+            with self._entered:
+                self._held += 1
+                self._entered.notify_all()
             self.event.wait()
             run(behind)
         monkeypatch.setattr(saver_module._CopyBehind, "_run", held_run)
+
+    def held(self) -> int:
+        """How many copies behind have reached the gate, once one has (the saver's copy
+        thread picks a save up asynchronously)."""
+        with self._entered:
+            self._entered.wait_for(lambda: self._held > 0, timeout=30)
+            return self._held
 
     def open(self) -> None:
         self.event.set()
@@ -72,7 +82,7 @@ def test_the_snapshot_holds_its_own_step_while_the_loop_runs_ahead(
         snap.step()  # step 5 saves; its copy behind is held at the gate
     expected = {"model": copy.deepcopy(model.state_dict()),
                 "optimizer": copy.deepcopy(opt.state_dict()["state"])}
-    assert gate.held == 1
+    assert gate.held() == 1
     # The next forward changes BatchNorm's running stats (buffers: copied at once) and
     # backward the gradients, while the copy is still held.
     loss = model(torch.randn(8, 8)).pow(2).mean()
@@ -143,7 +153,7 @@ def test_a_source_changed_before_its_copy_drops_that_snapshot_and_copies_at_once
     for _ in range(5):
         one_step(model, opt)
         snap.step()  # step 5 saves; its copy is held
-    assert gate.held == 1
+    assert gate.held() == 1
     loss = model(torch.randn(8, 8)).pow(2).mean()
     loss.backward()
     if change == "second optimizer":
