@@ -116,6 +116,9 @@ class SnapshotConfig(_Model):
     memory_every: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     # Default: /dev/shm/elastictrain/<run_id> (snapshot/memory.py).
     memory_dir: str | None = None
+    # With a memory tier: on an uncaught error, a surviving rank commits the last step
+    # every rank completed to its node's memory (docs/memory-tier.md#rescue).
+    rescue: bool = True
     # Copy parameters and optimizer state behind the loop: while the next forward and
     # backward run; the optimizer's next step() waits for the copy. A copy whose source
     # changed in place before it was done is dropped, and copies are made at once from

@@ -26,6 +26,7 @@ from elastictrain.config import Settings, load_settings
 from elastictrain.dist import DistContext, destroy_process_group, init_process_group
 from elastictrain.env import WorkerEnv
 from elastictrain.errors import EXIT_FATAL, ElasticTrainError
+from elastictrain.snapshot import rescue
 
 ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
 
@@ -132,6 +133,7 @@ def exit_on_error(exc_type: type[BaseException], exc: BaseException,
     restart cannot help (bad config, resume mismatch, access denied). A
     ``SystemExit`` raised by the hook sets the interpreter's exit status.
     """
+    rescue.on_uncaught(exc)  # a survivor commits its last step to node memory
     if not isinstance(exc, ElasticTrainError):
         (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
         return

@@ -52,7 +52,7 @@ from elastictrain.errors import (
     SnapshotWriteFailed,
 )
 from elastictrain.log import bind_step, get_logger
-from elastictrain.snapshot import memory
+from elastictrain.snapshot import memory, rescue
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.digest import param_digest
 from elastictrain.snapshot.interval import (
@@ -63,6 +63,7 @@ from elastictrain.snapshot.interval import (
 )
 from elastictrain.snapshot.onepass import InPlace
 from elastictrain.snapshot.persister import SaveHandle
+from elastictrain.snapshot.rescue import BoundaryRecord, read_record
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world, restore_rng
 from elastictrain.snapshot.saver import Saver
@@ -200,6 +201,12 @@ class SnapshotManager:
         self._progress = _ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
         self._rng_rule = "none"
         self._preempt = preempt.current()
+        # Rescue (snapshot/rescue.py): this rank's record of every step boundary, opened
+        # at the first step; the attempt it belongs to is in every record.
+        self._restart_count = env.restart_count
+        self._resumed_from = -1
+        self._boundary: BoundaryRecord | None = None
+        self._memory_step = -1  # the step of the last memory snapshot this attempt took
 
     def _memory_tier(self) -> tuple[Store | None, Saver | None]:
         """This node's memory store (every rank reads it on restore) and, on the node's
@@ -310,6 +317,7 @@ class SnapshotManager:
             loaded = load_newest(self.store, self.ctx, self.config.restore_mode,
                                  self.memory_store, self._in_place())
         step = loaded.step if loaded else None
+        self._resumed_from = -1 if step is None else step
         if self._memory is not None:  # every rank has loaded: nobody reads it any more
             memory.drop_newer(self._memory.store, step)
         memory_kept = self._agree_memory_kept()
@@ -410,6 +418,10 @@ class SnapshotManager:
         self.step_count += 1
         if self.sampler is not None:
             self.sampler.advance()
+        if self._rescues:  # first: a failure anywhere after this finds the boundary
+            if self._boundary is None:
+                self._boundary = self._open_boundary()
+            self._boundary.record(self.step_count)
         bind_step(self.step_count)
         if self._progress is not None:
             self._progress.write(self.step_count)
@@ -440,6 +452,74 @@ class SnapshotManager:
                 self._stop_preempted(stop)
         if memory_due:
             self._save_memory()
+        return None
+
+    @property
+    def _rescues(self) -> bool:
+        return self.config.rescue and self.memory_store is not None and not self.sharded
+
+    def _open_boundary(self) -> BoundaryRecord:
+        directory = memory.memory_dir(self.config, self.run_id) / rescue.BOUNDARY_DIR
+        record = BoundaryRecord(directory, self.ctx.rank, self._attempt(), self._held_tensors)
+        rescue.arm(self._rescue)
+        return record
+
+    def _attempt(self) -> tuple[int, int, int]:
+        return self.ctx.world_size, self._restart_count, self._resumed_from
+
+    def _held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a snapshot holds (their version counters tell a rescue whether
+        the failed step changed any)."""
+        tensors = list(unwrap(self.model).state_dict(keep_vars=True).values())
+        for state in getattr(self.optimizer, "state", {}).values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return tensors
+
+    def _rescue(self, error: BaseException) -> None:
+        """On an uncaught error (runtime's excepthook): commit the last boundary to this
+        node's memory tier if the state is still exactly that step's and every rank's
+        RNG record of it is on this node; else log why not (docs/memory-tier.md#rescue)."""
+        record = self._boundary
+        if record is None or record.step is None:
+            return
+        started = time.perf_counter()
+        step = record.step
+        fields = {"snapshot_step": step, "tier": "memory", "error": type(error).__name__}
+        reason = self._rescue_refusal(record)
+        rngs = [] if reason else [read_record(record.directory, rank, step, self._attempt())
+                                  for rank in range(self.ctx.world_size)]
+        missing = [rank for rank, state in enumerate(rngs) if state is None]
+        if missing:
+            reason = (f"no record of step {step} on this node for rank(s) {missing} (on "
+                      "another node, or killed while writing it)")
+        if reason is None and not rescue.take_lock(record.directory, self._attempt(), step):
+            log.info("snapshot.rescue_skipped", reason="another rank of this node rescues "
+                     "this step", **fields)
+            return
+        if reason is not None:
+            log.warning("snapshot.rescue_skipped", reason=reason, **fields)
+            return
+        if self._memory is not None:  # our own periodic memory save commits first
+            self._memory.wait_in_flight(step)
+        config = self.config.model_copy(update={"keep": 1, "mode": "sync",
+                                                "overlap_copy": False})
+        saver = Saver(self.memory_store, config, tier="memory")  # type: ignore[arg-type]
+        try:
+            saver.save(self._state(rngs), self._meta(), started)  # type: ignore[arg-type]
+        finally:
+            saver.close()
+        log.info("snapshot.rescued", duration_s=round(time.perf_counter() - started, 4),
+                 **fields)
+
+    def _rescue_refusal(self, record: BoundaryRecord) -> str | None:
+        """Why this rank's state is not exactly its last boundary's, or None."""
+        if record.step != self.step_count:
+            return f"the manager is at step {self.step_count}, its record at {record.step}"
+        if not record.unchanged():
+            return (f"parameters, buffers or optimizer state changed after step {record.step} "
+                    "(the failure came after optimizer.step() or a buffer update)")
+        if self._memory_step == record.step:  # its directory: one writer per step
+            return f"a memory snapshot of step {record.step} was already taken"
         return None
 
     def _pending_stop(self) -> preempt.StopRequest | None:
@@ -566,6 +646,7 @@ class SnapshotManager:
         A failed memory persist is logged, never raised: durable storage is the truth."""
         started = time.perf_counter()
         self._last_memory_step, self._last_memory_time = self.step_count, self._clock()
+        self._memory_step = self.step_count
         if self._memory is not None:
             self._memory.wait_in_flight(self.step_count)
         with watchdog.busy("snapshot.save"):
@@ -674,6 +755,9 @@ class SnapshotManager:
         failure the restart needs them)."""
         if self._fence_hook is not None:
             self._fence_hook.remove()
+        if self._boundary is not None:
+            rescue.disarm()
+            self._boundary.close()
         self._saver.close()
         if self._memory is not None:
             try:

@@ -20,6 +20,7 @@ from elastictrain.errors import ConfigError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.snapshot.rescue import BOUNDARY_DIR
 from elastictrain.storage import Store, open_store
 
 log = get_logger("elastictrain.snapshot")
@@ -90,6 +91,7 @@ def drop_newer(store: Store, step: int | None) -> list[int]:
 def remove_all(store: Store) -> None:
     """Remove this node's memory snapshots and directory (a run that finished)."""
     store.delete(layout.SNAPSHOTS, recursive=True)
+    store.delete(BOUNDARY_DIR, recursive=True)  # the rescue's records (snapshot/rescue.py)
     root = store.local_path("")
     if root is not None:
         with contextlib.suppress(OSError):  # not empty (someone else's files): leave it

@@ -1,0 +1,193 @@
+"""Rescue: when a worker dies, a surviving rank on its node commits the last step
+every rank completed to the node-memory tier, so the restart loses (almost) nothing.
+
+Replicated (DDP) state is the same on every rank at a step boundary, and a failed
+step changes nothing a snapshot holds until ``optimizer.step()``: a survivor whose
+parameters and buffers are unchanged since its last boundary still holds that step.
+What it lacks is the other ranks' RNG states at that boundary. So at every boundary
+each rank writes its RNG states to a node-local record (two slots, one ``pwrite``,
+checksummed); on an uncaught error a survivor reads every rank's record of its own
+step and commits a memory snapshot through the ordinary saver (manifest, checksums,
+atomic rename). Anything not exact is skipped and said why: then the restart uses
+the newest periodic snapshot, as without a rescue. Figures and limits:
+docs/memory-tier.md#rescue.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+import time
+import weakref
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastictrain.log import get_logger
+
+try:  # numpy is optional (as in rng.py)
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy is installed with the test extra
+    np = None  # type: ignore[assignment]
+
+log = get_logger("elastictrain.snapshot")
+
+BOUNDARY_DIR = "boundary"
+_MAGIC = 0x45545242  # "ETRB"
+# magic, step, world size, restart count, resumed-from step, payload length, crc32
+_HEADER = struct.Struct("<IqiiqII")
+_SLOT = 64 * 1024  # a record: the header and this rank's RNG states
+
+
+class BoundaryRecord:
+    """This rank's RNG states at every step boundary, in its node's memory directory:
+    slot ``step % 2`` of ``boundary/rank<r>`` (a rank killed while writing one slot
+    leaves the other intact), and the version counters of the tensors a snapshot holds.
+
+    The attempt (world size, restart count, resumed-from step) is in every record, so
+    a record left by an earlier attempt never passes for this one's."""
+
+    def __init__(self, directory: Path, rank: int, attempt: tuple[int, int, int],
+                 tensors: Callable[[], list[torch.Tensor]]) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.path = directory / f"rank{rank}"
+        self._attempt = attempt
+        self._tensors = tensors
+        self._watched: list[torch.Tensor] | None = None
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.step: int | None = None
+        self._versions = 0
+
+    def record(self, step: int) -> None:
+        """After step ``step`` completed on this rank (before anything else of it)."""
+        if self._watched is None:  # the tensors exist from the first step on
+            self._watched = self._tensors()
+        payload = _rng_bytes()
+        if len(payload) + _HEADER.size > _SLOT:
+            return  # not expected (RNG states are ~10 kB); the rescue then skips this rank
+        header = _HEADER.pack(_MAGIC, step, *self._attempt, len(payload), zlib.crc32(payload))
+        os.pwrite(self._fd, header + payload, (step % 2) * _SLOT)
+        self.step = step
+        self._versions = self._version_sum()
+
+    def unchanged(self) -> bool:
+        """No tensor a snapshot holds changed since the last record (an in-place update
+        moves a version counter; counters only grow, so the sum says it)."""
+        return self._watched is not None and self._version_sum() == self._versions
+
+    def _version_sum(self) -> int:
+        assert self._watched is not None
+        return sum(t._version for t in self._watched)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read_record(directory: Path, rank: int, step: int,
+                attempt: tuple[int, int, int]) -> dict[str, Any] | None:
+    """Rank ``rank``'s RNG states at ``step`` of this attempt (None when its node's
+    record of that step is missing, torn or from another attempt)."""
+    try:
+        raw = (directory / f"rank{rank}").read_bytes()
+    except OSError:
+        return None
+    offset = (step % 2) * _SLOT
+    head = raw[offset:offset + _HEADER.size]
+    if len(head) < _HEADER.size:
+        return None
+    magic, got_step, world, restarts, resumed, length, crc = _HEADER.unpack(head)
+    payload = raw[offset + _HEADER.size:offset + _HEADER.size + length]
+    if (magic != _MAGIC or got_step != step or (world, restarts, resumed) != attempt
+            or len(payload) != length or zlib.crc32(payload) != crc):
+        return None
+    return _rng_state(payload)
+
+
+def _rng_bytes() -> bytes:
+    """This process's RNG states as length-prefixed byte strings (no pickle: a record
+    is read back by another process; this costs ~20 µs a step)."""
+    version, internal, gauss = random.getstate()
+    parts = [struct.pack("<iBd", version, gauss is not None, gauss or 0.0),
+             struct.pack(f"<{len(internal)}Q", *internal),
+             torch.get_rng_state().numpy().tobytes()]
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        parts += [name.encode(), struct.pack("<iid", int(pos), int(has_gauss), float(cached)),
+                  np.asarray(keys, dtype=np.uint32).tobytes()]
+    else:  # pragma: no cover
+        parts += [b"", b"", b""]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        parts += [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+    return b"".join(struct.pack("<I", len(part)) + part for part in parts)
+
+
+def _rng_state(payload: bytes) -> dict[str, Any]:
+    """``_rng_bytes`` as :func:`elastictrain.snapshot.rng.capture_rng` returns it."""
+    parts: list[bytes] = []
+    offset = 0
+    while offset < len(payload):
+        (length,) = struct.unpack_from("<I", payload, offset)
+        parts.append(payload[offset + 4:offset + 4 + length])
+        offset += 4 + length
+    head, internal, cpu, name, numpy_meta, keys, *cuda = parts
+    version, has_gauss_py, gauss = struct.unpack("<iBd", head)
+    words = struct.unpack(f"<{len(internal) // 8}Q", internal)
+    state: dict[str, Any] = {
+        "python": (version, torch.tensor(words, dtype=torch.int64),
+                   gauss if has_gauss_py else None),
+        "torch": torch.frombuffer(bytearray(cpu), dtype=torch.uint8),
+    }
+    if name:
+        pos, has_gauss, cached = struct.unpack("<iid", numpy_meta)
+        words64 = torch.frombuffer(bytearray(keys), dtype=torch.int32).to(torch.int64)
+        state["numpy"] = (name.decode(), words64 & 0xFFFFFFFF, pos, has_gauss, cached)
+    if cuda:
+        state["cuda"] = [torch.frombuffer(bytearray(c), dtype=torch.uint8) for c in cuda]
+    return state
+
+
+def take_lock(directory: Path, attempt: tuple[int, int, int], step: int) -> bool:
+    """True for the one rank of this node that rescues ``step`` of this attempt."""
+    world, restarts, resumed = attempt
+    name = directory / f"rescue-{world}-{restarts}-{resumed}-{step}"
+    try:
+        os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    return True
+
+
+# The rescue of this process's manager: run by elastictrain's excepthook
+# (runtime.exit_on_error) on an uncaught error. A weak reference: a manager the
+# script dropped is not kept alive by it.
+_armed: weakref.ref[Callable[[BaseException], None]] | None = None
+
+
+def arm(rescue: Callable[[BaseException], None]) -> None:
+    global _armed
+    _armed = weakref.WeakMethod(rescue) if hasattr(rescue, "__self__") else weakref.ref(rescue)
+
+
+def disarm() -> None:
+    global _armed
+    _armed = None
+
+
+def on_uncaught(exc: BaseException) -> None:
+    """Run the armed rescue once (never raises: the error that ended the worker is
+    what its log must show)."""
+    rescue = _armed() if _armed is not None else None
+    disarm()
+    if rescue is None:
+        return
+    started = time.perf_counter()
+    try:
+        rescue(exc)
+    except Exception as failure:  # a rescue must never mask the error
+        log.warning("snapshot.rescue_skipped", reason=f"{type(failure).__name__}: {failure}",
+                    duration_s=round(time.perf_counter() - started, 4))
