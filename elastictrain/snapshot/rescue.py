@@ -40,7 +40,7 @@ BOUNDARY_DIR = "boundary"
 _MAGIC = 0x45545242  # "ETRB"
 # magic, step, world size, restart count, resumed-from step, payload length, crc32
 _HEADER = struct.Struct("<IqiiqII")
-_SLOT = 64 * 1024  # a record: the header and this rank's RNG states
+SLOT_BYTES = 64 * 1024  # a record: the header and this rank's RNG states
 
 
 class BoundaryRecord:
@@ -68,10 +68,10 @@ class BoundaryRecord:
         if self._watched is None:  # the tensors exist from the first step on
             self._watched = self._tensors()
         payload = _rng_bytes()
-        if len(payload) + _HEADER.size > _SLOT:
+        if len(payload) + _HEADER.size > SLOT_BYTES:
             return  # not expected (RNG states are ~10 kB); the rescue then skips this rank
         header = _HEADER.pack(_MAGIC, step, *self._attempt, len(payload), zlib.crc32(payload))
-        os.pwrite(self._fd, header + payload, (step % 2) * _SLOT)
+        os.pwrite(self._fd, header + payload, (step % 2) * SLOT_BYTES)
         self.step = step
         self._versions = self._version_sum()
 
@@ -96,7 +96,7 @@ def read_record(directory: Path, rank: int, step: int,
         raw = (directory / f"rank{rank}").read_bytes()
     except OSError:
         return None
-    offset = (step % 2) * _SLOT
+    offset = (step % 2) * SLOT_BYTES
     head = raw[offset:offset + _HEADER.size]
     if len(head) < _HEADER.size:
         return None

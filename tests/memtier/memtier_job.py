@@ -1,23 +1,31 @@
 """A small DDP job for tests/memtier (run by torchrun, not by pytest): restore, train to
-STEPS with a durable snapshot every EVERY steps and a memory snapshot every step, close.
+STEPS with a durable snapshot every EVERY steps and a memory snapshot every MEMORY_EVERY
+steps (default 1), close.
 
-    python -m elastictrain.launch ... tests/memtier/memtier_job.py ROOT STEPS EVERY PARK GATES
+    python -m elastictrain.launch ... tests/memtier/memtier_job.py ROOT STEPS EVERY PARK GATES \
+        [MEMORY_EVERY [DIE_IN]]
 
 Each step's batch is a function of the step and rank only, so a resumed run is
 bit-exact. In the first attempt every rank stops after step PARK (PARK 0: never),
 writes ``GATES/rank<r>.json`` with its PID and waits for ``GATES/go``: the test
-kills what it must meanwhile. The memory directory comes from
-``ELASTICTRAIN_SNAPSHOT__MEMORY_DIR`` (one per node).
+kills what it must meanwhile. With DIE_IN > 0, rank 1 of the first attempt SIGKILLs
+itself in the middle of step DIE_IN, between its forward and its backward (no boundary,
+no barrier). Every step also draws from the global python, torch and numpy RNGs, so
+a resume with any rank's RNG state wrong is not bit-exact. The memory directory comes
+from ``ELASTICTRAIN_SNAPSHOT__MEMORY_DIR`` (one per node).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -38,19 +46,27 @@ def park(gates: Path, rank: int) -> None:
 def main() -> None:
     root, steps, every, park_at, gates = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
                                           int(sys.argv[4]), Path(sys.argv[5]))
+    memory_every, die_in = (int(sys.argv[6]) if len(sys.argv) > 6 else 1,
+                            int(sys.argv[7]) if len(sys.argv) > 7 else 0)
     rt = et.init()
     try:
         torch.manual_seed(0)
+        random.seed(rt.ctx.rank)  # a stream of its own per rank (restored, not re-seeded)
+        np.random.seed(rt.ctx.rank)
         model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
                                         torch.nn.Linear(64, 8)))
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         snap = et.SnapshotManager(root, model=model, optimizer=opt, ctx=rt.ctx,
-                                  every_steps=every, memory_every=1)
+                                  every_steps=every, memory_every=memory_every)
         snap.restore()
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         while snap.step_count < steps:
             data = torch.Generator().manual_seed(1000 * snap.step_count + rt.ctx.rank)
-            model(torch.randn(16, 32, generator=data)).pow(2).mean().backward()
+            noise = torch.rand(16, 32) * random.random() * float(np.random.rand())
+            loss = model(torch.randn(16, 32, generator=data) + noise).pow(2).mean()
+            if first_attempt and rt.ctx.rank == 1 and snap.step_count + 1 == die_in:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
             opt.step()
             opt.zero_grad()
             snap.step()

@@ -4,6 +4,11 @@
     after step 25 a worker is SIGKILLed by PID; the restart restores step 25 from
     memory (newer than durable 20) on both ranks, logged with ``tier=memory``, and
     the final parameters are bit-exact with an uninterrupted run.
+(c) Rescue: no memory snapshot between durable ones (memory every 1000 steps); rank 1
+    SIGKILLs itself in the middle of step 26, between forward and backward. Rank 0's
+    backward fails on the dead peer, and rank 0 commits step 25 to node memory
+    (``snapshot.rescued``); the restart resumes step 25 from memory, not 20 from
+    durable storage, and the final parameters are bit-exact with an uninterrupted run.
 (b) Two agents on localhost as two nodes, one worker each, each with its own memory
     directory: after step 25 node 1 (agent and worker) is SIGKILLed and a new agent
     with an empty memory directory (a replacement node) joins; node 0 still holds
@@ -45,12 +50,13 @@ class Agents:
 
     def start(self, name: str, root: Path, mem: Path, *, nproc: int = 1, nnodes: str = "1",
               endpoint: str = "127.0.0.1:0", is_host: int = 1, park: int = 0,
-              gates: Path | None = None) -> subprocess.Popen[bytes]:
+              gates: Path | None = None, extra: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
         ev = self.tmp_path / "ev" / name
         ev.mkdir(parents=True)
         spec = LaunchSpec(nproc_per_node=nproc, script=str(JOB), nnodes=nnodes, max_restarts=3,
                           script_args=[str(root), str(STEPS), str(EVERY), str(park),
-                                       str(gates or self.tmp_path / "gates")],
+                                       str(gates or self.tmp_path / "gates"),
+                                       *map(str, extra)],
                           rdzv_endpoint=endpoint, rdzv_id=f"memtier-{self.tmp_path.name}",
                           rdzv_conf=f"{DEFAULT_RDZV_CONF},is_host={is_host}",
                           log_dir=str(ev / "torchelastic"), events_dir=str(ev))
@@ -174,3 +180,23 @@ def test_lost_node_restores_from_durable(tmp_path: Path, agents: Agents) -> None
     final = [e for e in events(ev, "params.digest")]
     assert len(final) == 1 and final[0]["step"] == STEPS
     assert not mem[0].exists() and not mem[2].exists()  # the finished run removed them
+
+
+@pytest.mark.timeout(600)
+def test_survivor_rescues_the_last_step_of_a_killed_worker(tmp_path: Path,
+                                                           agents: Agents) -> None:
+    ref = agents.start("ref", tmp_path / "ref", tmp_path / "mem-ref", nproc=2, extra=(1000,))
+    assert ref.wait(timeout=300) == 0, _log(agents)
+    run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2,
+                       extra=(1000, PARK + 1))
+    assert run.wait(timeout=300) == 0, _log(agents)
+
+    ev = tmp_path / "ev" / "run"
+    rescued = events(ev, "snapshot.rescued")
+    assert [(e["rank"], e["snapshot_step"], e["tier"]) for e in rescued] == \
+        [(0, PARK, "memory")]
+    resumes = [e for e in events(ev, "resume") if e["restart_count"] == 1]
+    assert sorted((e["rank"], e["from_step"], e["tier"]) for e in resumes) == \
+        [(0, PARK, "memory"), (1, PARK, "memory")]  # not durable step 20
+    assert _digest(ev) == _digest(tmp_path / "ev" / "ref")  # bit-exact
+    assert not (tmp_path / "mem").exists()  # removed when the run finished
