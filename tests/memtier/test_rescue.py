@@ -90,7 +90,7 @@ def _crashed_run(tmp_path: Path, until: int) -> Any:
     return parts
 
 
-def _resume(tmp_path: Path) -> Any:
+def _resume(tmp_path: Path) -> tuple[Any, Any]:
     parts = build(str(tmp_path / "run"), memory_every=1000, memory_dir=str(tmp_path / "mem"))
     return parts, parts[4].restore()
 
@@ -107,10 +107,11 @@ def test_rescue_after_a_failed_step_resumes_bit_exact(tmp_path: Path) -> None:
     assert list_snapshot_dirs(open_store(str(tmp_path / "mem"))) == [7]
     parts, info = _resume(tmp_path)
     assert (info.from_step, info.tier) == (7, "memory")
-    losses = train(*parts, until=12)
-    parts[4].close()
+    model, opt, sched, sampler, snap = parts
+    losses = train(model, opt, sched, sampler, snap, until=12)
+    snap.close()
     assert losses == ref_losses[7:]
-    for a, b in zip(ref[0].state_dict().values(), parts[0].state_dict().values(), strict=True):
+    for a, b in zip(ref[0].state_dict().values(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 
