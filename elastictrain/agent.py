@@ -23,6 +23,9 @@ What it adds, each by overriding one of the agent's documented steps
   A group being restarted has nothing worth saving, and even a clean Python
   exit after ``import torch`` costs 1.5-2.7 s here, which every recovery would
   pay. Survivors of a preemption (a peer exited 75) are left to finish;
+* **a rescue finishes first**: a survivor writing the last step to node memory
+  (``snapshot/rescue.py``) is killed only once it is done, or after
+  ``launch.rescue_timeout_s`` (``agent.rescue_waited``, ``agent.rescue_timeout``);
 * **a worker stuck in its exit is ended**: once a peer exited 0, a worker whose
   process tree uses no CPU for ``exit_timeout_s`` (stopped, or deadlocked in a
   destructor) is SIGKILLed, so torchrun restarts the group instead of waiting for it
@@ -46,6 +49,7 @@ import signal
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch.distributed.launcher.api as launcher_api
@@ -64,6 +68,7 @@ from elastictrain.errors import (
 )
 from elastictrain.log import bind, get_logger
 from elastictrain.proctree import tree_cpu_ticks
+from elastictrain.snapshot import rescue
 from elastictrain.standby.client import Standby
 from elastictrain.standby.context import starting_from
 
@@ -115,6 +120,8 @@ class ElasticTrainAgent(LocalElasticAgent):
     latest: ElasticTrainAgent | None = None
     exit_timeout_s: float = 60.0  # set by installed() from launch.exit_timeout_s
     standby_preload: tuple[str, ...] | None = None  # None: no standby (launch.standby)
+    rescue_dir: Path | None = None  # where survivors mark a rescue (snapshot/rescue.py)
+    rescue_timeout_s: float = 30.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -250,8 +257,26 @@ class ElasticTrainAgent(LocalElasticAgent):
             self._detected = True  # the moment the agent saw it: recovery's "detection"
             log.warning("agent.failure_detected", exit_codes=sorted(failed), running=live)
         if failed and live and preempted_outcome(failed) is None and self._pcontext is not None:
+            self._wait_for_rescues(live)
             self._killed.update(live)
             self._pcontext.close(death_sig=signal.SIGKILL, timeout=30)
+
+    def _wait_for_rescues(self, live: list[int]) -> None:
+        """A survivor writing a rescue (the failed step's predecessor, to node memory:
+        snapshot/rescue.py) is stopped only once it is done, or after
+        ``launch.rescue_timeout_s``: the restart resumes from what it writes."""
+        if self.rescue_dir is None:
+            return
+        started = time.monotonic()
+        busy = rescue.rescuing_pids(self.rescue_dir) & set(live)
+        while busy and time.monotonic() - started < self.rescue_timeout_s:
+            time.sleep(0.005)
+            busy = rescue.rescuing_pids(self.rescue_dir) & set(live)
+        waited = round(time.monotonic() - started, 3)
+        if busy:
+            log.warning("agent.rescue_timeout", pids=sorted(busy), waited_s=waited)
+        elif waited > 0.005:
+            log.info("agent.rescue_waited", waited_s=waited)
 
     def _kill_stuck_at_exit(self) -> None:
         """SIGKILL a worker stuck in its exit (see the module docstring).
@@ -326,7 +351,8 @@ def _ignoring(signals: Sequence[signal.Signals]) -> Iterator[None]:
 
 
 @contextmanager
-def installed(launch: LaunchDefaults | None = None) -> Iterator[type[ElasticTrainAgent]]:
+def installed(launch: LaunchDefaults | None = None,
+              rescue_dir: Path | None = None) -> Iterator[type[ElasticTrainAgent]]:
     """Make torchrun's ``launch_agent`` build :class:`ElasticTrainAgent` (this process),
     ending workers stuck in their exit after ``launch.exit_timeout_s`` without CPU use
     and starting workers from a standby when ``launch.standby``."""
@@ -339,6 +365,8 @@ def installed(launch: LaunchDefaults | None = None) -> Iterator[type[ElasticTrai
             "and report the torch version")
     launcher_api.LocalElasticAgent = ElasticTrainAgent  # type: ignore[misc]
     ElasticTrainAgent.exit_timeout_s = launch.exit_timeout_s
+    ElasticTrainAgent.rescue_dir = rescue_dir
+    ElasticTrainAgent.rescue_timeout_s = launch.rescue_timeout_s
     ElasticTrainAgent.standby_preload = tuple(launch.standby_preload) if launch.standby else None
     ElasticTrainAgent.latest = None
     try:
@@ -346,5 +374,6 @@ def installed(launch: LaunchDefaults | None = None) -> Iterator[type[ElasticTrai
     finally:
         launcher_api.LocalElasticAgent = original  # type: ignore[misc]
         ElasticTrainAgent.standby_preload = None
+        ElasticTrainAgent.rescue_dir = None
         if ElasticTrainAgent.latest is not None:
             ElasticTrainAgent.latest.close_standby()

@@ -224,6 +224,9 @@ class LaunchDefaults(_Model):
     # stuck in its exit (stopped, deadlocked in a destructor): the agent kills it and
     # torchrun restarts the group, which restores and finishes again (docs/faults.md).
     exit_timeout_s: float = Field(default=60.0, gt=0)
+    # After a worker failed, the agent stops the others only once a survivor writing a
+    # rescue (docs/memory-tier.md#rescue) is done, or after this long.
+    rescue_timeout_s: float = Field(default=30.0, gt=0)
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     # Workers are forked from a standby process that imported these modules once, so
     # a restarted worker does not pay torch's imports again (docs/recovery.md).

@@ -40,6 +40,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, NoReturn
 
 from elastictrain.config import LaunchDefaults, Settings
@@ -212,7 +213,8 @@ def _generated_run_id() -> str:
     return f"et-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
-def run_torchrun(argv: Sequence[str], launch: LaunchDefaults) -> int:
+def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
+                 rescue_dir: Path | None = None) -> int:
     """Run torchrun's ``main`` with our agent in this process; return our exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -220,7 +222,7 @@ def run_torchrun(argv: Sequence[str], launch: LaunchDefaults) -> int:
 
     from elastictrain.agent import ElasticTrainAgent, WorkersFatal, installed
 
-    with installed(launch):
+    with installed(launch, rescue_dir):
         try:
             torchrun_main(list(argv))
             return EXIT_OK
@@ -308,10 +310,18 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
              monitor_interval_s=args.monitor_interval, rdzv_backend=args.rdzv_backend,
              rdzv_endpoint=args.rdzv_endpoint, shutdown_timeout_s=args.shutdown_timeout,
              signals_to_handle=args.signals_to_handle, entrypoint=args.training_script)
-    code = run_torchrun(full, settings.launch)
+    code = run_torchrun(full, settings.launch, _rescue_dir(settings, run_id))
     log.info("agent.finished", exit_code=code, outcome=_outcome(code),
              wall_s=round(time.monotonic() - started, 3))
     return code
+
+
+def _rescue_dir(settings: Settings, run_id: str) -> Path:
+    """Where this node's workers mark a rescue in progress: the memory directory the
+    manager derives from the same settings and run id (snapshot/memory.py)."""
+    from elastictrain.snapshot import memory, rescue
+
+    return memory.memory_dir(settings.snapshot, settings.run_id or run_id) / rescue.BOUNDARY_DIR
 
 
 def _outcome(code: int) -> str:

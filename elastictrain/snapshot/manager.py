@@ -504,10 +504,11 @@ class SnapshotManager:
         config = self.config.model_copy(update={"keep": 1, "mode": "sync",
                                                 "overlap_copy": False})
         saver = Saver(self.memory_store, config, tier="memory")  # type: ignore[arg-type]
-        try:
-            saver.save(self._state(rngs), self._meta(), started)  # type: ignore[arg-type]
-        finally:
-            saver.close()
+        with rescue.rescuing(record.directory):  # the agent waits for it (agent.py)
+            try:
+                saver.save(self._state(rngs), self._meta(), started)  # type: ignore[arg-type]
+            finally:
+                saver.close()
         log.info("snapshot.rescued", duration_s=round(time.perf_counter() - started, 4),
                  **fields)
 

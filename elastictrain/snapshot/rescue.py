@@ -15,13 +15,14 @@ docs/memory-tier.md#rescue.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import struct
 import time
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ except ImportError:  # pragma: no cover - numpy is installed with the test extra
 log = get_logger("elastictrain.snapshot")
 
 BOUNDARY_DIR = "boundary"
+_RESCUING = "rescuing-"  # + the PID of a process writing a rescue
 _MAGIC = 0x45545242  # "ETRB"
 # magic, step, world size, restart count, resumed-from step, payload length, crc32
 _HEADER = struct.Struct("<IqiiqII")
@@ -149,6 +151,28 @@ def _rng_state(payload: bytes) -> dict[str, Any]:
     if cuda:
         state["cuda"] = [torch.frombuffer(bytearray(c), dtype=torch.uint8) for c in cuda]
     return state
+
+
+def rescuing_pids(directory: Path) -> set[int]:
+    """PIDs of the processes writing a rescue in ``directory`` now (the agent waits for
+    them before it stops a failed group)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return set()
+    return {int(n.removeprefix(_RESCUING)) for n in names
+            if n.startswith(_RESCUING) and n.removeprefix(_RESCUING).isdigit()}
+
+
+@contextlib.contextmanager
+def rescuing(directory: Path) -> Iterator[None]:
+    """Mark this process as writing a rescue while the block runs."""
+    marker = directory / f"{_RESCUING}{os.getpid()}"
+    marker.touch()
+    try:
+        yield
+    finally:
+        marker.unlink(missing_ok=True)
 
 
 def take_lock(directory: Path, attempt: tuple[int, int, int], step: int) -> bool:

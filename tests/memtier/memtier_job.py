@@ -3,7 +3,7 @@ STEPS with a durable snapshot every EVERY steps and a memory snapshot every MEMO
 steps (default 1), close.
 
     python -m elastictrain.launch ... tests/memtier/memtier_job.py ROOT STEPS EVERY PARK GATES \
-        [MEMORY_EVERY [DIE_IN]]
+        [MEMORY_EVERY [DIE_IN [FROZEN_MB]]]
 
 Each step's batch is a function of the step and rank only, so a resumed run is
 bit-exact. In the first attempt every rank stops after step PARK (PARK 0: never),
@@ -11,7 +11,8 @@ writes ``GATES/rank<r>.json`` with its PID and waits for ``GATES/go``: the test
 kills what it must meanwhile. With DIE_IN > 0, rank 1 of the first attempt SIGKILLs
 itself in the middle of step DIE_IN, between its forward and its backward (no boundary,
 no barrier). Every step also draws from the global python, torch and numpy RNGs, so
-a resume with any rank's RNG state wrong is not bit-exact. The memory directory comes
+a resume with any rank's RNG state wrong is not bit-exact. FROZEN_MB adds a frozen
+parameter of that size (no compute, but every snapshot holds it). The memory directory comes
 from ``ELASTICTRAIN_SNAPSHOT__MEMORY_DIR`` (one per node).
 """
 
@@ -46,15 +47,18 @@ def park(gates: Path, rank: int) -> None:
 def main() -> None:
     root, steps, every, park_at, gates = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
                                           int(sys.argv[4]), Path(sys.argv[5]))
-    memory_every, die_in = (int(sys.argv[6]) if len(sys.argv) > 6 else 1,
-                            int(sys.argv[7]) if len(sys.argv) > 7 else 0)
+    memory_every, die_in, frozen_mb = (int(sys.argv[i]) if len(sys.argv) > i else default
+                                       for i, default in ((6, 1), (7, 0), (8, 0)))
     rt = et.init()
     try:
         torch.manual_seed(0)
         random.seed(rt.ctx.rank)  # a stream of its own per rank (restored, not re-seeded)
         np.random.seed(rt.ctx.rank)
-        model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
-                                        torch.nn.Linear(64, 8)))
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                  torch.nn.Linear(64, 8))
+        if frozen_mb:
+            net.frozen = torch.nn.Parameter(torch.ones(frozen_mb * 2**18), requires_grad=False)
+        model = DDP(net)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         snap = et.SnapshotManager(root, model=model, optimizer=opt, ctx=rt.ctx,
                                   every_steps=every, memory_every=memory_every)

@@ -9,6 +9,8 @@
     backward fails on the dead peer, and rank 0 commits step 25 to node memory
     (``snapshot.rescued``); the restart resumes step 25 from memory, not 20 from
     durable storage, and the final parameters are bit-exact with an uninterrupted run.
+    Then the same with 256 MB of state: the rescue outlasts the agent's failure
+    detection, and the agent waits for it before it stops the group.
 (b) Two agents on localhost as two nodes, one worker each, each with its own memory
     directory: after step 25 node 1 (agent and worker) is SIGKILLed and a new agent
     with an empty memory directory (a replacement node) joins; node 0 still holds
@@ -200,3 +202,18 @@ def test_survivor_rescues_the_last_step_of_a_killed_worker(tmp_path: Path,
         [(0, PARK, "memory"), (1, PARK, "memory")]  # not durable step 20
     assert _digest(ev) == _digest(tmp_path / "ev" / "ref")  # bit-exact
     assert not (tmp_path / "mem").exists()  # removed when the run finished
+
+
+@pytest.mark.timeout(600)
+def test_agent_waits_for_a_rescue_in_progress(tmp_path: Path, agents: Agents) -> None:
+    run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2,
+                       extra=(1000, PARK + 1, 256))
+    assert run.wait(timeout=300) == 0, _log(agents)
+
+    ev = tmp_path / "ev" / "run"
+    (rescued,) = events(ev, "snapshot.rescued")
+    (waited,) = events(ev, "agent.rescue_waited")
+    assert rescued["snapshot_step"] == PARK and waited["waited_s"] > 0
+    resumes = [e for e in events(ev, "resume") if e["restart_count"] == 1]
+    assert sorted((e["rank"], e["from_step"], e["tier"]) for e in resumes) == \
+        [(0, PARK, "memory"), (1, PARK, "memory")]
