@@ -85,16 +85,22 @@ class FailureHistory:
     failures: int = 0
     memory_kept: int = 0
     unresolved: int = 0
+    rescued: int = 0  # the next restart resumed a survivor's rescue (snapshot/rescue.py)
 
     def durable_view(self) -> FailureHistory:
         """The failures only a durable snapshot recovers from (nodes that lost their
         memory; unresolved ones count until resolved)."""
         return FailureHistory(self.uptime_s, self.failures - self.memory_kept)
 
-    def resolved(self, memory_kept: bool) -> FailureHistory:
+    def memory_view(self) -> FailureHistory:
+        """The failures a periodic memory snapshot is for: those no rescue covered (a
+        rescued failure lost nothing, whatever the interval)."""
+        return FailureHistory(self.uptime_s, self.failures - self.rescued)
+
+    def resolved(self, memory_kept: bool, rescued: bool = False) -> FailureHistory:
         """With the newest failure's outcome known from this attempt's restore."""
         return replace(self, memory_kept=self.memory_kept + self.unresolved * memory_kept,
-                       unresolved=0)
+                       rescued=self.rescued + self.unresolved * rescued, unresolved=0)
 
 
 def failure_history(events_dir: str | Path | None) -> FailureHistory:
@@ -103,7 +109,8 @@ def failure_history(events_dir: str | Path | None) -> FailureHistory:
 
     An attempt is one process lifetime (it starts with ``worker.start``); it failed
     unless its last events say it finished or was preempted with a final snapshot. A
-    failure kept the memory tier when the next attempt that resumed said so.
+    failure kept the memory tier, or was rescued, when the next attempt that resumed
+    said so.
     A directory that is missing or unreadable gives an empty history (the prior rules).
     """
     if events_dir is None:
@@ -111,17 +118,18 @@ def failure_history(events_dir: str | Path | None) -> FailureHistory:
     attempts = read_attempts(events_dir)
     if attempts and attempts[-1][0].get("pid") == os.getpid():
         attempts.pop()  # this process's own attempt: running, not failed
-    uptime, failures, kept, unresolved = 0.0, 0, 0, 0
+    uptime, failures, kept, unresolved, rescued = 0.0, 0, 0, 0, 0
     for events in attempts:
         uptime += events[-1]["ts"] - events[0]["ts"]
         resume = next((e for e in events if e.get("event") == "resume"), None)
         if resume is not None:  # settles every failure since the last attempt that resumed
             kept += unresolved if resume.get("memory_kept") is True else 0
+            rescued += unresolved if resume.get("rescued") is True else 0
             unresolved = 0
         if not any(e.get("event") in _CLEAN_ENDS for e in events):
             failures += 1
             unresolved += 1
-    return FailureHistory(uptime, failures, kept, unresolved)
+    return FailureHistory(uptime, failures, kept, unresolved, rescued)
 
 
 class IntervalPolicy:

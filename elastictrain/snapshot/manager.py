@@ -194,7 +194,7 @@ class SnapshotManager:
         # snapshots too) measures their cost and votes when one is due.
         self._memory_policy = (IntervalPolicy(
             self.config.auto_mtbf_prior_s, self.config.auto_min_interval_s,
-            self.config.auto_max_interval_s, history, clock, tier="memory")
+            self.config.auto_max_interval_s, history.memory_view(), clock, tier="memory")
             if self._memory_auto and history is not None else None)
         self._last_memory_step = 0
         self._last_memory_time = clock()
@@ -227,20 +227,27 @@ class SnapshotManager:
     def _durable_history(self, history: FailureHistory) -> FailureHistory:
         return history if self.config.memory_every is None else history.durable_view()
 
-    def _agree_memory_kept(self) -> bool | None:
-        """Whether every node kept its memory tier since the last attempt (None without
-        a memory tier), and with it what the failures since then were: a failure the
-        memory tier covers leaves the durable interval alone (docs/interval.md)."""
+    def _agree_memory_outcome(self, loaded_memory_step: int | None) -> tuple[bool, bool] | None:
+        """Whether every node kept its memory tier since the last attempt, and whether
+        this restore resumes a rescue (None without a memory tier): what the failures
+        since then were. A failure the memory tier covers leaves the durable interval
+        alone, and a rescued one the memory interval too (docs/interval.md)."""
         if self.memory_store is None:
             return None
-        kept = not self.ctx.all_reduce_max([int(not self._memory_kept)])[0]
+        marks = memory.memory_dir(self.config, self.run_id) / rescue.BOUNDARY_DIR
+        rescued = (loaded_memory_step is not None
+                   and rescue.was_rescued(marks, loaded_memory_step))
+        lost = self.ctx.all_reduce_max([int(not self._memory_kept), int(not rescued)])
+        kept, rescued = not lost[0], not lost[1]
+        if self._memory is not None:  # every rank has read its node's mark
+            rescue.clear_marks(marks)
         if self._history is not None:
-            self._history = self._history.resolved(kept)
+            self._history = self._history.resolved(kept, rescued)
             if self._auto is not None:
                 self._auto.history = self._durable_history(self._history)
             if self._memory_policy is not None:
-                self._memory_policy.history = self._history
-        return kept
+                self._memory_policy.history = self._history.memory_view()
+        return kept, rescued
 
     def _copy_behind_fence(self) -> Any:
         """With ``overlap_copy``, the optimizer's step pre-hook that waits for the copies
@@ -320,7 +327,9 @@ class SnapshotManager:
         self._resumed_from = -1 if step is None else step
         if self._memory is not None:  # every rank has loaded: nobody reads it any more
             memory.drop_newer(self._memory.store, step)
-        memory_kept = self._agree_memory_kept()
+        outcome = self._agree_memory_outcome(step if loaded and loaded.tier == "memory"
+                                             else None)
+        memory_kept, rescued = outcome if outcome is not None else (None, None)
         if loaded is not None and self.sampler is not None:
             # Before anything is applied or trained; every rank holds the same payload.
             saved = loaded.payload.get("sampler") or {}
@@ -329,7 +338,7 @@ class SnapshotManager:
         if step is None:
             info = ResumeInfo(None, self.epoch, None, self.ctx.world_size, previous_high or 0)
             log.info("resume", from_step=None, lost_steps=previous_high or 0,
-                     memory_kept=memory_kept)
+                     memory_kept=memory_kept, rescued=rescued)
             return info
         assert loaded is not None
         payload = loaded.payload
@@ -342,7 +351,7 @@ class SnapshotManager:
                  restore_mode=self.config.restore_mode, tier=loaded.tier,
                  duration_s=round(time.perf_counter() - started, 4))
         log.info("resume", from_step=step, lost_steps=lost, epoch=info.epoch, tier=loaded.tier,
-                 memory_kept=memory_kept,
+                 memory_kept=memory_kept, rescued=rescued,
                  saved_world_size=info.saved_world_size, world_size=info.world_size,
                  world_size_changed=info.saved_world_size != info.world_size,
                  **self._resume_fields(payload))
@@ -509,6 +518,7 @@ class SnapshotManager:
                 saver.save(self._state(rngs), self._meta(), started)  # type: ignore[arg-type]
             finally:
                 saver.close()
+        rescue.mark_rescued(record.directory, step)
         log.info("snapshot.rescued", duration_s=round(time.perf_counter() - started, 4),
                  **fields)
 

@@ -40,6 +40,7 @@ log = get_logger("elastictrain.snapshot")
 
 BOUNDARY_DIR = "boundary"
 _RESCUING = "rescuing-"  # + the PID of a process writing a rescue
+_RESCUED = "rescued-"  # + the step of a committed rescue
 _MAGIC = 0x45545242  # "ETRB"
 # magic, step, world size, restart count, resumed-from step, payload length, crc32
 _HEADER = struct.Struct("<IqiiqII")
@@ -182,6 +183,24 @@ def _rng_state(payload: bytes) -> dict[str, Any]:
     if cuda:
         state["cuda"] = [torch.frombuffer(bytearray(c), dtype=torch.uint8) for c in cuda]
     return state
+
+
+def mark_rescued(directory: Path, step: int) -> None:
+    """Note that the memory snapshot of ``step`` is a rescue (the restart that resumes
+    it says so in its ``resume`` event; the automatic memory interval reads that)."""
+    (directory / f"{_RESCUED}{step}").touch()
+
+
+def was_rescued(directory: Path, step: int) -> bool:
+    return (directory / f"{_RESCUED}{step}").exists()
+
+
+def clear_marks(directory: Path) -> None:
+    """Forget earlier rescues (after every rank of a restart has read its mark)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if name.startswith(_RESCUED):
+                (directory / name).unlink(missing_ok=True)
 
 
 def rescuing_pids(directory: Path) -> set[int]:

@@ -200,6 +200,7 @@ def test_survivor_rescues_the_last_step_of_a_killed_worker(tmp_path: Path,
     resumes = [e for e in events(ev, "resume") if e["restart_count"] == 1]
     assert sorted((e["rank"], e["from_step"], e["tier"]) for e in resumes) == \
         [(0, PARK, "memory"), (1, PARK, "memory")]  # not durable step 20
+    assert {e["rescued"] for e in resumes} == {True}
     assert _digest(ev) == _digest(tmp_path / "ev" / "ref")  # bit-exact
     assert not (tmp_path / "mem").exists()  # removed when the run finished
 

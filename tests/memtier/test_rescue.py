@@ -121,8 +121,11 @@ def test_rescue_after_a_failed_step_resumes_bit_exact(tmp_path: Path) -> None:
     (rescued,) = [e for e in logs if e["event"] == "snapshot.rescued"]
     assert (rescued["snapshot_step"], rescued["tier"]) == (7, "memory")
     assert list_snapshot_dirs(open_store(str(tmp_path / "mem"))) == [7]
-    parts, info = _resume(tmp_path)
+    with capture_logs() as logs:
+        parts, info = _resume(tmp_path)
     assert (info.from_step, info.tier) == (7, "memory")
+    (resume,) = [e for e in logs if e["event"] == "resume"]
+    assert (resume["rescued"], resume["memory_kept"]) == (True, True)
     model, opt, sched, sampler, snap = parts
     losses = train(model, opt, sched, sampler, snap, until=12)
     snap.close()
@@ -141,8 +144,10 @@ def test_no_rescue_once_the_optimizer_stepped(tmp_path: Path) -> None:
     (skipped,) = [e for e in logs if e["event"] == "snapshot.rescue_skipped"]
     assert "changed after step 7" in skipped["reason"]
     assert list_snapshot_dirs(open_store(str(tmp_path / "mem"))) == []
-    _, info = _resume(tmp_path)
+    with capture_logs() as logs:
+        _, info = _resume(tmp_path)
     assert (info.from_step, info.tier) == (5, "durable")
+    assert [e["rescued"] for e in logs if e["event"] == "resume"] == [False]
 
 
 def test_torn_record_of_a_rank_falls_back_to_the_periodic_snapshots(tmp_path: Path) -> None:

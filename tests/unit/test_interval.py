@@ -134,6 +134,29 @@ def test_failure_history_tells_which_failures_kept_the_memory_tier(tmp_path: Pat
     assert history.resolved(True).resolved(False) == history.resolved(True)
 
 
+def test_failure_history_leaves_rescued_failures_out_of_the_memory_view(
+        tmp_path: Path) -> None:
+    """A failure whose restart resumed a rescue lost nothing: the memory interval
+    leaves it out; one whose rescue was skipped counts."""
+    _write(tmp_path / "attempt000-rank0.jsonl", [
+        {"event": "worker.start", "ts": 0.0}, {"event": "resume", "ts": 1.0},
+        {"event": "x", "ts": 10.0}])
+    _write(tmp_path / "attempt001-rank0.jsonl", [  # resumed the survivor's rescue
+        {"event": "worker.start", "ts": 11.0},
+        {"event": "resume", "ts": 12.0, "memory_kept": True, "rescued": True},
+        {"event": "x", "ts": 20.0}])
+    _write(tmp_path / "attempt002-rank0.jsonl", [  # rescue skipped: a periodic snapshot
+        {"event": "worker.start", "ts": 21.0},
+        {"event": "resume", "ts": 22.0, "memory_kept": True, "rescued": False},
+        {"event": "x", "ts": 30.0}])
+    history = failure_history(tmp_path)
+    assert history == FailureHistory(28.0, 3, memory_kept=2, unresolved=1, rescued=1)
+    assert history.memory_view() == FailureHistory(28.0, 2)
+    assert history.resolved(True, rescued=True).memory_view() == FailureHistory(28.0, 1)
+    assert history.resolved(True, rescued=False).memory_view() == FailureHistory(28.0, 2)
+    assert history.resolved(True, rescued=True).durable_view() == FailureHistory(28.0, 0)
+
+
 def test_policy_bounds_reasons_and_reevaluation() -> None:
     clock = _Clock()
     policy = IntervalPolicy(3600.0, 1.0, 600.0, FailureHistory(2000.0, 4), clock)
