@@ -96,6 +96,9 @@ def current() -> Runtime | None:
 
 def shutdown() -> None:
     """Leave the process group (call at the end of training, also on errors)."""
+    failing = sys.exc_info()[1]
+    if failing is not None:  # from a ``finally`` while an error propagates: the rescue
+        rescue.on_uncaught(failing)  # goes first, before the agent stops this process
     watchdog.uninstall()  # teardown is not a hang
     # Handlers stay: a late SIGTERM from the agent must not turn exit 75 into a kill.
     preempt.uninstall(restore_signals=False)

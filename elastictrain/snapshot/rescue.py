@@ -253,8 +253,11 @@ def disarm() -> None:
 
 
 def on_uncaught(exc: BaseException) -> None:
-    """Run the armed rescue once (never raises: the error that ended the worker is
-    what its log must show)."""
+    """Run the armed rescue once, for an error (never raises: the error that ended the
+    worker is what its log must show). An exit (``SystemExit``: a preemption's exit 75
+    included, after its final snapshot) or Ctrl-C is no failure to rescue from."""
+    if not isinstance(exc, Exception):
+        return
     rescue = _armed() if _armed is not None else None
     disarm()
     if rescue is None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from elastictrain import runtime
 from elastictrain.snapshot import layout, rescue
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.snapshot.rng import restore_rng
@@ -184,3 +185,25 @@ def test_a_failing_rescue_write_commits_nothing(tmp_path: Path,
     assert not [e for e in logs if e["event"] == "snapshot.rescued"]
     _, info = _resume(tmp_path)  # nothing half-written is loaded
     assert (info.from_step, info.tier) == (5, "durable")
+
+
+def test_shutdown_in_a_finally_rescues_before_any_teardown(tmp_path: Path) -> None:
+    """The usual script ends ``finally: et.shutdown()``: the rescue runs there, while
+    the error propagates, not after the teardown (the agent may stop us by then)."""
+    crashed = _crashed_run(tmp_path, 7)
+    with capture_logs() as logs, pytest.raises(RuntimeError):
+        try:
+            raise _failed_step(crashed)
+        finally:
+            runtime.shutdown()
+    assert [e["snapshot_step"] for e in logs if e["event"] == "snapshot.rescued"] == [7]
+
+
+def test_an_exit_or_ctrl_c_is_not_rescued(tmp_path: Path) -> None:
+    """A preemption exits 75 by SystemExit after its final snapshot: nothing to rescue."""
+    _crashed_run(tmp_path, 7)
+    with capture_logs() as logs:
+        rescue.on_uncaught(SystemExit(75))
+        rescue.on_uncaught(KeyboardInterrupt())
+    assert not [e for e in logs if e["event"].startswith("snapshot.rescue")]
+    assert list_snapshot_dirs(open_store(str(tmp_path / "mem"))) == []
