@@ -319,9 +319,9 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
 def _rescue_dir(settings: Settings, run_id: str) -> Path:
     """Where this node's workers mark a rescue in progress: the memory directory the
     manager derives from the same settings and run id (snapshot/memory.py)."""
-    from elastictrain.snapshot import memory, rescue
+    from elastictrain.snapshot import memory
 
-    return memory.memory_dir(settings.snapshot, settings.run_id or run_id) / rescue.BOUNDARY_DIR
+    return memory.boundary_dir(settings.snapshot, settings.run_id or run_id)
 
 
 def _outcome(code: int) -> str:

@@ -234,7 +234,7 @@ class SnapshotManager:
         alone, and a rescued one the memory interval too (docs/interval.md)."""
         if self.memory_store is None:
             return None
-        marks = memory.memory_dir(self.config, self.run_id) / rescue.BOUNDARY_DIR
+        marks = memory.boundary_dir(self.config, self.run_id)
         rescued = (loaded_memory_step is not None
                    and rescue.was_rescued(marks, loaded_memory_step))
         lost = self.ctx.all_reduce_max([int(not self._memory_kept), int(not rescued)])
@@ -283,9 +283,13 @@ class SnapshotManager:
         if self._fence_hook is None or not self._saver_copies_behind():
             return frozenset()
         ptrs = {p.data_ptr() for p in unwrap(self.model).parameters()}
-        for state in getattr(self.optimizer, "state", {}).values():
-            ptrs.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+        ptrs.update(t.data_ptr() for t in self._optimizer_tensors())
         return frozenset(ptrs)
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's state tensors (none before its first step)."""
+        return [v for state in getattr(self.optimizer, "state", {}).values()
+                for v in state.values() if isinstance(v, torch.Tensor)]
 
     def _saver_copies_behind(self) -> bool:
         """False once a copy behind of either tier raced a change of its source
@@ -468,7 +472,7 @@ class SnapshotManager:
         return self.config.rescue and self.memory_store is not None and not self.sharded
 
     def _open_boundary(self) -> BoundaryRecord:
-        directory = memory.memory_dir(self.config, self.run_id) / rescue.BOUNDARY_DIR
+        directory = memory.boundary_dir(self.config, self.run_id)
         record = BoundaryRecord(directory, self.ctx.rank, self._attempt(), self._held_tensors)
         rescue.arm(self._rescue)
         return record
@@ -479,10 +483,8 @@ class SnapshotManager:
     def _held_tensors(self) -> list[torch.Tensor]:
         """Every tensor a snapshot holds (their version counters tell a rescue whether
         the failed step changed any)."""
-        tensors = list(unwrap(self.model).state_dict(keep_vars=True).values())
-        for state in getattr(self.optimizer, "state", {}).values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        return tensors
+        model = list(unwrap(self.model).state_dict(keep_vars=True).values())
+        return model + self._optimizer_tensors()
 
     def _rescue(self, error: BaseException) -> None:
         """On an uncaught error (runtime's excepthook): commit the last boundary to this

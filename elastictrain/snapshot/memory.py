@@ -48,6 +48,12 @@ def memory_dir(config: SnapshotConfig, run_id: str) -> Path:
     return Path(configured)
 
 
+def boundary_dir(config: SnapshotConfig, run_id: str) -> Path:
+    """Where this node's ranks keep their step-boundary records and rescue marks
+    (snapshot/rescue.py); the agent finds it the same way."""
+    return memory_dir(config, run_id) / BOUNDARY_DIR
+
+
 def open_memory_store(config: SnapshotConfig, run_id: str) -> tuple[Store, bool]:
     """The Store on this node's memory directory (created if missing), and whether it
     was there already: this node kept its memory since an earlier attempt of the run

@@ -113,14 +113,14 @@ def read_record(directory: Path, rank: int, step: int,
     return _rng_state(payload)
 
 
-def _rng_bytes(numpy_state: _NumpyState | None = None) -> bytes:
+def _rng_bytes(numpy_state: _NumpyState) -> bytes:
     """This process's RNG states as length-prefixed byte strings (no pickle: a record
     is read back by another process)."""
     version, internal, gauss = random.getstate()
     parts = [struct.pack("<iBd", version, gauss is not None, gauss or 0.0),
              struct.pack(f"<{len(internal)}Q", *internal),
              torch.get_rng_state().numpy().tobytes()]
-    parts += (numpy_state or _NumpyState()).parts()
+    parts += numpy_state.parts()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         parts += [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
     return b"".join(struct.pack("<I", len(part)) + part for part in parts)
