@@ -7,6 +7,8 @@ import hashlib
 import torch
 from torch import nn
 
+from elastictrain.snapshot.tensorbytes import tensor_bytes
+
 
 def param_digest(model: nn.Module) -> str:
     """sha256 over the state_dict tensors' bytes in sorted key order (pass the
@@ -16,5 +18,5 @@ def param_digest(model: nn.Module) -> str:
     for key in sorted(state):
         # reshape: a 0-d tensor (BatchNorm's num_batches_tracked) has no byte view.
         tensor = state[key].detach().cpu().contiguous().reshape(-1)
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        digest.update(tensor_bytes(tensor.view(torch.uint8)).tobytes() if tensor.numel() else b"")
     return digest.hexdigest()

@@ -41,6 +41,7 @@ import torch
 
 from elastictrain.config import ChecksumAlgorithm
 from elastictrain.snapshot.checksum import Hasher, new_hasher
+from elastictrain.snapshot.tensorbytes import tensor_bytes
 from elastictrain.snapshot.views import StorageIndex, ViewRef, from_views, to_views
 
 _CHUNK = 64 << 20  # bytes per read and hash: large reads, a hash while the chunk is cached
@@ -279,7 +280,7 @@ def _uint8(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.numpy())  # type: ignore[arg-type]
+    return tensor_bytes(tensor)
 
 
 class _Prefault:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from elastictrain.log import get_logger
+from elastictrain.snapshot.tensorbytes import tensor_bytes
 
 try:  # numpy is optional (as in rng.py)
     import numpy as np
@@ -119,10 +120,10 @@ def _rng_bytes(numpy_state: _NumpyState) -> bytes:
     version, internal, gauss = random.getstate()
     parts = [struct.pack("<iBd", version, gauss is not None, gauss or 0.0),
              struct.pack(f"<{len(internal)}Q", *internal),
-             torch.get_rng_state().numpy().tobytes()]
+             tensor_bytes(torch.get_rng_state()).tobytes()]
     parts += numpy_state.parts()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        parts += [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+        parts += [tensor_bytes(s).tobytes() for s in torch.cuda.get_rng_state_all()]
     return b"".join(struct.pack("<I", len(part)) + part for part in parts)
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from elastictrain.snapshot.tensorbytes import tensor_bytes
+
 try:  # numpy is optional
     import numpy as np
 except ImportError:  # pragma: no cover - numpy is installed with the test extra
@@ -68,7 +70,7 @@ def reseed_for_new_world(base: dict[str, Any], step: int, rank: int) -> int:
     which is deterministic (the same snapshot and new rank always give the same
     stream, also on a second resume) and distinct per rank and per step.
     """
-    digest = hashlib.sha256(base["torch"].numpy().tobytes())
+    digest = hashlib.sha256(tensor_bytes(base["torch"]).tobytes())
     digest.update(f"|{step}|{rank}".encode())
     seed = int.from_bytes(digest.digest()[:8], "little") % (2**63)
     random.seed(seed)

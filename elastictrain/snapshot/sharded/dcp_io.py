@@ -46,6 +46,7 @@ from torch.futures import Future
 from elastictrain.config import ChecksumAlgorithm
 from elastictrain.errors import SnapshotCorrupt, StorageError
 from elastictrain.snapshot.checksum import HashingWriter, checksum_bytes
+from elastictrain.snapshot.tensorbytes import tensor_bytes
 from elastictrain.storage.api import Store
 
 
@@ -109,7 +110,7 @@ def describe_failure(exc: BaseException) -> str:
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())  # type: ignore[arg-type]
+    return tensor_bytes(flat)
 
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
