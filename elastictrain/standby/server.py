@@ -119,7 +119,7 @@ def serve(sock: socket.socket) -> None:
                 request = json.loads(line)
                 pid = os.fork()
                 if pid == 0:
-                    _child(request, (sock.fileno(), wake_r, wake_w))
+                    _child(request, sock, selector, (wake_r, wake_w))
                 _send(sock, {"spawned": request["spawn"], "pid": pid})
         _report_exits(sock)  # a child may have ended before the handler was set
 
@@ -140,14 +140,21 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 
 
 # -- the forked worker ----------------------------------------------------------------------
-def _child(request: dict[str, Any], inherited: tuple[int, ...]) -> NoReturn:
+def _child(request: dict[str, Any], sock: socket.socket, selector: selectors.BaseSelector,
+           pipe: tuple[int, int]) -> NoReturn:
     """Become the worker ``request`` describes, run it, and leave the way a fresh
     interpreter does: ``SystemExit`` up to the top, then the interpreter's own
     finalization (threads joined, ``atexit``, objects torn down while finalizing: a
     process group's destructor then no longer waits on a thread that wants the GIL)."""
     try:
         signal.set_wakeup_fd(-1)
-        for fd in inherited:
+        # The standby's descriptors are closed through the objects that own them. A bare
+        # os.close(sock.fileno()) leaves the socket object to close the same number again
+        # when it is finalized at exit, by then another file's: gloo's epoll descriptor,
+        # whose loop thread then aborted the worker (SIGABRT) after a clean end.
+        selector.close()
+        sock.close()
+        for fd in pipe:
             os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for notice in NOTICES:  # as a new interpreter has them
