@@ -53,11 +53,12 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed.launcher.api as launcher_api
-from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from elastictrain import runend
 from elastictrain.config import LaunchDefaults
 from elastictrain.errors import (
     EXIT_FATAL,
@@ -122,6 +123,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     standby_preload: tuple[str, ...] | None = None  # None: no standby (launch.standby)
     rescue_dir: Path | None = None  # where survivors mark a rescue (snapshot/rescue.py)
     rescue_timeout_s: float = 30.0
+    end_dir: Path | None = None  # where workers mark the run's agreed end (runend.py)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -141,6 +143,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._rendezvous_s: float | None = None
         self._exit_watch: dict[int, tuple[int | None, float]] = {}  # pid -> CPU ticks, since
         self._exit_checked = 0.0
+        self._end_logged = False  # agent.failed_after_end was logged for this attempt
         ElasticTrainAgent.latest = self
 
     def restart_count(self) -> int:
@@ -160,6 +163,9 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._world_size = world
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        if self.end_dir is not None:
+            runend.clear(self.end_dir)
+        self._end_logged = False
         super()._initialize_workers(worker_group)
         self._detected = False
         self._exit_watch.clear()
@@ -208,12 +214,35 @@ class ElasticTrainAgent(LocalElasticAgent):
             self.standby.close()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
+        after_end = self._failed_after_the_end(worker_group)
+        if after_end is not None:
+            return after_end
         self._kill_survivors_of_a_failure()
         self._kill_stuck_at_exit()
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and result.failures:
             self._on_failures(result.failures)
         return result
+
+    def _failed_after_the_end(self, worker_group: WorkerGroup) -> RunResult | None:
+        """A worker that failed after every rank agreed the run ended (``runend``) does
+        not restart a finished run: its peers here are left to finish (rank 0 may still
+        be evaluating or writing files), then the group counts as succeeded. None while
+        no worker failed, or one failed before the end: the usual handling."""
+        if self.end_dir is None:
+            return None
+        codes = self._worker_codes()
+        failed = {pid: code for pid, code in codes.items() if code not in (None, 0)}
+        if not failed or not set(failed) <= runend.ended_pids(self.end_dir):
+            return None
+        if not self._end_logged:
+            self._end_logged = True
+            log.warning("agent.failed_after_end", exit_codes={str(p): c for p, c in
+                                                              sorted(failed.items())})
+        if any(code is None for code in codes.values()):
+            return RunResult(state=WorkerState.HEALTHY)
+        return RunResult(state=WorkerState.SUCCEEDED,
+                         return_values={w.global_rank: None for w in worker_group.workers})
 
     def _on_failures(self, failures: dict[int, ProcessFailure]) -> None:
         for global_rank, failure in sorted(failures.items()):
@@ -351,8 +380,8 @@ def _ignoring(signals: Sequence[signal.Signals]) -> Iterator[None]:
 
 
 @contextmanager
-def installed(launch: LaunchDefaults | None = None,
-              rescue_dir: Path | None = None) -> Iterator[type[ElasticTrainAgent]]:
+def installed(launch: LaunchDefaults | None = None, rescue_dir: Path | None = None,
+              end_dir: Path | None = None) -> Iterator[type[ElasticTrainAgent]]:
     """Make torchrun's ``launch_agent`` build :class:`ElasticTrainAgent` (this process),
     ending workers stuck in their exit after ``launch.exit_timeout_s`` without CPU use
     and starting workers from a standby when ``launch.standby``."""
@@ -366,6 +395,7 @@ def installed(launch: LaunchDefaults | None = None,
     launcher_api.LocalElasticAgent = ElasticTrainAgent  # type: ignore[misc]
     ElasticTrainAgent.exit_timeout_s = launch.exit_timeout_s
     ElasticTrainAgent.rescue_dir = rescue_dir
+    ElasticTrainAgent.end_dir = end_dir
     ElasticTrainAgent.rescue_timeout_s = launch.rescue_timeout_s
     ElasticTrainAgent.standby_preload = tuple(launch.standby_preload) if launch.standby else None
     ElasticTrainAgent.latest = None
@@ -375,5 +405,6 @@ def installed(launch: LaunchDefaults | None = None,
         launcher_api.LocalElasticAgent = original  # type: ignore[misc]
         ElasticTrainAgent.standby_preload = None
         ElasticTrainAgent.rescue_dir = None
+        ElasticTrainAgent.end_dir = None
         if ElasticTrainAgent.latest is not None:
             ElasticTrainAgent.latest.close_standby()

@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import IO, NoReturn
 
 from elastictrain.config import LaunchDefaults, Settings
-from elastictrain.env import launcher_environ
+from elastictrain.env import END_DIR_VAR, launcher_environ
 from elastictrain.errors import (
     EXIT_FATAL,
     EXIT_OK,
@@ -222,7 +223,9 @@ def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
 
     from elastictrain.agent import ElasticTrainAgent, WorkersFatal, installed
 
-    with installed(launch, rescue_dir):
+    with tempfile.TemporaryDirectory(prefix="elastictrain-end-") as end_dir, \
+            installed(launch, rescue_dir, Path(end_dir)):
+        os.environ[END_DIR_VAR] = end_dir  # the workers inherit it
         try:
             torchrun_main(list(argv))
             return EXIT_OK

@@ -40,7 +40,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from elastictrain import preempt, runtime, watchdog
+from elastictrain import preempt, runend, runtime, watchdog
 from elastictrain.config import SnapshotConfig, StorageConfig, load_settings, validated
 from elastictrain.data import ElasticSampler, check_dataset_len
 from elastictrain.dist import DistContext, find_context
@@ -765,7 +765,9 @@ class SnapshotManager:
         identical weights; replicated state only, a sharded model has no whole copy).
 
         The run finished: each node's memory snapshots are removed (only here: after a
-        failure the restart needs them)."""
+        failure the restart needs them), and the ranks agree that every one of them got
+        here, so that a failure in teardown does not restart a finished run
+        (``elastictrain.runend``)."""
         if self._fence_hook is not None:
             self._fence_hook.remove()
         if self._boundary is not None:
@@ -780,6 +782,7 @@ class SnapshotManager:
             memory.remove_all(self._memory.store)
         if self.ctx.is_writer and not self.sharded:
             log.info("params.digest", param_digest=param_digest(unwrap(self.model)))
+        runend.agree_and_mark(self.ctx)
 
 
 def _storage_config(url: str, configured: StorageConfig) -> StorageConfig:

@@ -1,0 +1,66 @@
+"""The end of a run, agreed by every rank and marked for each node's agent.
+
+``SnapshotManager.close()`` is where every rank of a finished run meets last: the
+loop is over and the snapshots are written. There the ranks agree that they all got
+that far (a barrier, bounded in time), and each marks it in a private directory its
+agent named (``ELASTICTRAIN_END_DIR``, set by ``elastictrain run``). A worker that
+fails after that mark (in teardown, or while a peer on another node has already gone)
+failed after the run's end: its agent waits for its other workers and ends the job with
+exit 0 instead of restarting a finished run (``agent.py``). Under plain torchrun the
+variable is unset and only the agreement runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as torch_dist
+
+from elastictrain.dist import DistContext
+from elastictrain.env import END_DIR_VAR
+from elastictrain.log import get_logger
+
+# How long ranks that reached close() wait for the others: a rank still training or
+# evaluating longer than this before its own close() means no agreed end, no mark.
+AGREEMENT_TIMEOUT_S = 300.0
+_PREFIX = "ended-"
+
+log = get_logger("elastictrain.runend")
+
+
+def agree_and_mark(ctx: DistContext, timeout_s: float = AGREEMENT_TIMEOUT_S) -> bool:
+    """Whether every rank reached the end; if so, this process is marked as ended for
+    its agent. A peer that failed or never came makes it False (logged, not raised:
+    the agent then handles this worker's exit as usual)."""
+    if ctx.initialized:
+        try:
+            torch_dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+        except Exception as exc:  # a peer gone or late: no agreed end
+            log.warning("run.end_not_agreed", error=f"{type(exc).__name__}: {exc}"[:300])
+            return False
+    directory = os.environ.get(END_DIR_VAR)
+    if directory:
+        mark = Path(directory) / f"{_PREFIX}{os.getpid()}"
+        with contextlib.suppress(OSError):  # no mark: the agent treats a failure as one
+            os.close(os.open(mark, os.O_WRONLY | os.O_CREAT, 0o600))
+    return True
+
+
+def ended_pids(directory: Path) -> set[int]:
+    """The pids of the workers that marked the run's end in ``directory``."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return set()
+    return {int(n[len(_PREFIX):]) for n in names
+            if n.startswith(_PREFIX) and n[len(_PREFIX):].isdigit()}
+
+
+def clear(directory: Path) -> None:
+    """Forget the marks of earlier workers (a new attempt; pids may be reused)."""
+    for pid in ended_pids(directory):
+        with contextlib.suppress(OSError):
+            os.unlink(directory / f"{_PREFIX}{pid}")
