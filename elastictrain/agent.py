@@ -63,6 +63,7 @@ from elastictrain.config import LaunchDefaults
 from elastictrain.errors import (
     EXIT_FATAL,
     EXIT_HANG,
+    EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_PREEMPTED_UNSAVED,
     ElasticTrainError,
@@ -367,6 +368,25 @@ class ElasticTrainAgent(LocalElasticAgent):
         """pid -> exit code (None while running) of the current workers."""
         handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
         return {h.proc.pid: h.proc.poll() for h in handlers.values()}
+
+
+def on_grace_expired(signum: int) -> tuple[list[int], int]:
+    """For ``gracewatch``: the process groups to SIGKILL (the current workers, each in
+    its own session, and the standby) and the launcher's exit code: 75/76 when the
+    workers settled their final snapshot, else that of a launcher killed by ``signum``."""
+    agent = ElasticTrainAgent.latest
+    if agent is None:
+        return [], 128 + signum
+    codes = agent._worker_codes()
+    groups = [pid for pid, code in codes.items() if code is None]
+    if agent.standby is not None and agent.standby.pid is not None:
+        groups.append(agent.standby.pid)
+    if codes and all(code == 0 for code in codes.values()):
+        return groups, EXIT_OK  # finished: stuck in the exit barrier for the other nodes
+    outcome = preempted_outcome(codes.values()) or agent.outcome
+    code = {"preempted": EXIT_PREEMPTED,
+            "preempted_unsaved": EXIT_PREEMPTED_UNSAVED}.get(str(outcome), 128 + signum)
+    return groups, code
 
 
 @contextmanager

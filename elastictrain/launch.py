@@ -214,17 +214,28 @@ def _generated_run_id() -> str:
     return f"et-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
+# How long past torchrun's --shutdown-timeout (the workers' time to save after a notice)
+# the launcher may take to end before its grace watch ends it (gracewatch.py).
+GRACE_MARGIN_S = 10.0
+
+
 def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
-                 rescue_dir: Path | None = None) -> int:
-    """Run torchrun's ``main`` with our agent in this process; return our exit code."""
+                 rescue_dir: Path | None = None, *, shutdown_timeout_s: float,
+                 notices: frozenset[int]) -> int:
+    """Run torchrun's ``main`` with our agent in this process; return our exit code.
+    After a notice among ``notices`` it ends within ``shutdown_timeout_s`` plus
+    ``GRACE_MARGIN_S``, whatever it is waiting in."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    from elastictrain.agent import ElasticTrainAgent, WorkersFatal, installed
+    from elastictrain import gracewatch
+    from elastictrain.agent import ElasticTrainAgent, WorkersFatal, installed, on_grace_expired
 
     with tempfile.TemporaryDirectory(prefix="elastictrain-end-") as end_dir, \
-            installed(launch, rescue_dir, Path(end_dir)):
+            installed(launch, rescue_dir, Path(end_dir)), \
+            gracewatch.watching(shutdown_timeout_s + GRACE_MARGIN_S, notices,
+                                on_grace_expired):
         os.environ[END_DIR_VAR] = end_dir  # the workers inherit it
         try:
             torchrun_main(list(argv))
@@ -313,7 +324,10 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
              monitor_interval_s=args.monitor_interval, rdzv_backend=args.rdzv_backend,
              rdzv_endpoint=args.rdzv_endpoint, shutdown_timeout_s=args.shutdown_timeout,
              signals_to_handle=args.signals_to_handle, entrypoint=args.training_script)
-    code = run_torchrun(full, settings.launch, _rescue_dir(settings, run_id))
+    notices = frozenset(int(signal.Signals[name.strip()])
+                        for name in str(args.signals_to_handle).split(",") if name.strip())
+    code = run_torchrun(full, settings.launch, _rescue_dir(settings, run_id),
+                        shutdown_timeout_s=float(args.shutdown_timeout), notices=notices)
     log.info("agent.finished", exit_code=code, outcome=_outcome(code),
              wall_s=round(time.monotonic() - started, 3))
     return code
