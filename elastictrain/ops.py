@@ -22,12 +22,13 @@ from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.snapshot.retention import prune
 from elastictrain.snapshot.sharded.commit import parts_by_rank
-from elastictrain.storage import Store, open_store, redact_url
+from elastictrain.storage import Store, open_store
 
 # URL schemes a run's storage may use: a local path starting with one of them and a
 # slash or colon but no "://" is almost surely a mistyped URL (s3//bucket, s3:/bucket).
 _SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory", "file")
 _MISTYPED_URL = re.compile(rf"^({'|'.join(_SCHEMES)})(?::/?|/+)(?=[^/])", re.IGNORECASE)
+_USER_INFO = re.compile(r"^[^/@]+@")
 _STEPS_SHOWN = 10
 
 
@@ -65,9 +66,10 @@ def check_location(url: str, what: str = "storage root", hint: str = _RUN_ROOT_H
         return  # a real directory wins, even one named like a URL
     typo = _MISTYPED_URL.match(url)
     if typo is not None:
-        meant = redact_url(f"{typo.group(1).lower()}://{url[typo.end():]}")
-        raise ConfigError(f"{what} {redact_url(url)!r} is neither a URL nor a directory; "
-                          f"fix: write the URL with '://', e.g. {meant}")
+        rest = _USER_INFO.sub("", url[typo.end():])  # never echo user:secret@
+        raise ConfigError(f"{what} {url[:typo.end()] + rest!r} is neither a URL nor a "
+                          f"directory; fix: write the URL with '://', e.g. "
+                          f"{typo.group(1).lower()}://{rest}")
     if path.exists():
         raise ConfigError(f"{what} {url}: not a directory; fix: pass a directory ({hint})")
     raise ConfigError(f"{what} {url}: no such directory; fix: check the path ({hint})")
