@@ -1,8 +1,10 @@
 """The ``elastictrain`` command: parse → build a config → call the library.
 
-Exit codes: 0 finished; 2 usage error; 75 preempted after a final snapshot
-(resume me); 76 preempted, final snapshot not committed (resume me from an older
-one); 78 fatal, do not retry (bad config, unusable storage).
+Exit codes, one rule for every command: 0 done; 1 failed (``verify``: a corrupt
+snapshot or none verifies; ``chaos``: a trial failed; ``run``: restarts used up; a
+storage error); 2 bad input (the command line, a storage location that is malformed,
+missing or not a directory, a step that is not there); 75/76 preempted, resume me; 78
+only for a fatal run (``run``, ``demo``): do not retry.
 """
 
 from __future__ import annotations
@@ -10,10 +12,76 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from collections.abc import Sequence
+from importlib import metadata
+from typing import Any
 
 from elastictrain import log as et_log
-from elastictrain.errors import EXIT_USAGE, ConfigError, ElasticTrainError
+from elastictrain.errors import (
+    EXIT_FATAL,
+    EXIT_USAGE,
+    ConfigError,
+    ElasticTrainError,
+    StorageNotFoundError,
+)
+
+# Commands that start a run: only they may end with 78 (a fatal run, do not retry).
+_RUNS = ("demo", "chaos")
+
+EXIT_CODES = """\
+exit codes:
+  0    done
+  1    failed: a corrupt snapshot (snapshots verify), a failed trial (chaos),
+       restarts used up (run), a storage error
+  2    bad input: the command line, a storage location that is malformed, missing
+       or not a directory, a step that does not exist
+  75   preempted, a final snapshot committed: the same command resumes (run, demo)
+  76   preempted, the final snapshot did not commit: the same command resumes from
+       the newest committed one (run)
+  78   fatal run, do not retry: a worker exited 78 (bad config, resume mismatch,
+       access denied), or run's own settings are invalid (run, demo)
+  128+N  stopped by signal N (run, demo)
+"""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Adds "(default: X)" to an option's help unless its help already names the
+    default; wraps descriptions and epilogs by paragraph, leaving indented lines
+    (examples, tables) as they are."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.required
+                or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # Values such as k=v,k=v lists or URLs stay whole rather than split mid-word.
+        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False,
+                             break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out: list[str] = []
+        prose: list[str] = []
+        for line in [*text.splitlines(), ""]:
+            if line and not line.startswith(" "):
+                prose.append(line)
+                continue
+            if prose:  # a run of plain lines is one paragraph, wrapped
+                out.append(super()._fill_text(" ".join(prose), width, indent))
+                prose = []
+            out.append(indent + line if line else "")
+        return "\n".join(out).rstrip("\n")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("elastictrain")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown (not installed)"
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -44,17 +112,18 @@ def _snapshots(args: argparse.Namespace) -> int:
     elif args.snap_cmd == "verify":
         rows = ops.verify_snapshots(store, args.step)
     elif args.snap_cmd == "inspect":
-        rows = [ops.inspect_snapshot(store, args.step)]
+        row = ops.inspect_snapshot(store, args.step)
+        print(json.dumps(row) if args.json else ops.format_inspect(row))
+        return 0
     else:
         rows = ops.prune_snapshots(store, args.keep)
     if not rows and args.snap_cmd in ("list", "verify"):
-        print(ops.nothing_found(store, getattr(args, "step", None)), file=sys.stderr)
+        print(ops.nothing_found(store), file=sys.stderr)
         if args.json:
             ops.print_rows(rows, as_json=True)  # still one JSON document on stdout: []
         return 1 if args.snap_cmd == "verify" else 0
     ops.print_rows(rows, args.json)
-    failed = any(r.get("status") == "corrupt" for r in rows)
-    return 1 if failed and args.snap_cmd == "verify" else 0
+    return 1 if args.snap_cmd == "verify" and ops.verify_failed(rows) else 0
 
 
 def _goodput(args: argparse.Namespace) -> int:
@@ -63,8 +132,12 @@ def _goodput(args: argparse.Namespace) -> int:
     from elastictrain.events import is_remote
     from elastictrain.goodput import compute_goodput, format_report
 
-    store = (ops.open_from_cli(args.events_dir, args.storage_options)
-             if is_remote(args.events_dir) else None)
+    if is_remote(args.events_dir):
+        store = ops.open_from_cli(args.events_dir, args.storage_options)
+    else:
+        store = None
+        ops.check_location(args.events_dir, "events directory",
+                           "a run's events directory, <storage>/events/<run id>")
     try:
         report = compute_goodput(args.events_dir, store)
         # The per-cause split reads local event files (object storage: the totals only).
@@ -108,112 +181,176 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if follow(status, json_output=args.json, timeout_s=args.timeout) else 1
 
 
+def _command(sub: Any, name: str, summary: str, description: str,
+             epilog: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand: ``summary`` in the top-level list, ``description`` in its --help."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help=summary, description=description, epilog=epilog,
+        formatter_class=HelpFormatter)
+    return parser
+
+
+def _storage_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage-options", default=None, metavar="JSON",
+                        help="JSON object passed to fsspec, e.g. "
+                        '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; '
+                        "keep credentials in the environment (AWS_*, a profile, a role) "
+                        "(default: none, the ELASTICTRAIN_STORAGE__* settings apply)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="elastictrain",
+        prog="elastictrain", formatter_class=HelpFormatter,
         description="Fault-tolerant, elastic PyTorch training: run jobs under torchrun, "
         "watch them, and manage their snapshots.",
-        epilog="Exit codes: 0 finished, 2 usage error, 75 preempted after a final snapshot "
-        "(resume me), 78 fatal (do not retry). Docs: docs/README.md")
-    sub = parser.add_subparsers(dest="command", required=True)
+        epilog=EXIT_CODES + "\nEvery command has --help. Docs: docs/cli.md")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                        help="print the installed version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    # `run` hands its whole command line to torchrun's parser (see main); listed for --help.
-    sub.add_parser("run", add_help=False, help="run SCRIPT under torchrun with restarts and "
-                   "elastictrain's defaults, with a live view on a terminal (--no-view: off): "
-                   "elastictrain run [--no-view] [torchrun options] SCRIPT [ARGS]")
+    # `run` hands its whole command line to its own parser (see main); listed for --help.
+    sub.add_parser("run", add_help=False, help="run SCRIPT on this node under torchrun with "
+                   "elastictrain's agent and defaults (see: elastictrain run --help)")
 
-    demo = sub.add_parser("demo", help="train a small GPT under torchrun, kill it, resume it")
+    demo = _command(
+        sub, "demo", "train a small GPT under torchrun, kill it, resume it",
+        "Train a small GPT on CPU (gloo) under elastictrain run, kill workers at the steps "
+        "given, and show that it resumes from its snapshots. A second run with the same "
+        "--storage resumes from the newest snapshot. On a terminal a live view shows the "
+        "run; --json or --quiet turn it off.",
+        epilog="exit codes: the launcher's (0 finished, 75 stopped by Ctrl-C or SIGTERM after "
+        "a final snapshot, 78 fatal, 130/143 a second Ctrl-C/SIGTERM); 2 for any bad input.")
     demo.add_argument("--storage", default="./elastictrain-demo",
                       help="where snapshots and events go: a directory or a URL such as "
-                      "s3://bucket/run (default ./elastictrain-demo)")
-    demo.add_argument("--nproc", type=int, default=2, help="workers (default 2, CPU, gloo)")
-    demo.add_argument("--steps", type=int, default=300, help="train this many steps (default 300)")
+                      "s3://bucket/run")
+    demo.add_argument("--nproc", type=int, default=2, help="workers (CPU, gloo)")
+    demo.add_argument("--steps", type=int, default=300, help="train this many steps")
     demo.add_argument("--snapshot-every", type=int, default=25, metavar="N",
-                      help="take a snapshot every N steps (default 25)")
-    demo.add_argument("--keep", type=int, default=3, help="snapshots to keep (default 3)")
+                      help="take a snapshot every N steps")
+    demo.add_argument("--keep", type=int, default=3, help="snapshots to keep")
     demo.add_argument("--kill-at", type=int, action="append", default=[], metavar="STEP",
                       help="kill a worker with SIGKILL at STEP; repeat it to kill again "
-                      "after each restart")
-    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+                      "after each restart (default: no kill)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed")
     demo.add_argument("--events-dir", default=None, help="where the event logs go (default: "
                       "STORAGE/events for local storage)")
-    demo.add_argument("--storage-options", default=None, metavar="JSON",
-                      help="JSON object passed to fsspec, e.g. "
-                      '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; '
-                      "keep credentials in the environment (AWS_*, a profile, a role)")
+    _storage_options(demo)
     demo.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     demo.add_argument("--quiet", action="store_true",
                       help="no live view on a terminal, only the summary at the end")
     elastic = demo.add_argument_group("elastic", "world-size changes and batch policy")
     elastic.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
-                         help="agents (nodes) on this machine, e.g. 1:2 (default 1)")
+                         help="agents (nodes) on this machine, e.g. 1:2")
     elastic.add_argument("--kill-node-at", type=int, default=None, metavar="STEP",
-                         help="SIGKILL the last node (agent and workers) after STEP")
+                         help="SIGKILL the last node (agent and workers) after STEP "
+                         "(default: never)")
     elastic.add_argument("--add-node-at", type=int, default=None, metavar="STEP",
-                         help="start a replacement node after STEP at the smaller size")
+                         help="start a replacement node after STEP at the smaller size "
+                         "(default: never)")
     elastic.add_argument("--batch-size", type=int, default=16, help="per-rank (micro-)batch")
     elastic.add_argument("--global-batch-size", type=int, default=None, metavar="G",
-                         help="keep G samples per step at any world size (accumulation)")
+                         help="keep G samples per step at any world size by gradient "
+                         "accumulation (default: batch size x world size, which changes "
+                         "with the world size)")
     elastic.add_argument("--samples", type=int, default=None, metavar="N",
-                         help="train on the first N windows of the corpus (short epochs)")
+                         help="train on the first N windows of the corpus, for short epochs "
+                         "(default: the whole corpus)")
     elastic.add_argument("--record-samples", default=None, metavar="DIR",
-                         help="write each rank's sample indices per step to DIR")
+                         help="write each rank's sample indices per step to DIR "
+                         "(default: not written)")
     demo.set_defaults(func=_demo)
 
-    snaps = sub.add_parser("snapshots", help="list, verify, inspect or prune snapshots")
-    snap_sub = snaps.add_subparsers(dest="snap_cmd", required=True)
-    for name, help_text in [("list", "committed and partial snapshots"),
-                            ("verify", "check every payload against its manifest; exit 1 if any "
-                             "is corrupt or none is found"),
-                            ("inspect", "one snapshot's manifest"),
-                            ("prune", "keep the newest --keep verified snapshots")]:
-        cmd = snap_sub.add_parser(name, help=help_text, description=help_text)
-        cmd.add_argument("storage", help="run root: a directory or URL (s3://bucket/run)")
-        cmd.add_argument("--storage-options", default=None,
-                         help="JSON object passed to fsspec (e.g. endpoint, profile)")
-        cmd.add_argument("--json", action="store_true")
-        if name in ("verify", "inspect"):
-            cmd.add_argument("--step", type=int, default=None, required=name == "inspect")
+    snaps = _command(sub, "snapshots", "list, verify, inspect or prune a run's snapshots",
+                     "Read and tidy the snapshots under a run's storage root (the --storage "
+                     "of demo or run, which holds snapshots/). A snapshot is committed "
+                     "(its manifest is there), partial (no manifest: never committed, "
+                     "restore skips it) or corrupt.",
+                     epilog="exit codes: 0 done; 1 verify found a corrupt snapshot or none "
+                     "that verifies, or storage failed; 2 bad input (a storage location "
+                     "that is malformed, missing or not a directory, a step that is not "
+                     "there).")
+    snap_sub = snaps.add_subparsers(dest="snap_cmd", required=True, metavar="ACTION")
+    for name, summary in [
+            ("list", "every snapshot, newest first: committed, partial or corrupt"),
+            ("verify", "check every payload against its manifest; exit 1 if any is "
+             "corrupt or none verifies"),
+            ("inspect", "one snapshot's manifest: versions, world size, payload objects"),
+            ("prune", "delete all but the newest --keep verified snapshots")]:
+        cmd = _command(snap_sub, name, summary, summary[0].upper() + summary[1:] + ".")
+        cmd.add_argument("storage", help="run root: a directory or a URL (s3://bucket/run)")
+        _storage_options(cmd)
+        cmd.add_argument("--json", action="store_true", help="print JSON on stdout")
+        if name == "verify":
+            cmd.add_argument("--step", type=int, default=None,
+                             help="verify only this step (default: every snapshot)")
+        if name == "inspect":
+            cmd.add_argument("--step", type=int, required=True,
+                             help="the snapshot's step (list shows them)")
         if name == "prune":
-            cmd.add_argument("--keep", type=int, required=True)
+            cmd.add_argument("--keep", type=int, required=True,
+                             help="verified snapshots to keep, at least 1; partial ones "
+                             "newer than the newest verified are kept too")
     snaps.set_defaults(func=_snapshots)
 
-    chaos = sub.add_parser("chaos", help="run a script cleanly, then under random faults, "
-                           "and check nothing was lost: elastictrain chaos [options] -- "
-                           "SCRIPT [ARGS] ({storage} in ARGS: the trial's storage)")
-    chaos.add_argument("--trials", type=int, default=5)
+    chaos = _command(
+        sub, "chaos", "run a script cleanly, then under random faults, and check "
+        "nothing was lost",
+        "Run a training job once without faults, then --trials times under seeded faults "
+        "(worker kills, relaunches, preemption notices, stopped workers, storage faults), "
+        "and check that every trial ends with the clean run's parameters, verifying "
+        "snapshots, no lost steps beyond the snapshot interval and no process left.\n\n"
+        "Without a command it runs the built-in demo. With one (after --), every run gets "
+        "its own storage directory: write {storage} where the script takes its storage "
+        "path, and the harness puts each run's directory there, e.g.\n"
+        "  elastictrain chaos --trials 3 -- examples/ddp_resumable.py {storage}\n"
+        "A command line without {storage} is refused: the checks read the snapshots in "
+        "the run's own directory, which the script would never write.",
+        epilog="exit codes: 0 every trial passed; 1 a trial failed or the clean run failed; "
+        "2 bad input (an option, a script that does not exist, no {storage}).")
+    chaos.add_argument("--trials", type=int, default=5,
+                       help="trials after the clean run (0: the clean run only)")
     chaos.add_argument("--seed", type=int, default=0, help="trial seeds derive from it")
     chaos.add_argument("--first", type=int, default=0, metavar="K",
                        help="index of the first trial (replay trial K: --first K --trials 1)")
     chaos.add_argument("--faults", default="kill,relaunch,notice,stop,storage",
-                       help="fault kinds to draw from (default: all)")
-    chaos.add_argument("--nproc", type=int, default=2, help="workers (default 2)")
+                       help="fault kinds to draw from, comma-separated")
+    chaos.add_argument("--nproc", type=int, default=2, help="workers per run")
     chaos.add_argument("--storage", default=None, metavar="DIR",
-                       help="work directory: one storage and event log per trial "
+                       help="work directory: one storage and event log per run "
                        "(default: a new temporary directory)")
-    chaos.add_argument("--steps", type=int, default=60, help="demo only")
-    chaos.add_argument("--snapshot-every", type=int, default=10, help="demo only")
+    chaos.add_argument("--steps", type=int, default=60, help="steps of the built-in demo")
+    chaos.add_argument("--snapshot-every", type=int, default=10, metavar="N",
+                       help="the built-in demo's snapshot interval")
     chaos.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    chaos.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS]",
-                       help="the training script (default: the built-in demo)")
+    chaos.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS",
+                       help="the training script and its arguments, {storage} among them "
+                       "(default: the built-in demo)")
     chaos.set_defaults(func=_chaos)
 
-    goodput = sub.add_parser("goodput", help="how much of a run's wall time was training")
+    goodput = _command(
+        sub, "goodput", "how much of a run's wall time was training",
+        "Read a run's event logs and split its wall time into training and each cause of "
+        "loss (startup, restore, snapshots, recomputed steps, restarts).",
+        epilog="exit codes: 0 done; 2 bad input (an events directory that is missing or "
+        "not a directory, or holds no event files).")
     goodput.add_argument("events_dir", help="a run's events directory or URL "
                          "(<storage>/events/<run id>, e.g. s3://bucket/run/events/<run id>)")
-    goodput.add_argument("--storage-options", default=None, metavar="JSON",
-                         help="JSON object passed to fsspec for a URL (endpoint, profile)")
-    goodput.add_argument("--json", action="store_true")
+    _storage_options(goodput)
+    goodput.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     goodput.add_argument("--plot", metavar="FILE.png", help="draw the timeline and the split "
-                         "(needs elastictrain[plot])")
+                         "to FILE.png (needs elastictrain[plot]; default: no plot)")
     goodput.set_defaults(func=_goodput)
 
-    status = sub.add_parser("status", help="attempt, steps, last snapshot and recent failures "
-                            "of a run, read from its storage")
+    status = _command(
+        sub, "status", "attempt, steps, last snapshot and recent failures of a run",
+        "Show a run's state, read from its storage root (events/ and snapshots/): the "
+        "attempt, the step, the newest snapshot and recent failures. It works while the "
+        "run goes on and after it ended, from any machine that can read the storage.",
+        epilog="exit codes: 0 shown (--follow: the run ended); 1 --follow timed out; 2 bad "
+        "input (a location that is malformed, missing, not a directory, or holds no run).")
     status.add_argument("storage", help="the run's storage root: a directory or URL "
                         "(s3://bucket/run), as given to demo or run")
-    status.add_argument("--storage-options", default=None, metavar="JSON",
-                        help="JSON object passed to fsspec (e.g. endpoint, profile)")
+    _storage_options(status)
     status.add_argument("--run-id", default=None,
                         help="which run, when several wrote events there (default: newest)")
     status.add_argument("--json", action="store_true", help="print the state as JSON")
@@ -221,9 +358,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep showing the run until it ends (exit 0) or --timeout "
                         "passes (exit 1)")
     status.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                        help="with --follow: give up after this long")
+                        help="with --follow: give up after this long (default: never)")
     status.set_defaults(func=_status)
     return parser
+
+
+def exit_code_for(command: str, exc: ElasticTrainError) -> int:
+    """The exit code of a command that raised ``exc``: bad input is 2 everywhere, and 78
+    (a fatal run) is only for commands that start a run."""
+    if isinstance(exc, ConfigError):
+        return EXIT_USAGE
+    if isinstance(exc, StorageNotFoundError) and command not in _RUNS:
+        return EXIT_USAGE  # the location given on the command line (a missing bucket)
+    if exc.exit_code == EXIT_FATAL and command not in _RUNS:
+        return 1
+    return exc.exit_code
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -237,17 +386,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     et_log.configure()  # events this process logs go to stderr: stdout is for --json
     try:
         code = args.func(args)
-    except ConfigError as exc:
-        print(f"elastictrain: error: {exc}", file=sys.stderr)
-        code = EXIT_USAGE if args.command in ("demo", "chaos") else exc.exit_code
     except ElasticTrainError as exc:
         print(f"elastictrain: error: {exc}", file=sys.stderr)
-        code = exc.exit_code
+        code = exit_code_for(args.command, exc)
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
-
-
 
 
 if __name__ == "__main__":

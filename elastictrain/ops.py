@@ -1,18 +1,35 @@
-"""Operator tooling behind ``elastictrain snapshots …``: list, verify, inspect, prune."""
+"""Operator tooling behind ``elastictrain snapshots …``: list, verify, inspect, prune.
+
+A snapshot directory is in one of three states, named the same by every command:
+``committed`` (its manifest is there; ``verify`` then says ``ok`` or ``corrupt``),
+``partial`` (no manifest: the write never committed, and restore skips it) or
+``corrupt`` (a manifest that does not parse or names another step).
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from elastictrain.config import load_settings
-from elastictrain.errors import ConfigError, SnapshotCorrupt
-from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION
-from elastictrain.snapshot.reader import newest_first, read_manifest, verify_snapshot
+from elastictrain.errors import ConfigError, SnapshotCorrupt, StorageNotFoundError
+from elastictrain.snapshot import layout
+from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest
+from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.snapshot.retention import prune
 from elastictrain.snapshot.sharded.commit import parts_by_rank
 from elastictrain.storage import Store, open_store
+
+# URL schemes a run's storage may use: a local path starting with one of them and a
+# slash or colon but no "://" is almost surely a mistyped URL (s3//bucket, s3:/bucket).
+_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory", "file")
+_MISTYPED_URL = re.compile(rf"^({'|'.join(_SCHEMES)})(?::/?|/+)(?=[^/])", re.IGNORECASE)
+_USER_INFO = re.compile(r"^[^/@]+@")
+_STEPS_SHOWN = 10
 
 
 def parse_storage_options(text: str | None, flag: str = "--storage-options") -> dict[str, Any]:
@@ -31,61 +48,180 @@ def parse_storage_options(text: str | None, flag: str = "--storage-options") -> 
     return options
 
 
+_RUN_ROOT_HINT = "the --storage of demo or run, which holds snapshots/ and events/"
+
+
+def check_location(url: str, what: str = "storage root", hint: str = _RUN_ROOT_HINT) -> None:
+    """Refuse a location given on the command line that cannot hold a run: a local path
+    that does not exist or is not a directory, or a URL with a mistyped scheme. A URL is
+    left to the store, which says whether its bucket exists.
+
+    Raises:
+        ConfigError: names the path, the problem and the fix.
+    """
+    if "://" in url:
+        return
+    path = Path(url)
+    if path.is_dir():
+        return  # a real directory wins, even one named like a URL
+    typo = _MISTYPED_URL.match(url)
+    if typo is not None:
+        rest = _USER_INFO.sub("", url[typo.end():])  # never echo user:secret@
+        raise ConfigError(f"{what} {url[:typo.end()] + rest!r} is neither a URL nor a "
+                          f"directory; fix: write the URL with '://', e.g. "
+                          f"{typo.group(1).lower()}://{rest}")
+    if path.exists():
+        raise ConfigError(f"{what} {url}: not a directory; fix: pass a directory ({hint})")
+    raise ConfigError(f"{what} {url}: no such directory; fix: check the path ({hint})")
+
+
 def open_from_cli(url: str, storage_options_json: str | None) -> Store:
     """The store at ``url`` with every storage setting applied: ``ELASTICTRAIN_STORAGE__*``
-    and the config file, then ``--storage-options`` (and fsspec's ``FSSPEC_S3_*``)."""
+    and the config file, then ``--storage-options`` (and fsspec's ``FSSPEC_S3_*``).
+
+    Raises:
+        ConfigError: bad options or settings, or a location that cannot be a run's.
+    """
     storage: dict[str, Any] = {"url": url}
     options = parse_storage_options(storage_options_json)
     if options:
         storage["storage_options"] = options
-    return open_store(load_settings(storage=storage).storage)
+    settings = load_settings(storage=storage).storage
+    check_location(url)
+    return open_store(settings)
+
+
+@dataclass(frozen=True)
+class _Dir:
+    """One ``step_…`` directory: committed (with its manifest), partial or corrupt."""
+
+    step: int
+    state: str
+    manifest: Manifest | None = None
+    reason: str | None = None
+
+
+def _snapshot_dirs(store: Store) -> list[_Dir]:
+    """Every snapshot directory, newest first, from a fresh listing. Read errors other
+    than a missing or invalid manifest are raised."""
+    found = []
+    for step in list_snapshot_dirs(store):
+        try:
+            found.append(_Dir(step, "committed", read_manifest(store, step)))
+        except SnapshotCorrupt as exc:
+            if isinstance(exc.__cause__, StorageNotFoundError):
+                found.append(_Dir(step, "partial", reason=_partial_reason(store, step)))
+            else:
+                found.append(_Dir(step, "corrupt", reason=str(exc)))
+    return found
+
+
+def _partial_reason(store: Store, step: int) -> str:
+    return (f"{store.url}/{layout.step_dir(step)}: no {layout.MANIFEST}, so it never "
+            "committed (a write cut short or still running); restore skips it")
 
 
 def list_snapshots(store: Store) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    for c in newest_first(store):
-        if c.manifest is None:
-            rows.append({"step": c.step, "status": "partial", "reason": c.problem})
+    for d in _snapshot_dirs(store):
+        if d.manifest is None:
+            rows.append({"step": d.step, "status": d.state, "reason": d.reason})
             continue
-        m = c.manifest
-        rows.append({"step": c.step, "status": "committed", "epoch": m.epoch,
+        m = d.manifest
+        rows.append({"step": d.step, "status": "committed", "epoch": m.epoch,
                      "world_size": m.world_size, "size_bytes": m.total_bytes,
                      "created_at": m.created_at})
     return rows
 
 
 def verify_snapshots(store: Store, step: int | None = None) -> list[dict[str, Any]]:
-    """One row per snapshot (newest first, or just ``step``): ok or corrupt. A read
-    error is raised, never reported as corruption."""
+    """One row per snapshot (newest first, or just ``step``): ok, corrupt or partial. A
+    read error is raised, never reported as corruption.
+
+    Raises:
+        ConfigError: ``step`` is not there (the message lists the steps that are).
+    """
+    dirs = _snapshot_dirs(store)
+    if step is not None:
+        dirs = [d for d in dirs if d.step == step] or _no_such_step(store, step, dirs)
     rows = []
-    for c in newest_first(store):
-        if step is not None and c.step != step:
-            continue
-        if c.manifest is None:
-            rows.append({"step": c.step, "status": "corrupt", "reason": c.problem})
+    for d in dirs:
+        if d.manifest is None:
+            rows.append({"step": d.step, "status": d.state, "reason": d.reason})
             continue
         try:
-            m = verify_snapshot(store, c.step, manifest=c.manifest).manifest
-            rows.append({"step": c.step, "status": "ok", "size_bytes": m.total_bytes,
+            m = verify_snapshot(store, d.step, manifest=d.manifest).manifest
+            rows.append({"step": d.step, "status": "ok", "size_bytes": m.total_bytes,
                          "checksum": m.checksum_algorithm})
         except SnapshotCorrupt as exc:
-            rows.append({"step": c.step, "status": "corrupt", "reason": str(exc)})
+            rows.append({"step": d.step, "status": "corrupt", "reason": str(exc)})
     return rows
 
 
-def nothing_found(store: Store, step: int | None = None) -> str:
+def verify_failed(rows: list[dict[str, Any]]) -> bool:
+    """``verify`` exits 1 when a snapshot is corrupt or none verifies (nothing to resume
+    from); a partial one alone is no failure: restore skips it."""
+    statuses = [r.get("status") for r in rows]
+    return "corrupt" in statuses or "ok" not in statuses
+
+
+def _no_such_step(store: Store, step: int, dirs: list[_Dir]) -> list[_Dir]:
+    if not dirs:
+        raise ConfigError(f"no snapshot of step {step} under {store.url}: there are no "
+                          "snapshots there; fix: check the storage URL (the run root a job "
+                          "wrote with --storage, which holds snapshots/)")
+    shown = ", ".join(str(d.step) if d.state == "committed" else f"{d.step} ({d.state})"
+                      for d in dirs[:_STEPS_SHOWN])
+    more = f" and {len(dirs) - _STEPS_SHOWN} older" if len(dirs) > _STEPS_SHOWN else ""
+    raise ConfigError(f"no snapshot of step {step} under {store.url}; steps there, newest "
+                      f"first: {shown}{more}; fix: pass one of them with --step")
+
+
+def nothing_found(store: Store) -> str:
     """The one line printed when there is no snapshot to list or verify."""
-    what = f"no snapshot of step {step}" if step is not None else "no snapshots"
-    return (f"{what} under {store.url}; fix: check the storage URL (the run root a job "
+    return (f"no snapshots under {store.url}; fix: check the storage URL (the run root a job "
             "wrote with --storage, which holds snapshots/)")
 
 
 def inspect_snapshot(store: Store, step: int) -> dict[str, Any]:
-    manifest = read_manifest(store, step)
+    """The manifest of ``step`` as one row.
+
+    Raises:
+        ConfigError: ``step`` is not there (the message lists the steps that are).
+        SnapshotCorrupt: it is partial or its manifest is invalid.
+    """
+    found = next((d for d in _snapshot_dirs(store) if d.step == step), None)
+    if found is None:
+        _no_such_step(store, step, _snapshot_dirs(store))
+    assert found is not None
+    if found.manifest is None:
+        raise SnapshotCorrupt(f"step {step} is {found.state}: {found.reason}")
+    manifest = found.manifest
     row = {"status": "committed", **manifest.model_dump()}
     if manifest.format_version == SHARDED_FORMAT_VERSION:
         row["parts"] = parts_by_rank(manifest)
     return row
+
+
+def format_inspect(row: dict[str, Any]) -> str:
+    """``inspect``'s manifest for people: one field a line, payload objects and per-rank
+    parts as indented lines (``--json`` keeps the manifest's own form)."""
+    scalars = {k: v for k, v in row.items()
+               if k not in ("step", "status", "objects", "parts", "signature")}
+    lines = [f"step {row['step']}: {row['status']}"]
+    lines += [f"  {k}: {'-' if v is None else v}" for k, v in scalars.items()]
+    lines.append(f"  signed: {'yes' if row.get('signature') else 'no'}")
+    objects = row.get("objects") or []
+    lines.append(f"  objects: {len(objects)}, {sum(o['size_bytes'] for o in objects)} bytes")
+    for o in objects:
+        rank = f"  rank {o['rank']}" if o.get("rank") is not None else ""
+        items = f"  {len(o['items'])} items" if o.get("items") else ""
+        lines.append(f"    {o['name']}  {o['size_bytes']} bytes  "
+                     f"{row.get('checksum_algorithm')} {o['checksum']}{rank}{items}")
+    for part in row.get("parts") or []:
+        lines.append(f"  rank {part['rank']}: {part['objects']} objects, {part['items']} "
+                     f"items, {part['size_bytes']} bytes")
+    return "\n".join(lines)
 
 
 def prune_snapshots(store: Store, keep: int) -> list[dict[str, Any]]:
@@ -106,4 +242,3 @@ def print_rows(rows: list[dict[str, Any]], as_json: bool) -> None:
         return
     for row in rows:
         sys.stdout.write("  ".join(f"{k}={v}" for k, v in row.items()) + "\n")
-

@@ -56,9 +56,19 @@ class ChaosOptions:
                                  ("--snapshot-every", self.snapshot_every, 1)):
             if value < low:
                 raise ConfigError(f"{name}={value}: must be >= {low}")
-        if self.script is not None and not Path(self.script).is_file():
+        if self.script is None:
+            return
+        if not Path(self.script).is_file():
             raise ConfigError(f"script {self.script!r} does not exist; fix: pass the path of "
                               "a training script after --")
+        if not any(STORAGE_PLACEHOLDER in arg for arg in self.script_args):
+            # Each run gets its own storage directory and the checks read the snapshots
+            # there: a script writing elsewhere fails every trial with "no snapshot".
+            raise ConfigError(
+                f"the command after -- has no {STORAGE_PLACEHOLDER}: every run gets its own "
+                "storage directory, and the checks look for the snapshots there; fix: write "
+                f"{STORAGE_PLACEHOLDER} where the script takes its storage path, e.g. -- "
+                f"{self.script} {STORAGE_PLACEHOLDER}")
 
 
 @dataclass

@@ -114,4 +114,4 @@ def test_snapshots_list_and_status_run_on_an_empty_run(tmp_path: Path) -> None:
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout) == []
     status = run_cli(["status", str(tmp_path)], tmp_path, timeout=60)
-    assert status.returncode == 78 and "no events and no snapshots" in status.stderr
+    assert status.returncode == 2 and "no events and no snapshots" in status.stderr

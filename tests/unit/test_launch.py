@@ -60,6 +60,7 @@ def test_multi_node_needs_an_endpoint() -> None:
 
 
 def test_usage_errors_exit_2_with_one_clear_line(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
     result = run_cli(["run", "--nnodes=1:2", "train.py"], tmp_path, timeout=120)
     assert result.returncode == 2
     assert "--rdzv-endpoint" in result.stderr and "fix" in result.stderr
@@ -69,6 +70,7 @@ def test_usage_errors_exit_2_with_one_clear_line(tmp_path: Path) -> None:
 
 
 def test_bad_settings_are_fatal_78(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
     result = run_cli(["run", "train.py"], tmp_path, timeout=120,
                      ELASTICTRAIN_LAUNCH__SHUTDOWN_TIMEOUT_S="0")
     assert result.returncode == 78

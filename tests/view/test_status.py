@@ -38,8 +38,9 @@ def test_status_json_of_a_finished_killed_run(tmp_path: Path) -> None:
 
 
 def test_status_of_a_place_without_a_run_says_so(tmp_path: Path) -> None:
+    (tmp_path / "nothing").mkdir()
     result = run_cli(["status", str(tmp_path / "nothing")], tmp_path)
-    assert result.returncode == 78
+    assert result.returncode == 2  # bad input, like every command's
     assert result.stderr.strip().count("\n") == 0  # one line: path, problem, fix
     assert "no events and no snapshots" in result.stderr and "fix:" in result.stderr
 
