@@ -38,6 +38,13 @@ def _demo(args: argparse.Namespace) -> int:
 def _snapshots(args: argparse.Namespace) -> int:
     from elastictrain import ops
 
+    if getattr(args, "memory", False):  # node memory, not a storage (snapshot/memory_cli.py)
+        from elastictrain.snapshot.memory_cli import list_memory
+
+        return list_memory(args.json)
+    if args.storage is None:
+        print("elastictrain snapshots list: give a storage, or --memory", file=sys.stderr)
+        return 2
     store = ops.open_from_cli(args.storage, args.storage_options)
     if args.snap_cmd == "list":
         rows = ops.list_snapshots(store)
@@ -168,7 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
                             ("inspect", "one snapshot's manifest"),
                             ("prune", "keep the newest --keep verified snapshots")]:
         cmd = snap_sub.add_parser(name, help=help_text, description=help_text)
-        cmd.add_argument("storage", help="run root: a directory or URL (s3://bucket/run)")
+        cmd.add_argument("storage", nargs="?" if name == "list" else None,
+                         help="run root: a directory or URL (s3://bucket/run)")
+        if name == "list":
+            cmd.add_argument("--memory", action="store_true",
+                             help="what this user holds in this node's memory, by run")
         cmd.add_argument("--storage-options", default=None,
                          help="JSON object passed to fsspec (e.g. endpoint, profile)")
         cmd.add_argument("--json", action="store_true")

@@ -21,11 +21,15 @@ CONFIG_FILE_VAR = "ELASTICTRAIN_CONFIG"
 # (config.check_environment), so a knob read with getenv() is listed here.
 SIGNING_KEY_VAR = "ELASTICTRAIN_SIGNING_KEY"  # a secret: never a setting, never logged
 LAUNCH_ID_VAR = "ELASTICTRAIN_LAUNCH_ID"  # set by the launcher for its workers
+# The node's shared tmpfs holding the memory tier's per-user root (default /dev/shm).
+SHM_VAR = "ELASTICTRAIN_SHM"
+# Set by the launcher for its workers: where they mark a rescue (snapshot/rescue.py).
+RESCUE_MARKS_VAR = "ELASTICTRAIN_RESCUE_MARKS"
 # Read by the container entrypoint (deploy/docker/entrypoint.sh), not by Python.
 EXIT_PREEMPTED_AS_VAR = "ELASTICTRAIN_EXIT_PREEMPTED_AS"
 # The ELASTICTRAIN_* names that are not Settings fields (the misspelling check allows them).
 OUTSIDE_SETTINGS = frozenset({CONFIG_FILE_VAR, SIGNING_KEY_VAR, LAUNCH_ID_VAR,
-                              EXIT_PREEMPTED_AS_VAR})
+                              EXIT_PREEMPTED_AS_VAR, SHM_VAR, RESCUE_MARKS_VAR})
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:

@@ -9,6 +9,7 @@ a run's state nor plant or redirect files in it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from pathlib import Path
@@ -33,7 +34,7 @@ def private_dir(path: Path, what: str) -> bool:
         os.mkdir(path, DIR_MODE)
         created = True
     except FileNotFoundError:
-        os.makedirs(path.parent, DIR_MODE, exist_ok=True)
+        make_private_dirs(path.parent)
         return private_dir(path, what)
     except FileExistsError:
         created = False
@@ -43,8 +44,14 @@ def private_dir(path: Path, what: str) -> bool:
 
 def make_private_dirs(path: Path) -> None:
     """``mkdir -p`` where a missing directory is created ``0700`` (one that is there
-    is left as it is: a directory the user chose and owns, such as a log directory)."""
-    os.makedirs(path, DIR_MODE, exist_ok=True)
+    is left as it is: a directory the user chose and owns, such as a log directory).
+    ``os.makedirs`` gives only the last component the mode: parents are made here."""
+    if path.is_dir():
+        return
+    if path.parent != path:
+        make_private_dirs(path.parent)
+    with contextlib.suppress(FileExistsError):  # made meanwhile by another rank
+        os.mkdir(path, DIR_MODE)
 
 
 def check_private_dir(path: Path, what: str) -> None:

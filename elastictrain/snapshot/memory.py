@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastictrain.config import SnapshotConfig
+from elastictrain.env import SHM_VAR
 from elastictrain.errors import ConfigError
 from elastictrain.localfiles import check_private_dir, open_private, private_dir, user_dir_name
 from elastictrain.log import get_logger
@@ -44,7 +45,6 @@ from elastictrain.storage.fsspec_store import FsspecStore
 
 log = get_logger("elastictrain.snapshot")
 
-SHM_ENV = "ELASTICTRAIN_SHM"  # the node's shared tmpfs (default /dev/shm)
 IDENTITY = "IDENTITY.json"
 LOCK = "LOCK"
 RUN_PREFIX = "run-"  # a memory directory under the user's root
@@ -54,7 +54,7 @@ NO_STEP = -1  # a rank whose node holds no committed memory snapshot
 
 def user_root() -> Path:
     """This user's directory in the node's shared tmpfs (``0700``)."""
-    return Path(os.environ.get(SHM_ENV) or "/dev/shm") / user_dir_name("elastictrain")
+    return Path(os.environ.get(SHM_VAR) or "/dev/shm") / user_dir_name("elastictrain")
 
 
 def canonical_storage(url: str) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from elastictrain.env import RESCUE_MARKS_VAR
 from elastictrain.localfiles import open_private, private_dir
 from elastictrain.log import get_logger
 
@@ -44,7 +45,7 @@ BOUNDARY_DIR = "boundary"
 # Where a launcher (elastictrain run) wants the rescue marks it waits for: a private
 # directory of its own, since it cannot know the memory directory (its name comes from
 # the storage URL the script passes). Without it, the boundary directory.
-MARKS_ENV = "ELASTICTRAIN_RESCUE_MARKS"
+MARKS_ENV = RESCUE_MARKS_VAR
 _RESCUING = "rescuing-"  # + the PID of a process writing a rescue
 _RESCUED = "rescued-"  # + the step of a committed rescue
 _MAGIC = 0x45545242  # "ETRB"

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 import fsspec
@@ -41,7 +42,7 @@ from elastictrain.errors import (
     StoragePermissionError,
     StorageTransientError,
 )
-from elastictrain.localfiles import DIR_MODE, private_opener
+from elastictrain.localfiles import make_private_dirs, private_opener
 from elastictrain.log import get_logger
 from elastictrain.storage import s3
 from elastictrain.storage.api import Store
@@ -238,7 +239,7 @@ class FsspecStore:
         full = self._full(path)
         tmp = f"{full}.tmp-{uuid.uuid4().hex}"
         try:
-            os.makedirs(os.path.dirname(full), _dir_mode(self._private), exist_ok=True)
+            _make_dirs(os.path.dirname(full), self._private)
             with open(tmp, "wb", opener=_opener(self._private)) as f:
                 yield f
                 f.flush()
@@ -558,8 +559,11 @@ def _protocols(fs: Any) -> tuple[str, ...]:
     return (proto,) if isinstance(proto, str) else tuple(proto)
 
 
-def _dir_mode(private: bool) -> int:
-    return DIR_MODE if private else 0o777
+def _make_dirs(directory: str, private: bool) -> None:
+    if private:
+        make_private_dirs(Path(directory))
+    else:
+        os.makedirs(directory, exist_ok=True)
 
 
 def _opener(private: bool) -> Callable[[str, int], int] | None:
@@ -568,7 +572,7 @@ def _opener(private: bool) -> Callable[[str, int], int] | None:
 
 def _local_atomic_write(full: str, data: bytes, if_absent: bool, private: bool) -> None:
     directory = os.path.dirname(full)
-    os.makedirs(directory, _dir_mode(private), exist_ok=True)
+    _make_dirs(directory, private)
     tmp = f"{full}.tmp-{uuid.uuid4().hex}"
     try:
         with open(tmp, "wb", opener=_opener(private)) as f:
