@@ -803,6 +803,7 @@ class SnapshotManager:
         if self._boundary is not None:
             rescue.disarm()
             self._boundary.close()
+            self._boundary = None
         self._saver.close()
         if self._memory is not None:
             try:

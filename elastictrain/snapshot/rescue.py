@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import os
 import random
@@ -83,7 +84,11 @@ class BoundaryRecord:
         if len(payload) + _HEADER.size > SLOT_BYTES:
             return  # not expected (RNG states are ~10 kB); the rescue then skips this rank
         header = _HEADER.pack(_MAGIC, step, *self._attempt, len(payload), zlib.crc32(payload))
-        os.pwrite(self._fd, header + payload, (step % 2) * SLOT_BYTES)
+        data = header + payload
+        if os.pwrite(self._fd, data, (step % 2) * SLOT_BYTES) != len(data):
+            # A full tmpfs can cut a write short: the record is torn (its checksum says
+            # so), and this step has none.
+            raise OSError(errno.ENOSPC, f"{self.path}: short write of a boundary record")
         self.step = step
         self._versions = self._version_sum()
 
