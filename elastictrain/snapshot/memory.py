@@ -54,7 +54,11 @@ NO_STEP = -1  # a rank whose node holds no committed memory snapshot
 
 def user_root() -> Path:
     """This user's directory in the node's shared tmpfs (``0700``)."""
-    return Path(os.environ.get(SHM_VAR) or "/dev/shm") / user_dir_name("elastictrain")
+    return user_root_in(Path(os.environ.get(SHM_VAR) or "/dev/shm"))
+
+
+def user_root_in(shm: Path) -> Path:
+    return shm / user_dir_name("elastictrain")
 
 
 def canonical_storage(url: str) -> str:
