@@ -813,6 +813,9 @@ class SnapshotManager:
             memory.remove_all(self._memory_dir)  # type: ignore[arg-type]
         elif self._memory_dir is not None:
             self._memory_dir.release()
+        elif ("memory directory" in self._memory_health.degraded
+              and self.ctx.local_rank == 0):
+            memory.remove_if_ours(self.config, self.store.url)
         if self.ctx.is_writer and not self.sharded:
             log.info("params.digest", param_digest=param_digest(unwrap(self.model)))
 

@@ -392,6 +392,22 @@ def remove_all(tier: MemoryTier) -> None:
     log.info("snapshot.memory_removed", path=str(tier.path), reason="finished", tier="memory")
 
 
+def remove_if_ours(config: SnapshotConfig, storage_url: str) -> None:
+    """At the end of a finished run whose memory tier could not be opened (a full
+    tmpfs): remove what an earlier attempt of this run, or our own failed claim, left
+    in its memory directory; anything naming another storage is left alone."""
+    path = memory_dir(config, storage_url)
+    identity = read_identity(path)
+    try:
+        ours = (identity.get("storage") == canonical_storage(storage_url) if identity
+                else not _foreign_entries(path))
+    except OSError:
+        return
+    if ours:
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("snapshot.memory_removed", path=str(path), reason="finished", tier="memory")
+
+
 class Health:
     """Whether the memory tier (saves, boundary records) works now: a failure (a full
     tmpfs) is said once, as ``snapshot.memory_degraded``, and training goes on with
