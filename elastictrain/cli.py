@@ -106,6 +106,13 @@ def _demo(args: argparse.Namespace) -> int:
 def _snapshots(args: argparse.Namespace) -> int:
     from elastictrain import ops
 
+    if getattr(args, "memory", False):  # node memory, not a storage (snapshot/memory_cli.py)
+        from elastictrain.snapshot.memory_cli import list_memory
+
+        return list_memory(args.json)
+    if args.storage is None:
+        print("elastictrain snapshots list: give a storage, or --memory", file=sys.stderr)
+        return 2
     store = ops.open_from_cli(args.storage, args.storage_options)
     if args.snap_cmd == "list":
         rows = ops.list_snapshots(store)
@@ -277,7 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
             ("inspect", "one snapshot's manifest: versions, world size, payload objects"),
             ("prune", "delete all but the newest --keep verified snapshots")]:
         cmd = _command(snap_sub, name, summary, summary[0].upper() + summary[1:] + ".")
-        cmd.add_argument("storage", help="run root: a directory or a URL (s3://bucket/run)")
+        cmd.add_argument("storage", nargs="?" if name == "list" else None,
+                         help="run root: a directory or a URL (s3://bucket/run)")
+        if name == "list":
+            cmd.add_argument("--memory", action="store_true",
+                             help="what this user holds in this node's memory, by run "
+                             "(instead of a storage)")
         _storage_options(cmd)
         cmd.add_argument("--json", action="store_true", help="print JSON on stdout")
         if name == "verify":

@@ -114,8 +114,12 @@ class SnapshotConfig(_Model):
     # to a node-local directory, one per node; "auto": Young/Daly from the memory
     # snapshot's own cost and the MTBF estimate (docs/interval.md); None: off.
     memory_every: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
-    # Default: /dev/shm/elastictrain/<run_id> (snapshot/memory.py).
+    # Default: /dev/shm/elastictrain-<uid>/run-<hash of the storage URL>, one per user
+    # and durable storage (snapshot/memory.py); 0700, never inside durable storage.
     memory_dir: str | None = None
+    # A memory directory no process uses and untouched this long is removed by the next
+    # run of the same user on the node (a relaunch of its run would have reused it).
+    memory_max_idle_s: float = Field(default=3600.0, gt=0)
     # With a memory tier: on an uncaught error, a surviving rank commits the last step
     # every rank completed to its node's memory (docs/memory-tier.md#rescue).
     rescue: bool = True

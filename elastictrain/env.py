@@ -23,11 +23,16 @@ SIGNING_KEY_VAR = "ELASTICTRAIN_SIGNING_KEY"  # a secret: never a setting, never
 LAUNCH_ID_VAR = "ELASTICTRAIN_LAUNCH_ID"  # set by the launcher for its workers
 # Set by the launcher for its workers: where they mark the run's agreed end (runend.py).
 END_DIR_VAR = "ELASTICTRAIN_END_DIR"
+# The node's shared tmpfs holding the memory tier's per-user root (default /dev/shm).
+SHM_VAR = "ELASTICTRAIN_SHM"
+# Set by the launcher for its workers: where they mark a rescue (snapshot/rescue.py).
+RESCUE_MARKS_VAR = "ELASTICTRAIN_RESCUE_MARKS"
 # Read by the container entrypoint (deploy/docker/entrypoint.sh), not by Python.
 EXIT_PREEMPTED_AS_VAR = "ELASTICTRAIN_EXIT_PREEMPTED_AS"
 # The ELASTICTRAIN_* names that are not Settings fields (the misspelling check allows them).
 OUTSIDE_SETTINGS = frozenset({CONFIG_FILE_VAR, SIGNING_KEY_VAR, LAUNCH_ID_VAR,
-                              END_DIR_VAR, EXIT_PREEMPTED_AS_VAR})
+                              END_DIR_VAR, EXIT_PREEMPTED_AS_VAR, SHM_VAR,
+                              RESCUE_MARKS_VAR})
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:

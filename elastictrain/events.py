@@ -32,6 +32,7 @@ from typing import Any
 
 from elastictrain.config import Settings
 from elastictrain.env import LAUNCH_ID_VAR, getenv
+from elastictrain.localfiles import user_dir_name
 from elastictrain.storage import Store, open_store
 
 EVENTS_DIR = "events"
@@ -71,7 +72,8 @@ def events_root(settings: Settings) -> str:
         return settings.log.events_dir
     url = settings.storage.url
     if is_remote(url):
-        return str(Path(tempfile.gettempdir()) / "elastictrain-events")
+        # Per user: a shared temp dir must not mix (or expose) users' spools.
+        return str(Path(tempfile.gettempdir()) / user_dir_name("elastictrain-events"))
     return str(Path(url.removeprefix("file://")) / EVENTS_DIR)
 
 

@@ -517,21 +517,16 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
              monitor_interval_s=args.monitor_interval, rdzv_backend=args.rdzv_backend,
              rdzv_endpoint=args.rdzv_endpoint, shutdown_timeout_s=args.shutdown_timeout,
              signals_to_handle=args.signals_to_handle, entrypoint=args.training_script)
+    from elastictrain.snapshot import memory
+
     notices = frozenset(int(signal.Signals[name.strip()])
                         for name in str(args.signals_to_handle).split(",") if name.strip())
-    code = run_torchrun(full, settings.launch, _rescue_dir(settings, run_id),
-                        shutdown_timeout_s=float(args.shutdown_timeout), notices=notices)
+    with memory.launch_marks() as marks:  # where survivors mark a rescue (agent waits)
+        code = run_torchrun(full, settings.launch, marks,
+                            shutdown_timeout_s=float(args.shutdown_timeout), notices=notices)
     log.info("agent.finished", exit_code=code, outcome=_outcome(code),
              wall_s=round(time.monotonic() - started, 3))
     return code
-
-
-def _rescue_dir(settings: Settings, run_id: str) -> Path:
-    """Where this node's workers mark a rescue in progress: the memory directory the
-    manager derives from the same settings and run id (snapshot/memory.py)."""
-    from elastictrain.snapshot import memory
-
-    return memory.boundary_dir(settings.snapshot, settings.run_id or run_id)
 
 
 def _outcome(code: int) -> str:

@@ -21,6 +21,8 @@ from typing import IO, TYPE_CHECKING, Any
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
+from elastictrain.localfiles import make_private_dirs, private_opener
+
 if TYPE_CHECKING:
     from elastictrain.events import Uploader
 
@@ -33,9 +35,10 @@ class _EventFileTee:
     with an uploader (object storage), the file is also copied to the run's storage."""
 
     def __init__(self, path: Path, upload: Uploader | None = None) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(path.parent)
         self._path = path
-        self._file: IO[str] = path.open("a", encoding="utf-8", buffering=1)
+        self._file: IO[str] = open(path, "a", encoding="utf-8", buffering=1,  # noqa: SIM115
+                                   opener=private_opener)
         self._lock = threading.Lock()
         self._upload = upload
 

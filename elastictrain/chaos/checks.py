@@ -111,3 +111,30 @@ def check_secret(secret: str, root: Path, texts: Iterable[str] = ()) -> str | No
     if any(secret in t for t in texts):
         return "the planted credential appears in the command's output"
     return None
+
+
+def check_private(root: Path) -> str | None:
+    """No file or directory the run keeps in node memory (under the trial's stand-in
+    for /dev/shm) is open to other users: directories 0700, files 0600."""
+    for path in sorted(root.rglob("*")):
+        if path.name == "filler" or path.is_symlink():
+            continue
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            return f"{path} has mode {mode:04o}: other users may read it"
+    return None
+
+
+def check_memory_left(root: Path) -> str | None:
+    """Nothing of the run is left in node memory once it ended (close() removes its
+    memory directory, the launcher its rescue marks)."""
+    left = sorted(str(p) for p in root.glob("elastictrain-*/*"))
+    return f"left in node memory after the run: {left}" if left else None
+
+
+def check_neighbour(code: int | None) -> str | None:
+    """The second run on the node finished from a fresh start (0): it never loaded the
+    trial's memory snapshot (3), and nothing of its own was removed under it."""
+    if code is None or code == 0:
+        return None
+    return f"the second run on the node exited {code} (3: it loaded another run's snapshot)"

@@ -22,6 +22,7 @@ from typing import Any
 
 from elastictrain.chaos import checks
 from elastictrain.chaos.job import Job, events_of, signal_pid
+from elastictrain.chaos.memfaults import MemoryNode
 from elastictrain.chaos.schedule import FAULT_KINDS, Fault, Schedule, make_schedule
 from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError, ElasticTrainError
@@ -129,8 +130,12 @@ def run_chaos(opts: ChaosOptions, progress: Any = sys.stderr) -> ChaosReport:
         schedule = make_schedule(opts.seed, trial, opts.faults, clean.wall_s, opts.nproc)
         run = _Run(opts, workdir / f"trial-{trial:04d}", secret, schedule,
                    timeout_s=max(120.0, 8 * clean.wall_s) + grace_s)
-        run.execute()
-        result = run.judge(digest, interval, secret)
+        try:
+            run.execute()
+            result = run.judge(digest, interval, secret)
+        finally:
+            if run.node is not None:  # never a mount left behind
+                run.node.close()
         results.append(result)
         progress.write(f"trial {trial} seed {schedule.seed}: {schedule.describe()} -> "
                        f"{'pass' if result.passed else 'FAIL: ' + '; '.join(result.failures)}"
@@ -156,6 +161,9 @@ class _Run:
         self.opts, self.schedule, self.timeout_s = opts, schedule, timeout_s
         self.storage = workdir / "storage"
         workdir.mkdir(parents=True, exist_ok=True)
+        kinds = {f.kind for f in schedule.memory} if schedule is not None else set()
+        # A trial with a memory fault runs with the memory tier on, in a tmpfs of its own.
+        self.node = MemoryNode(workdir, kinds) if kinds else None
         self.job = Job(self._spec(workdir), self._env(secret), workdir, uuid.uuid4().hex)
         self.injected: list[str] = []
         self.timed_out = False
@@ -193,6 +201,9 @@ class _Run:
             # A rank stopped after its peers finished: the agent ends it after this long.
             "ELASTICTRAIN_LAUNCH__EXIT_TIMEOUT_S": "15",
         }
+        if self.node is not None:
+            env["ELASTICTRAIN_SNAPSHOT__MEMORY_EVERY"] = "1"
+            env["ELASTICTRAIN_SHM"] = str(self.node.root)
         if self.schedule is not None and self.schedule.storage is not None:
             env["ELASTICTRAIN_STORAGE__FAULTS"] = json.dumps(
                 {**asdict(self.schedule.storage), "seed": self.schedule.seed})
@@ -203,6 +214,7 @@ class _Run:
 
     def execute(self) -> None:
         pending = list(self.schedule.faults) if self.schedule else []
+        memory_faults = list(self.schedule.memory) if self.schedule else []
         relaunches = 0  # allowed by faults that end a job (a notice, a job kill)
         started = time.monotonic()
         try:
@@ -220,12 +232,18 @@ class _Run:
                         # A notice or a job kill ends the job: one relaunch each.
                         relaunches += pending.pop(0).kind in ("notice", "relaunch")
                         self.injected.append(note)
+                if memory_faults and time.monotonic() - started >= memory_faults[0].at_s:
+                    assert self.node is not None
+                    self.injected.append(self.node.inject(memory_faults.pop(0).kind,
+                                                          self.job.env))
                 self.job.poll()
                 self.timed_out = time.monotonic() - started > self.timeout_s
                 time.sleep(_POLL_S)  # polling the job and the fault clock
             self.injected += [f"{f.describe()} not injected (job done)" for f in pending]
             if not self.timed_out:
                 self.leftovers = self.job.wait_gone(10)
+            if self.node is not None:
+                self.node.finish_neighbour(120)
         finally:
             self.job.close()
             self.wall_s = time.monotonic() - started
@@ -266,6 +284,11 @@ class _Run:
             checks.check_leftovers(self.leftovers),
             checks.check_secret(secret, self.job.workdir),
         ]
+        if self.node is not None:  # then the tmpfs goes (unmounted by close)
+            found += [checks.check_private(self.node.root),
+                      checks.check_memory_left(self.node.root),
+                      checks.check_neighbour(self.node.neighbour_code)]
+            self.node.close()
         attempts = {(sum(1 for t in self.launch_ts if t <= float(e["ts"])),
                      int(e["restart_count"]))
                     for e in events if e.get("event") == "worker.start"}

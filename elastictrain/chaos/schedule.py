@@ -19,6 +19,13 @@ from elastictrain.errors import ConfigError
 # Faults on processes; "storage" switches the fault-injecting store on for the trial.
 PROCESS_FAULTS = ("kill", "relaunch", "notice", "stop")
 FAULT_KINDS = (*PROCESS_FAULTS, "storage")
+# Faults on the node-memory tier (docs/memory-tier.md), named with --faults only: a
+# trial with one runs with the memory tier on, in a node tmpfs of its own.
+# ``shm_neighbour``: a second run (another storage, the same default memory root) on
+# the node; ``shm_full``: the memory tier's tmpfs (a small one, needs root) filled by a
+# filler file; ``memory_corrupt``: a committed memory snapshot's payload corrupted.
+MEMORY_FAULTS = ("shm_neighbour", "shm_full", "memory_corrupt")
+ALL_KINDS = (*FAULT_KINDS, *MEMORY_FAULTS)
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,18 @@ class StorageFaults:
 
 
 @dataclass(frozen=True)
+class MemoryFault:
+    """One fault on the node-memory tier (``MEMORY_FAULTS``), ``at_s`` after the first
+    launch."""
+
+    kind: str
+    at_s: float
+
+    def describe(self) -> str:
+        return f"{self.kind}@{self.at_s:.1f}s"
+
+
+@dataclass(frozen=True)
 class Schedule:
     """Everything one trial injects."""
 
@@ -69,11 +88,13 @@ class Schedule:
     seed: int
     faults: tuple[Fault, ...]
     storage: StorageFaults | None
+    memory: tuple[MemoryFault, ...] = ()
 
     def describe(self) -> str:
         parts = [f.describe() for f in self.faults]
         if self.storage is not None:
             parts.append(self.storage.describe())
+        parts += [f.describe() for f in self.memory]
         return " ".join(parts) or "none"
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,10 +104,10 @@ class Schedule:
 def parse_kinds(text: str) -> tuple[str, ...]:
     """``kill,notice`` → ("kill", "notice"); one line naming a bad kind."""
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in FAULT_KINDS]
+    unknown = [k for k in kinds if k not in ALL_KINDS]
     if unknown or not kinds:
         raise ConfigError(f"--faults={text!r}: unknown or empty fault kind {unknown}; fix: "
-                          f"choose from {','.join(FAULT_KINDS)}")
+                          f"choose from {','.join(ALL_KINDS)}")
     return kinds
 
 
@@ -125,5 +146,14 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
             write_error_p=rng.choice((0.0, 0.05, 0.1)),
             latency_s=rng.choice((0.0, 0.01, 0.05)),
             crash_after_bytes=rng.choice((None, 4096, 65536)))
+    # Memory faults from a stream of their own: the draws above replay as before.
+    memory_rng = random.Random(s ^ 0x6D656D)
+    memory = [MemoryFault(kind, round(memory_rng.uniform(0.1, 0.6) * horizon_s, 2))
+              for kind in MEMORY_FAULTS if kind in kinds]
+    if not process_kinds and memory and "memory_corrupt" in kinds:
+        # A corrupt memory snapshot matters to a restart: give the trial one.
+        faults.append(Fault(kind="kill", at_s=round(memory_rng.uniform(0.6, 0.9) * horizon_s,
+                                                    2), target="worker",
+                            rank=memory_rng.randrange(world_size)))
     return Schedule(trial=trial, seed=s, faults=tuple(sorted(faults, key=lambda f: f.at_s)),
-                    storage=storage)
+                    storage=storage, memory=tuple(sorted(memory, key=lambda f: f.at_s)))

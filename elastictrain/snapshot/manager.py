@@ -51,6 +51,7 @@ from elastictrain.errors import (
     ConfigError,
     SnapshotWriteFailed,
 )
+from elastictrain.localfiles import make_private_dirs, open_private
 from elastictrain.log import bind_step, get_logger
 from elastictrain.snapshot import memory, rescue
 from elastictrain.snapshot.commit import SnapshotMeta
@@ -171,6 +172,8 @@ class SnapshotManager:
             ShardedSaver(self.store, self.config, self.ctx, unwrap(model), optimizer)
             if self.sharded else Saver(self.store, self.config))
         self._memory_kept = False  # this node's memory directory predates this attempt
+        self._memory_health = memory.Health()
+        self._memory_dir: memory.MemoryTier | None = None
         self.memory_store, self._memory = self._memory_tier()
         self._unfenced_cost: float | None = None
         self._fence_hook = self._copy_behind_fence()
@@ -207,6 +210,7 @@ class SnapshotManager:
         self._resumed_from = -1
         self._boundary: BoundaryRecord | None = None
         self._memory_step = -1  # the step of the last memory snapshot this attempt took
+        self._memory_step_saved = False  # a memory save was started this attempt
 
     def _memory_tier(self) -> tuple[Store | None, Saver | None]:
         """This node's memory store (every rank reads it on restore) and, on the node's
@@ -218,11 +222,20 @@ class SnapshotManager:
             raise ConfigError(
                 f"snapshot.memory_every={every}: the memory tier holds replicated (DDP) state "
                 "and this model is sharded; fix: unset snapshot.memory_every")
-        store, self._memory_kept = memory.open_memory_store(self.config, self.run_id)
+        try:
+            tier = memory.open_memory_tier(self.config, self.run_id, self.store,
+                                           sweep_idle=self.ctx.local_rank == 0)
+        except OSError as exc:  # the node's tmpfs is full: run on durable snapshots
+            self._memory_health.failed("memory directory", exc)
+            return None, None
+        self._memory_dir, self._memory_kept = tier, tier.kept
         if self.ctx.local_rank != 0:
-            return store, None
-        config = self.config.model_copy(update={"keep": 1, "mode": "async"})
-        return store, Saver(store, config, tier="memory")
+            return tier.store, None
+        # One try: a memory save that failed (a full tmpfs) is not retried with a
+        # back-off the next one would wait for; the next memory save is the retry.
+        config = self.config.model_copy(update={"keep": 1, "mode": "async",
+                                                "max_consecutive_failures": 1})
+        return tier.store, Saver(tier.store, config, tier="memory")
 
     def _durable_history(self, history: FailureHistory) -> FailureHistory:
         return history if self.config.memory_every is None else history.durable_view()
@@ -232,9 +245,9 @@ class SnapshotManager:
         this restore resumes a rescue (None without a memory tier): what the failures
         since then were. A failure the memory tier covers leaves the durable interval
         alone, and a rescued one the memory interval too (docs/interval.md)."""
-        if self.memory_store is None:
+        if self._memory_dir is None:
             return None
-        marks = memory.boundary_dir(self.config, self.run_id)
+        marks = self._memory_dir.boundary
         rescued = (loaded_memory_step is not None
                    and rescue.was_rescued(marks, loaded_memory_step))
         lost = self.ctx.all_reduce_max([int(not self._memory_kept), int(not rescued)])
@@ -432,9 +445,7 @@ class SnapshotManager:
         if self.sampler is not None:
             self.sampler.advance()
         if self._rescues:  # first: a failure anywhere after this finds the boundary
-            if self._boundary is None:
-                self._boundary = self._open_boundary()
-            self._boundary.record(self.step_count)
+            self._record_boundary()
         bind_step(self.step_count)
         if self._progress is not None:
             self._progress.write(self.step_count)
@@ -469,13 +480,23 @@ class SnapshotManager:
 
     @property
     def _rescues(self) -> bool:
-        return self.config.rescue and self.memory_store is not None and not self.sharded
+        return self.config.rescue and self._memory_dir is not None and not self.sharded
 
-    def _open_boundary(self) -> BoundaryRecord:
-        directory = memory.boundary_dir(self.config, self.run_id)
-        record = BoundaryRecord(directory, self.ctx.rank, self._attempt(), self._held_tensors)
-        rescue.arm(self._rescue)
-        return record
+    def _record_boundary(self) -> None:
+        """This step's boundary record. A node whose memory directory refuses it (full)
+        goes on without the rescue until a record succeeds again: a rescue finds the
+        record of the step it would commit, or skips."""
+        assert self._memory_dir is not None
+        try:
+            if self._boundary is None:
+                self._boundary = BoundaryRecord(self._memory_dir.boundary, self.ctx.rank,
+                                                self._attempt(), self._held_tensors)
+                rescue.arm(self._rescue)
+            self._boundary.record(self.step_count)
+        except OSError as exc:
+            self._memory_health.failed("rescue boundary record", exc)
+            return
+        self._memory_health.ok("rescue boundary record")
 
     def _attempt(self) -> tuple[int, int, int]:
         return self.ctx.world_size, self._restart_count, self._resumed_from
@@ -493,6 +514,13 @@ class SnapshotManager:
         record = self._boundary
         if record is None or record.step is None:
             return
+        # Marked first, before the lock and any wait: the agent waits for a rescue
+        # from the moment one may begin (it stops the others once this returns).
+        with rescue.rescuing(rescue.marks_dir(record.directory)):
+            self._rescue_marked(record, error)
+
+    def _rescue_marked(self, record: BoundaryRecord, error: BaseException) -> None:
+        assert record.step is not None
         started = time.perf_counter()
         step = record.step
         fields = {"snapshot_step": step, "tier": "memory", "error": type(error).__name__}
@@ -503,7 +531,8 @@ class SnapshotManager:
         if missing:
             reason = (f"no record of step {step} on this node for rank(s) {missing} (on "
                       "another node, or killed while writing it)")
-        if reason is None and not rescue.take_lock(record.directory, self._attempt(), step):
+        if reason is None and (not rescue.take_lock(record.directory, self._attempt(), step)
+                               or rescue.was_rescued(record.directory, step)):
             log.info("snapshot.rescue_skipped", reason="another rank of this node rescues "
                      "this step", **fields)
             return
@@ -515,11 +544,10 @@ class SnapshotManager:
         config = self.config.model_copy(update={"keep": 1, "mode": "sync",
                                                 "overlap_copy": False})
         saver = Saver(self.memory_store, config, tier="memory")  # type: ignore[arg-type]
-        with rescue.rescuing(record.directory):  # the agent waits for it (agent.py)
-            try:
-                saver.save(self._state(rngs), self._meta(), started)  # type: ignore[arg-type]
-            finally:
-                saver.close()
+        try:
+            saver.save(self._state(rngs), self._meta(), started)  # type: ignore[arg-type]
+        finally:
+            saver.close()
         rescue.mark_rescued(record.directory, step)
         log.info("snapshot.rescued", duration_s=round(time.perf_counter() - started, 4),
                  **fields)
@@ -669,6 +697,10 @@ class SnapshotManager:
             failure = self._memory.take_failure()
             if failure is not None:
                 log.warning("snapshot.memory_failed", error=str(failure), tier="memory")
+                self._memory_health.failed("memory snapshot", failure)
+            elif self._memory_step_saved:  # the last one is done (waited for above)
+                self._memory_health.ok("memory snapshot")
+            self._memory_step_saved = True
             self._memory.save(self._state(rng), self._meta(), started, defer=self._deferred())
         if self._memory_policy is not None:  # what the loop waited for (copy behind: less)
             self._memory_policy.observe_cost(time.perf_counter() - started)
@@ -773,13 +805,19 @@ class SnapshotManager:
         if self._boundary is not None:
             rescue.disarm()
             self._boundary.close()
+            self._boundary = None
         self._saver.close()
         if self._memory is not None:
             try:
                 self._memory.close()
             except SnapshotWriteFailed as exc:  # durable storage holds the run's result
                 log.warning("snapshot.memory_failed", error=str(exc), tier="memory")
-            memory.remove_all(self._memory.store)
+            memory.remove_all(self._memory_dir)  # type: ignore[arg-type]
+        elif self._memory_dir is not None:
+            self._memory_dir.release()
+        elif ("memory directory" in self._memory_health.degraded
+              and self.ctx.local_rank == 0):
+            memory.remove_if_ours(self.config, self.store.url)
         if self.ctx.is_writer and not self.sharded:
             log.info("params.digest", param_digest=param_digest(unwrap(self.model)))
         runend.agree_and_mark(self.ctx)
@@ -803,7 +841,7 @@ class _ProgressFile:
     how many steps were lost."""
 
     def __init__(self, directory: str | Path, rank: int) -> None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        make_private_dirs(Path(directory))
         self._path = Path(directory) / f"progress-rank{rank}"
         self._fd: int | None = None
 
@@ -815,5 +853,5 @@ class _ProgressFile:
 
     def write(self, step: int) -> None:
         if self._fd is None:
-            self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT, 0o644)
+            self._fd = open_private(self._path, os.O_WRONLY | os.O_CREAT)
         os.pwrite(self._fd, f"{step:>20d}".encode(), 0)

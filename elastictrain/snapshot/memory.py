@@ -7,61 +7,345 @@ protocol (manifest, checksums, atomic rename), ``keep=1``. A restart restores fr
 memory only when every node holds that same step and it is newer than the newest
 durable snapshot; otherwise from durable storage, the source of truth. Use, choice
 and figures: docs/memory-tier.md.
+
+A memory directory belongs to one user and one durable storage: by default
+``/dev/shm/elastictrain-<uid>/run-<hash of the storage URL>``, so a relaunch of the
+same training finds it whatever its run id, and another job on the node (another
+storage) never does. ``IDENTITY.json`` in it names the storage and run; a directory
+naming another storage is refused, never loaded or deleted. Every process using it
+holds a shared ``flock`` on its ``LOCK`` file (released by the kernel when the process
+dies, SIGKILL included): a directory nobody holds and untouched for
+``snapshot.memory_max_idle_s`` is removed by the next run of the same user on the node.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from elastictrain.config import SnapshotConfig
+from elastictrain.env import SHM_VAR
 from elastictrain.errors import ConfigError
+from elastictrain.localfiles import check_private_dir, open_private, private_dir, user_dir_name
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs
-from elastictrain.snapshot.rescue import BOUNDARY_DIR
-from elastictrain.storage import Store, open_store
+from elastictrain.snapshot.rescue import BOUNDARY_DIR, MARKS_ENV
+from elastictrain.storage import Store
+from elastictrain.storage.fsspec_store import FsspecStore
 
 log = get_logger("elastictrain.snapshot")
 
-DEFAULT_ROOT = "/dev/shm/elastictrain"
+IDENTITY = "IDENTITY.json"
+LOCK = "LOCK"
+RUN_PREFIX = "run-"  # a memory directory under the user's root
+MARKS_PREFIX = "marks-"  # a launcher's rescue marks (snapshot/rescue.py)
 NO_STEP = -1  # a rank whose node holds no committed memory snapshot
 
 
-def memory_dir(config: SnapshotConfig, run_id: str) -> Path:
-    """The node-local directory of this run's memory snapshots.
+def user_root() -> Path:
+    """This user's directory in the node's shared tmpfs (``0700``)."""
+    return user_root_in(Path(os.environ.get(SHM_VAR) or "/dev/shm"))
+
+
+def user_root_in(shm: Path) -> Path:
+    return shm / user_dir_name("elastictrain")
+
+
+def canonical_storage(url: str) -> str:
+    """The durable storage a URL names, spelled one way (a local path resolved)."""
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    if "://" not in url:
+        return "file://" + os.path.realpath(url)
+    return url.rstrip("/")
+
+
+def memory_dir(config: SnapshotConfig, storage_url: str) -> Path:
+    """The node-local directory of the memory snapshots of the run on ``storage_url``.
 
     Raises:
         ConfigError: ``snapshot.memory_dir`` names remote storage.
     """
     configured = config.memory_dir
     if configured is None:
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id) or "run"
-        return Path(DEFAULT_ROOT) / safe
+        key = hashlib.sha256(canonical_storage(storage_url).encode()).hexdigest()[:16]
+        return user_root() / f"{RUN_PREFIX}{key}"
     if configured.startswith("file://"):
         configured = configured[len("file://"):]
     if "://" in configured:
         raise ConfigError(f"snapshot.memory_dir={configured!r} is not a local directory; fix: "
-                          "use a node-local path such as /dev/shm/elastictrain/<run>, or unset "
-                          "it (durable storage is snapshot storage)")
-    return Path(configured)
+                          "use a node-local path such as /dev/shm/<dir>, or unset it (durable "
+                          "storage is snapshot storage)")
+    return Path(os.path.abspath(configured))
 
 
-def boundary_dir(config: SnapshotConfig, run_id: str) -> Path:
-    """Where this node's ranks keep their step-boundary records and rescue marks
-    (snapshot/rescue.py); the agent finds it the same way."""
-    return memory_dir(config, run_id) / BOUNDARY_DIR
+@dataclass
+class MemoryTier:
+    """A memory directory this process may use: checked, and held (``LOCK``)."""
+
+    path: Path
+    store: Store
+    kept: bool  # there since an earlier attempt of this run (not created now)
+    lock_fd: int
+
+    @property
+    def boundary(self) -> Path:
+        """Where this node's ranks keep their step-boundary records (snapshot/rescue.py)."""
+        return self.path / BOUNDARY_DIR
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.lock_fd)
 
 
-def open_memory_store(config: SnapshotConfig, run_id: str) -> tuple[Store, bool]:
-    """The Store on this node's memory directory (created if missing), and whether it
-    was there already: this node kept its memory since an earlier attempt of the run
-    (the directory lives until the run ends; a replaced or rebooted node has none)."""
-    path = memory_dir(config, run_id)
-    kept = path.is_dir()
-    path.mkdir(parents=True, exist_ok=True)
-    return open_store(str(path)), kept
+def open_memory_tier(config: SnapshotConfig, run_id: str, durable: Store,
+                     sweep_idle: bool = False) -> MemoryTier:
+    """Check, create and hold this run's memory directory.
+
+    Raises:
+        ConfigError: it overlaps the durable storage; it (or the user's root) is a
+            symlink, another user's or open to others; it holds another run's files.
+        OSError: the node's tmpfs refused (full): the caller runs without the tier.
+    """
+    path = memory_dir(config, durable.url)
+    _refuse_overlap(path, durable)
+    what = "snapshot.memory_dir" if config.memory_dir else "the memory tier's directory"
+    if config.memory_dir is None:
+        private_dir(path.parent, "the memory tier's root")
+        if sweep_idle:
+            sweep(config.memory_max_idle_s, keep=path)
+    kept = private_dir(path, what)
+    fd = _hold(path, what)
+    try:
+        _claim(path, canonical_storage(durable.url), run_id, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    # No retries: a local tmpfs that refused a write (full) refuses the next one too,
+    # and a memory save must never hold up the next one (the durable tier is the truth).
+    store = FsspecStore(str(path), retries=0, private=True)
+    return MemoryTier(path, store, kept, fd)
+
+
+def _refuse_overlap(path: Path, durable: Store) -> None:
+    """The memory tier prunes (``keep=1``) and at the end removes its directory: it
+    must never share a file with the durable storage."""
+    root = durable.local_path("")
+    if root is None:
+        return
+    mem, dur = os.path.realpath(path), os.path.realpath(root)
+    if mem == dur or mem.startswith(dur + os.sep) or dur.startswith(mem + os.sep):
+        raise ConfigError(f"snapshot.memory_dir={str(path)!r} overlaps the durable storage "
+                          f"{durable.url!r} (the memory tier prunes and removes its own "
+                          "directory); fix: choose a memory_dir outside the durable storage, "
+                          "or unset it")
+
+
+def _hold(path: Path, what: str) -> int:
+    """A shared lock on ``path/LOCK`` for this process's lifetime (the kernel drops it
+    when the process dies). A sweep may remove the directory between our open and our
+    lock: then the file we locked is gone and we start over."""
+    for _ in range(10):
+        fd = open_private(path / LOCK, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        with contextlib.suppress(FileNotFoundError):
+            here, held = os.stat(path / LOCK, follow_symlinks=False), os.fstat(fd)
+            if (here.st_ino, here.st_dev) == (held.st_ino, held.st_dev):
+                os.utime(fd)  # last use: what the idle sweep measures
+                return fd
+        os.close(fd)
+        private_dir(path, what)
+    raise OSError(errno.EAGAIN, f"{path}: removed again and again while being opened")
+
+
+def read_identity(path: Path) -> dict[str, object] | None:
+    """The identity a memory directory records (None when absent or unreadable)."""
+    try:
+        data = json.loads((path / IDENTITY).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _claim(path: Path, storage: str, run_id: str, what: str) -> None:
+    """Make ``path`` this run's: record who it belongs to, or check that it already is.
+    The same durable storage is the same training (a relaunch under a new run id
+    included: its memory snapshots continue that storage's timeline)."""
+    identity = read_identity(path)
+    if identity is None:
+        if (path / IDENTITY).exists() or _foreign_entries(path):
+            raise ConfigError(f"{what}: {path} holds files of no known run (no readable "
+                              f"{IDENTITY}); they are left alone; fix: give this run a "
+                              "memory_dir of its own, or remove that directory")
+    elif identity.get("storage") != storage:
+        raise ConfigError(f"{what}: {path} holds the memory snapshots of another run (run "
+                          f"{identity.get('run_id')!r}, storage {identity.get('storage')!r}); "
+                          "they are left alone; fix: give each run its own "
+                          "snapshot.memory_dir, or unset it (one per storage)")
+    elif identity.get("run_id") == run_id:
+        return
+    _write_identity(path, {"storage": storage, "run_id": run_id, "uid": os.geteuid()})
+
+
+def _foreign_entries(path: Path) -> list[str]:
+    """What is in ``path`` besides our own lock and identity files in the making."""
+    return [n for n in os.listdir(path)
+            if n != LOCK and not n.startswith(f"{IDENTITY}.tmp-")]
+
+
+def _write_identity(path: Path, identity: dict[str, object]) -> None:
+    tmp = path / f"{IDENTITY}.tmp-{os.getpid()}"
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, json.dumps(identity).encode())
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path / IDENTITY)  # every local rank writes the same: the last one wins
+
+
+@contextlib.contextmanager
+def launch_marks() -> Iterator[Path | None]:
+    """A private directory for this launcher's rescue marks (snapshot/rescue.py), named
+    to its workers in ``MARKS_ENV``, held while it runs and removed after. None (the
+    agent then waits for no rescue) where the node's tmpfs refuses it."""
+    path = user_root() / f"{MARKS_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        private_dir(path.parent, "the memory tier's root")
+        private_dir(path, "the rescue's marks")
+        fd = _hold(path, "the rescue's marks")
+    except (OSError, ConfigError) as exc:
+        log.warning("snapshot.memory_degraded", what="rescue marks", error=str(exc),
+                    tier="memory", action="the agent stops a failed group without waiting "
+                    "for a rescue")
+        yield None
+        return
+    os.environ[MARKS_ENV] = str(path)
+    try:
+        yield path
+    finally:
+        os.environ.pop(MARKS_ENV, None)
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
+
+
+def sweep(max_idle_s: float, keep: Path | None = None) -> list[Path]:
+    """Remove this user's memory directories (and launchers' rescue marks) that no
+    process holds and nobody used for ``max_idle_s``: no run can use them any more
+    without having touched them since. Returns what was removed."""
+    root = user_root()
+    try:
+        check_private_dir(root, "the memory tier's root")
+        entries = list(os.scandir(root))
+    except (OSError, ConfigError):
+        return []
+    removed = []
+    for entry in entries:
+        path = Path(entry.path)
+        if (path == keep or not entry.is_dir(follow_symlinks=False)
+                or not entry.name.startswith((RUN_PREFIX, MARKS_PREFIX))):
+            continue
+        with _exclusive(path) as free:
+            if free and time.time() - _last_used(path) >= max_idle_s:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+                log.info("snapshot.memory_removed", path=str(path), reason="idle",
+                         max_idle_s=max_idle_s, tier="memory")
+    return removed
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[bool]:
+    """Yields whether no process holds ``path`` (its ``LOCK``), holding it meanwhile."""
+    try:
+        fd = os.open(path / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        yield True  # never held (the directory of an opener that died before its lock)
+        return
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _last_used(path: Path) -> float:
+    times = [os.stat(path, follow_symlinks=False).st_mtime]
+    with contextlib.suppress(OSError):
+        times.append(os.stat(path / LOCK, follow_symlinks=False).st_mtime)
+    return max(times)
+
+
+def in_use(path: Path) -> bool:
+    """Whether a live process holds this memory directory."""
+    with _exclusive(path) as free:
+        return not free
+
+
+@dataclass(frozen=True)
+class Held:
+    """One memory directory of this user on this node (``elastictrain snapshots list
+    --memory``)."""
+
+    path: Path
+    storage: str | None
+    run_id: str | None
+    steps: list[int]
+    size_bytes: int
+    in_use: bool
+    idle_s: float
+
+
+def held(root: Path | None = None) -> list[Held]:
+    """This user's memory directories under ``root`` (default: the user's root)."""
+    root = root or user_root()
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False) or not entry.name.startswith(RUN_PREFIX):
+            continue
+        path = Path(entry.path)
+        identity = read_identity(path) or {}
+        steps = sorted((s for s in (layout.parse_step(n) for n in _names(path / layout.SNAPSHOTS))
+                        if s is not None), reverse=True)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        found.append(Held(path, _str(identity.get("storage")), _str(identity.get("run_id")),
+                          steps, size, in_use(path), time.time() - _last_used(path)))
+    return found
+
+
+def _names(path: Path) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def skip_reason(highest: int, lowest: int, durable_step: int) -> str | None:
@@ -94,12 +378,52 @@ def drop_newer(store: Store, step: int | None) -> list[int]:
     return dropped
 
 
-def remove_all(store: Store) -> None:
-    """Remove this node's memory snapshots and directory (a run that finished)."""
-    store.delete(layout.SNAPSHOTS, recursive=True)
-    store.delete(BOUNDARY_DIR, recursive=True)  # the rescue's records (snapshot/rescue.py)
-    root = store.local_path("")
-    if root is not None:
-        with contextlib.suppress(OSError):  # not empty (someone else's files): leave it
-            Path(root).rmdir()
-    log.info("snapshot.memory_removed", path=store.url)
+def remove_all(tier: MemoryTier) -> None:
+    """Remove this run's memory directory (the run finished): its snapshots, boundary
+    records, identity and lock. Only ever a directory this run claimed at open."""
+    for name in (layout.SNAPSHOTS, BOUNDARY_DIR):
+        shutil.rmtree(tier.path / name, ignore_errors=True)
+    for name in (IDENTITY, LOCK):
+        with contextlib.suppress(OSError):
+            (tier.path / name).unlink()
+    with contextlib.suppress(OSError):  # not empty (someone else's files): leave it
+        tier.path.rmdir()
+    tier.release()
+    log.info("snapshot.memory_removed", path=str(tier.path), reason="finished", tier="memory")
+
+
+def remove_if_ours(config: SnapshotConfig, storage_url: str) -> None:
+    """At the end of a finished run whose memory tier could not be opened (a full
+    tmpfs): remove what an earlier attempt of this run, or our own failed claim, left
+    in its memory directory; anything naming another storage is left alone."""
+    path = memory_dir(config, storage_url)
+    identity = read_identity(path)
+    try:
+        ours = (identity.get("storage") == canonical_storage(storage_url) if identity
+                else not _foreign_entries(path))
+    except OSError:
+        return
+    if ours:
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("snapshot.memory_removed", path=str(path), reason="finished", tier="memory")
+
+
+class Health:
+    """Whether the memory tier (saves, boundary records) works now: a failure (a full
+    tmpfs) is said once, as ``snapshot.memory_degraded``, and training goes on with
+    durable snapshots; the first success after it says ``snapshot.memory_recovered``."""
+
+    def __init__(self) -> None:
+        self.degraded: dict[str, str] = {}  # what failed → why
+
+    def failed(self, what: str, error: BaseException | str) -> None:
+        if what in self.degraded:
+            return
+        self.degraded[what] = str(error)
+        log.warning("snapshot.memory_degraded", what=what, error=str(error), tier="memory",
+                    action="training goes on with durable snapshots; the memory tier and the "
+                    "rescue come back once the node's memory directory has room again")
+
+    def ok(self, what: str) -> None:
+        if self.degraded.pop(what, None) is not None:
+            log.info("snapshot.memory_recovered", what=what, tier="memory")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import os
 import random
 import struct
@@ -29,6 +31,8 @@ from typing import Any
 
 import torch
 
+from elastictrain.env import RESCUE_MARKS_VAR
+from elastictrain.localfiles import open_private, private_dir
 from elastictrain.log import get_logger
 from elastictrain.snapshot.tensorbytes import tensor_bytes
 
@@ -40,6 +44,10 @@ except ImportError:  # pragma: no cover - numpy is installed with the test extra
 log = get_logger("elastictrain.snapshot")
 
 BOUNDARY_DIR = "boundary"
+# Where a launcher (elastictrain run) wants the rescue marks it waits for: a private
+# directory of its own, since it cannot know the memory directory (its name comes from
+# the storage URL the script passes). Without it, the boundary directory.
+MARKS_ENV = RESCUE_MARKS_VAR
 _RESCUING = "rescuing-"  # + the PID of a process writing a rescue
 _RESCUED = "rescued-"  # + the step of a committed rescue
 _MAGIC = 0x45545242  # "ETRB"
@@ -58,13 +66,13 @@ class BoundaryRecord:
 
     def __init__(self, directory: Path, rank: int, attempt: tuple[int, int, int],
                  tensors: Callable[[], list[torch.Tensor]]) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        private_dir(directory, "the rescue's boundary directory")
         self.directory = directory
         self.path = directory / f"rank{rank}"
         self._attempt = attempt
         self._tensors = tensors
         self._watched: list[torch.Tensor] | None = None
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
         self.step: int | None = None
         self._versions = 0
         self._numpy = _NumpyState()
@@ -77,7 +85,11 @@ class BoundaryRecord:
         if len(payload) + _HEADER.size > SLOT_BYTES:
             return  # not expected (RNG states are ~10 kB); the rescue then skips this rank
         header = _HEADER.pack(_MAGIC, step, *self._attempt, len(payload), zlib.crc32(payload))
-        os.pwrite(self._fd, header + payload, (step % 2) * SLOT_BYTES)
+        data = header + payload
+        if os.pwrite(self._fd, data, (step % 2) * SLOT_BYTES) != len(data):
+            # A full tmpfs can cut a write short: the record is torn (its checksum says
+            # so), and this step has none.
+            raise OSError(errno.ENOSPC, f"{self.path}: short write of a boundary record")
         self.step = step
         self._versions = self._version_sum()
 
@@ -189,7 +201,7 @@ def _rng_state(payload: bytes) -> dict[str, Any]:
 def mark_rescued(directory: Path, step: int) -> None:
     """Note that the memory snapshot of ``step`` is a rescue (the restart that resumes
     it says so in its ``resume`` event; the automatic memory interval reads that)."""
-    (directory / f"{_RESCUED}{step}").touch()
+    os.close(open_private(directory / f"{_RESCUED}{step}", os.O_WRONLY | os.O_CREAT))
 
 
 def was_rescued(directory: Path, step: int) -> bool:
@@ -215,25 +227,43 @@ def rescuing_pids(directory: Path) -> set[int]:
             if n.startswith(_RESCUING) and n.removeprefix(_RESCUING).isdigit()}
 
 
+def marks_dir(boundary: Path) -> Path:
+    """Where this process marks a rescue in progress: the launcher's directory when it
+    named one (``MARKS_ENV``), else the boundary directory."""
+    named = os.environ.get(MARKS_ENV)
+    return Path(named) if named else boundary
+
+
 @contextlib.contextmanager
 def rescuing(directory: Path) -> Iterator[None]:
-    """Mark this process as writing a rescue while the block runs."""
+    """Mark this process as writing a rescue while the block runs. Entered before the
+    rescue takes its lock or waits for anything: from the moment one may begin, the
+    agent sees it (and waits up to ``launch.rescue_timeout_s``)."""
     marker = directory / f"{_RESCUING}{os.getpid()}"
-    marker.touch()
+    private_dir(directory, "the rescue's marks")
+    os.close(open_private(marker, os.O_WRONLY | os.O_CREAT))
     try:
         yield
     finally:
         marker.unlink(missing_ok=True)
 
 
+_held_locks: list[int] = []  # open until the process ends: one rescue per step
+
+
 def take_lock(directory: Path, attempt: tuple[int, int, int], step: int) -> bool:
-    """True for the one rank of this node that rescues ``step`` of this attempt."""
+    """True for the one rank of this node that rescues ``step`` of this attempt. An
+    ``flock``, held until this process ends: a rescuer killed half-way leaves no lock
+    behind that would stop another rank."""
     world, restarts, resumed = attempt
-    name = directory / f"rescue-{world}-{restarts}-{resumed}-{step}"
+    fd = open_private(directory / f"rescue-{world}-{restarts}-{resumed}-{step}",
+                      os.O_WRONLY | os.O_CREAT)
     try:
-        os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-    except FileExistsError:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
         return False
+    _held_locks.append(fd)
     return True
 
 

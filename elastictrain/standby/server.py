@@ -165,7 +165,7 @@ def _child(request: dict[str, Any], sock: socket.socket, selector: selectors.Bas
         os.setsid()  # as torchrun's Popen(start_new_session=True): signalled as a group
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             if path:
-                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.dup2(target, fd)
                 os.close(target)
         os.chdir(request["cwd"])

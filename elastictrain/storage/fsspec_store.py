@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 import fsspec
@@ -41,6 +42,7 @@ from elastictrain.errors import (
     StoragePermissionError,
     StorageTransientError,
 )
+from elastictrain.localfiles import make_private_dirs, private_opener
 from elastictrain.log import get_logger
 from elastictrain.storage import s3
 from elastictrain.storage.api import Store
@@ -94,6 +96,7 @@ class FsspecStore:
         multipart_threshold_bytes, part_size_bytes, upload_concurrency: streaming
             uploads on S3 (:mod:`.multipart`): objects up to the threshold go in one
             PUT, larger ones as multipart uploads.
+        private: local files created ``0600`` and directories ``0700``.
     """
 
     def __init__(
@@ -105,9 +108,13 @@ class FsspecStore:
         part_size_bytes: int = DEFAULT_PART_SIZE,
         upload_concurrency: int = DEFAULT_UPLOAD_CONCURRENCY,
         multipart_threshold_bytes: int | None = None,
+        private: bool = False,
     ) -> None:
         refuse_credentials_in_url(url)
         self._url = url
+        # Local files only this user may read (0600 files, 0700 directories): the
+        # node-memory tier (elastictrain/localfiles.py).
+        self._private = private
         self._policy = RetryPolicy(retries=retries, backoff_s=retry_backoff_s)
         self._part_size = part_size_bytes
         self._threshold = (DEFAULT_MULTIPART_THRESHOLD if multipart_threshold_bytes is None
@@ -194,7 +201,8 @@ class FsspecStore:
     def write_bytes(self, path: str, data: bytes, *, if_absent: bool = False) -> None:
         full = self._full(path)
         if self.is_local:
-            self._call("write", path, lambda: _local_atomic_write(full, data, if_absent))
+            self._call("write", path, lambda: _local_atomic_write(full, data, if_absent,
+                                                                   self._private))
             return
         if if_absent and self._conditional_put:
             try:
@@ -231,8 +239,8 @@ class FsspecStore:
         full = self._full(path)
         tmp = f"{full}.tmp-{uuid.uuid4().hex}"
         try:
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            with open(tmp, "wb") as f:
+            _make_dirs(os.path.dirname(full), self._private)
+            with open(tmp, "wb", opener=_opener(self._private)) as f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
@@ -551,12 +559,23 @@ def _protocols(fs: Any) -> tuple[str, ...]:
     return (proto,) if isinstance(proto, str) else tuple(proto)
 
 
-def _local_atomic_write(full: str, data: bytes, if_absent: bool) -> None:
+def _make_dirs(directory: str, private: bool) -> None:
+    if private:
+        make_private_dirs(Path(directory))
+    else:
+        os.makedirs(directory, exist_ok=True)
+
+
+def _opener(private: bool) -> Callable[[str, int], int] | None:
+    return private_opener if private else None
+
+
+def _local_atomic_write(full: str, data: bytes, if_absent: bool, private: bool) -> None:
     directory = os.path.dirname(full)
-    os.makedirs(directory, exist_ok=True)
+    _make_dirs(directory, private)
     tmp = f"{full}.tmp-{uuid.uuid4().hex}"
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", opener=_opener(private)) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -178,8 +178,11 @@ def test_remote_memory_dir_is_a_config_error(tmp_path: Path) -> None:
         build(str(tmp_path / "run"), memory_every=1, memory_dir="s3://b/x")
 
 
-def test_default_memory_dir_is_per_run_in_shm() -> None:
+def test_default_memory_dir_is_per_user_and_storage_in_shm(tmp_path: Path) -> None:
     from elastictrain.config import SnapshotConfig
 
-    path = memory.memory_dir(SnapshotConfig(memory_every=1), "job/7")
-    assert path == Path("/dev/shm/elastictrain/job_7") and os.sep in str(path)
+    config = SnapshotConfig(memory_every=1)
+    path = memory.memory_dir(config, str(tmp_path / "a"))
+    assert path.parent == Path(f"/dev/shm/elastictrain-{os.geteuid()}")
+    assert path == memory.memory_dir(config, f"file://{tmp_path}/x/../a")  # one storage
+    assert path != memory.memory_dir(config, str(tmp_path / "b"))

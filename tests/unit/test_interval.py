@@ -322,7 +322,7 @@ def test_durable_interval_counts_only_failures_that_lost_the_memory_tier(
         {"event": "x", "ts": 50.0}])
     memory_dir = tmp_path / "memory"
     if node_kept_memory:
-        memory_dir.mkdir()
+        memory_dir.mkdir(mode=0o700)
     ctx = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
     snap = SnapshotManager(str(tmp_path / "s"), model=torch.nn.Linear(2, 2), ctx=ctx,
                            clock=_Clock(), every_steps="auto", memory_every="auto",

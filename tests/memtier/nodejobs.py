@@ -1,0 +1,107 @@
+"""Real one-process jobs (tests/memtier/node_job.py) for the node-memory tier's tests:
+started in their own session, talked to through pipes (no sleeps), stopped by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import REPO, child_env, kill_session
+
+JOB = REPO / "tests" / "memtier" / "node_job.py"
+LINE_TIMEOUT_S = 120.0
+
+
+class Job:
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+
+    def line(self) -> dict[str, Any]:
+        """The job's next JSON line (fails on exit or after a deadline)."""
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], LINE_TIMEOUT_S)
+        assert ready, "the job said nothing in time"
+        raw = self.proc.stdout.readline()
+        assert raw, f"the job exited {self.proc.wait()}: {self.stderr()}"
+        return dict(json.loads(raw))
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        return self.proc.wait(timeout=LINE_TIMEOUT_S)
+
+    def stderr(self) -> str:
+        assert self.proc.stderr is not None
+        if self.proc.poll() is None:
+            return ""
+        return self.proc.stderr.read().decode(errors="replace")
+
+
+class Jobs:
+    """Starts jobs; stops what is left of them at the end of the test."""
+
+    def __init__(self, tmp_path: Path, shm: Path) -> None:
+        self.tmp_path, self.shm = tmp_path, shm
+        self.started: list[Job] = []
+
+    def start(self, root: Path, steps: int, park: int = 0, user: str | None = None,
+              **env: str) -> Job:
+        cmd = [sys.executable, str(JOB), str(root), str(steps), str(park)]
+        if user is not None:
+            cmd = ["runuser", "-u", user, "--", *cmd]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=self.tmp_path,
+                                env=child_env(self.tmp_path, ELASTICTRAIN_SHM=str(self.shm),
+                                              PYTHONPATH=str(REPO), **env),
+                                start_new_session=True)
+        job = Job(proc)
+        self.started.append(job)
+        return job
+
+    def stop_all(self) -> None:
+        for job in self.started:
+            kill_session(job.proc)
+            for pipe in (job.proc.stdin, job.proc.stdout, job.proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A stand-in for /dev/shm (a directory every user may create in, sticky, on the
+    real tmpfs), so the tests never touch the node's real per-user directories."""
+    path = Path("/dev/shm") / f"et-test-{uuid.uuid4().hex[:12]}"
+    path.mkdir()
+    os.chmod(path, 0o1777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def jobs(tmp_path: Path, shm: Path) -> Iterator[Jobs]:
+    started = Jobs(tmp_path, shm)
+    try:
+        yield started
+    finally:
+        started.stop_all()
+
+
+def files_under(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*")]
