@@ -145,7 +145,15 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._exit_watch: dict[int, tuple[int | None, float]] = {}  # pid -> CPU ticks, since
         self._exit_checked = 0.0
         self._end_logged = False  # agent.failed_after_end was logged for this attempt
+        self._finished = False  # see finished
         ElasticTrainAgent.latest = self
+
+    @property
+    def finished(self) -> bool:
+        """This node's workers all ended the run (exit 0, or a failure after the agreed
+        end): a notice while the agent waits for the other nodes is no failure."""
+        codes = self._worker_codes()
+        return self._finished or (bool(codes) and all(c == 0 for c in codes.values()))
 
     def restart_count(self) -> int:
         """The attempt number torchrun gives workers (TORCHELASTIC_RESTART_COUNT)."""
@@ -223,6 +231,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and result.failures:
             self._on_failures(result.failures)
+        self._finished = result.state == WorkerState.SUCCEEDED
         return result
 
     def _failed_after_the_end(self, worker_group: WorkerGroup) -> RunResult | None:
@@ -242,6 +251,7 @@ class ElasticTrainAgent(LocalElasticAgent):
                                                               sorted(failed.items())})
         if any(code is None for code in codes.values()):
             return RunResult(state=WorkerState.HEALTHY)
+        self._finished = True
         return RunResult(state=WorkerState.SUCCEEDED,
                          return_values={w.global_rank: None for w in worker_group.workers})
 
@@ -381,8 +391,8 @@ def on_grace_expired(signum: int) -> tuple[list[int], int]:
     groups = [pid for pid, code in codes.items() if code is None]
     if agent.standby is not None and agent.standby.pid is not None:
         groups.append(agent.standby.pid)
-    if codes and all(code == 0 for code in codes.values()):
-        return groups, EXIT_OK  # finished: stuck in the exit barrier for the other nodes
+    if agent.finished:
+        return groups, EXIT_OK  # stuck in the exit barrier, waiting for the other nodes
     outcome = preempted_outcome(codes.values()) or agent.outcome
     code = {"preempted": EXIT_PREEMPTED,
             "preempted_unsaved": EXIT_PREEMPTED_UNSAVED}.get(str(outcome), 128 + signum)

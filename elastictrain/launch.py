@@ -427,6 +427,8 @@ def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
             return EXIT_OK
         except SignalException as exc:
             agent = ElasticTrainAgent.latest
+            if agent is not None and agent.finished:
+                return EXIT_OK  # signalled while waiting for the other nodes at the end
             if agent is not None and agent.outcome == "preempted":
                 return EXIT_PREEMPTED
             if agent is not None and agent.outcome == "preempted_unsaved":

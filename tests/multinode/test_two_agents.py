@@ -1,0 +1,286 @@
+"""The user's scripts under two agents on this machine, from start to a clean end.
+
+Each "node" is its own launcher (``elastictrain run`` or plain ``torchrun``) with one
+worker, joined by a c10d rendezvous on 127.0.0.1, as docs/guide.md describes multi-node
+use: the README's example and the FSDP2 example, unmodified. Both launchers must exit 0
+soon after the last step, and no attempt may re-run the end (resume from the final
+step). Then the faults at the end: a worker failing after the agreed end, a SIGTERM while
+an agent waits for the other node, and a node lost and replaced mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import REPO, child_env, events, free_port
+
+pytestmark = pytest.mark.distributed
+
+EXAMPLES = {"ddp": (REPO / "examples" / "ddp_resumable.py", []),
+            "fsdp": (REPO / "examples" / "fsdp_resumable.py", ["--steps", "40"])}
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with suppress(OSError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGSTOP then SIGKILL ``pid``'s whole tree: a node gone at once, without notice."""
+    tree = descendants(pid)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for member in tree:
+            with suppress(ProcessLookupError):
+                os.kill(member, sig)
+
+
+@dataclass
+class Node:
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class Cluster:
+    """Agents of one job on this machine; every process they started is stopped."""
+
+    def __init__(self, tmp_path: Path, launcher: str, nnodes: str, script: str) -> None:
+        self.tmp_path, self.launcher, self.nnodes = tmp_path, launcher, nnodes
+        self.script, self.script_args = EXAMPLES[script]
+        self.port = free_port()
+        self.storage = tmp_path / "storage"
+        self.nodes: list[Node] = []
+        self.rdzv_id = f"two-{self.port}"
+
+    def command(self, extra: list[str]) -> list[str]:
+        head = ([sys.executable, "-m", "elastictrain.cli", "run", "--no-view"]
+                if self.launcher == "run" else [sys.executable, "-m", "torch.distributed.run"])
+        return [*head, "--nproc-per-node", "1", "--max-restarts", "3", "--nnodes", self.nnodes,
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+                "--rdzv-id", self.rdzv_id, *extra, str(self.script), str(self.storage),
+                *self.script_args]
+
+    def start(self, extra: list[str] | None = None) -> Node:
+        log = self.tmp_path / f"node{len(self.nodes)}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                self.command(extra or []), stdout=out, stderr=subprocess.STDOUT,
+                cwd=self.tmp_path, start_new_session=True,
+                env=child_env(self.tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+        node = Node(proc, log)
+        self.nodes.append(node)
+        if len(self.nodes) == 1:  # the rendezvous host listens before the others join
+            wait_until(lambda: port_open(self.port) or proc.poll() is not None, 120,
+                       f"the first agent's rendezvous port (log: {node.text()[-2000:]})")
+        return node
+
+    def wait_all(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for node in self.nodes:
+            try:
+                codes.append(node.proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                logs = "\n".join(n.text()[-3000:] for n in self.nodes)
+                raise AssertionError(f"an agent did not end in {timeout} s:\n{logs}") from None
+        return codes
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                kill_tree(node.proc.pid)
+            with suppress(subprocess.TimeoutExpired):
+                node.proc.wait(timeout=30)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
+    made: list[Cluster] = []
+
+    def make(launcher: str, nnodes: str, script: str = "ddp") -> Cluster:
+        made.append(Cluster(tmp_path, launcher, nnodes, script))
+        return made[-1]
+
+    with ExitStack() as stack:
+        stack.callback(lambda: [c.stop() for c in made])
+        yield make
+
+
+def worker_events(root: Path, name: str) -> list[dict[str, Any]]:
+    return [e for e in events(root, name) if e.get("role") != "agent"]
+
+
+def events_root(cluster: Cluster) -> Path:
+    """Where this job's events are: beside the snapshots, or the default run dir."""
+    for candidate in (cluster.storage / "events", cluster.tmp_path / "elastictrain-run"):
+        if candidate.exists():
+            return candidate
+    raise AssertionError("no events directory")
+
+
+def final_step(cluster: Cluster) -> int:
+    steps = [int(p.name.split("_")[1]) for p in (cluster.storage / "snapshots").iterdir()
+             if p.name.startswith("step_") and (p / "MANIFEST.json").exists()]
+    return max(steps)
+
+
+def assert_clean_end(cluster: Cluster) -> None:
+    root = events_root(cluster)
+    end = final_step(cluster)
+    again = [e for e in worker_events(root, "resume") if e.get("from_step") == end]
+    assert not again, f"an attempt re-ran the end (resumed from the final step {end})"
+    assert not events(root, "agent.grace_expired")
+
+
+@pytest.mark.parametrize("launcher,nnodes,script", [
+    ("run", "2:2", "ddp"), ("run", "1:2", "ddp"), ("torchrun", "2:2", "ddp"),
+    ("torchrun", "1:2", "ddp"), ("run", "2:2", "fsdp"), ("torchrun", "1:2", "fsdp")])
+def test_both_agents_end_cleanly(cluster: Any, launcher: str, nnodes: str, script: str) -> None:
+    job = cluster(launcher, nnodes, script)
+    job.start()
+    job.start()
+    assert job.wait_all(timeout=240) == [0, 0]
+    assert_clean_end(job)
+    if launcher == "run":
+        restarts = [e for e in events(events_root(job), "agent.restart")
+                    if e.get("reason") == "failure"]
+        assert not restarts, f"a clean run restarted after a failure: {restarts}"
+
+
+FAIL_AFTER_END = '''
+import os, sys, torch
+import elastictrain as et
+rt = et.init()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+snap = et.SnapshotManager(sys.argv[1], model=model, optimizer=opt, ctx=rt.ctx, every_steps=5)
+snap.restore()
+while snap.step_count < 10:
+    model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad(); snap.step()
+snap.close()
+if rt.rank == 1:
+    os._exit(3)  # fails after the agreed end (as a worker aborting in teardown would)
+if len(sys.argv) > 2 and rt.rank == 0:
+    open(sys.argv[2], "w").write("evaluated")  # rank 0's work after close() still runs
+et.shutdown()
+'''
+
+
+def test_a_worker_failing_after_the_end_does_not_restart_the_run(
+        cluster: Any, tmp_path: Path) -> None:
+    script = tmp_path / "fail_after_end.py"
+    script.write_text(FAIL_AFTER_END)
+    job = cluster("run", "2:2")
+    job.script, job.script_args = script, [str(tmp_path / "evaluated")]
+    job.start()
+    job.start()
+    assert job.wait_all(timeout=180) == [0, 0]
+    root = events_root(job)
+    after = events(root, "agent.failed_after_end")
+    assert len(after) == 1 and list(after[0]["exit_codes"].values()) == [3]
+    assert not events(root, "agent.restart")
+    assert (tmp_path / "evaluated").read_text() == "evaluated"
+
+
+LATE = '''
+import sys, time, torch
+import elastictrain as et
+rt = et.init()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+snap = et.SnapshotManager(sys.argv[1], model=model, optimizer=opt, ctx=rt.ctx, every_steps=5)
+snap.restore()
+while snap.step_count < 10:
+    model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad(); snap.step()
+snap.close()
+et.shutdown()
+if rt.rank == 1:
+    open(sys.argv[2], "w").write("evaluating")
+    time.sleep(3600)  # one node evaluates long after the end; the other waits for it
+'''
+
+
+def test_sigterm_ends_an_agent_waiting_for_another_node(cluster: Any, tmp_path: Path) -> None:
+    """Node A finished and waits in torchrun's exit barrier (a C++ store call, where its
+    Python signal handler may not run) for node B, still busy: a scheduler's SIGTERM ends
+    A within --shutdown-timeout + 10 s, with exit 0 (its run finished) and nothing left
+    (the grace watch itself: tests/unit/test_gracewatch.py)."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE)
+    flag = tmp_path / "evaluating"
+    job = cluster("run", "2:2")
+    job.script, job.script_args = script, [str(flag)]
+    first = job.start(["--shutdown-timeout", "5"])
+    job.start()
+    wait_until(flag.exists, 180, "rank 1's evaluation after the end")
+    workers = [int(pid) for line in first.text().splitlines() if "agent.attempt_started" in line
+               for pid in json.loads(line[line.index("{"):])["pids"].values()]
+    wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 120,
+               "node A's worker to end")
+    tree = descendants(first.proc.pid)
+    started = time.monotonic()
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.proc.wait(timeout=60) == 0
+    assert time.monotonic() - started < 5 + 10 + 5
+    assert all(not Path(f"/proc/{pid}").exists() for pid in tree), "node A left a process"
+
+
+def test_a_node_lost_and_replaced_mid_run(cluster: Any) -> None:
+    """Node B's whole tree is SIGKILLed after the snapshot of step 10 committed; a new
+    agent takes its place; the job resumes at world size 2, ends cleanly, every agent 0."""
+    job = cluster("run", "2:2")
+    job.start()
+    lost = job.start()
+    committed = job.storage / "snapshots" / "step_000000000010" / "MANIFEST.json"
+    wait_until(committed.exists, 180, "the snapshot of step 10")
+    kill_tree(lost.proc.pid)
+    lost.proc.wait(timeout=30)
+    job.nodes.remove(lost)
+    job.start()
+    assert job.wait_all(timeout=240) == [0, 0]
+    assert_clean_end(job)
+    root = events_root(job)
+    resumed = [e for e in worker_events(root, "resume") if e.get("from_step")]
+    assert resumed and all(e["from_step"] >= 10 for e in resumed)
+    assert {e["world_size"] for e in resumed} == {2}
