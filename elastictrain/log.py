@@ -9,6 +9,7 @@ log), which ``elastictrain`` reads back for summaries and goodput.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import sys
@@ -72,12 +73,14 @@ def _close_tee() -> None:
         _tee.close()
 
 
-def move_events_file(path: str | Path, upload: Uploader | None = None) -> None:
+def move_events_file(path: str | Path, upload: Uploader | None = None,
+                     leave_link: bool = False) -> None:
     """Move this process's event file to ``path`` and go on appending there.
 
     What was written so far is copied to the new file first, so it still starts with
-    the process's first event (``worker.start``); the old file is removed. Nothing
-    happens without an event file (``configure`` gave none).
+    the process's first event (``worker.start``); the old file is removed, or with
+    ``leave_link`` replaced by a symbolic link to the new one (a launcher that watches
+    the old directory still reads it). Nothing happens without an event file.
     """
     global _tee
     old = _tee
@@ -94,6 +97,9 @@ def move_events_file(path: str | Path, upload: Uploader | None = None) -> None:
             written = b""
         with new.open("ab") as f:
             f.write(written)
+        if leave_link:
+            with contextlib.suppress(OSError):
+                old.path.symlink_to(new.resolve())
     _tee = _EventFileTee(new, upload)
     config = structlog.get_config()
     processors = [_tee if p is old else p for p in config["processors"]]

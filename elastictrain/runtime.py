@@ -23,7 +23,9 @@ file is spooled locally and uploaded there, elastictrain.events). ``init`` runs
 before any manager exists, so it opens the file under ``storage.url`` (the setting,
 default ``./elastictrain-run``) and the manager moves it, with what it holds so far;
 a script without a manager keeps it there. This needs no launcher, so plain torchrun
-and ``elastictrain run`` put events in the same place.
+and ``elastictrain run`` put events in the same place; under ``elastictrain run`` a
+symbolic link is left in the launcher's events directory (its live view and summary
+read the workers' events there, beside the agent's).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from elastictrain import events, preempt, watchdog
 from elastictrain import log as et_log
 from elastictrain.config import Settings, StorageConfig, load_settings
 from elastictrain.dist import DistContext, destroy_process_group, init_process_group
-from elastictrain.env import WorkerEnv
+from elastictrain.env import LAUNCH_ID_VAR, WorkerEnv, getenv
 from elastictrain.errors import EXIT_FATAL, ElasticTrainError
 from elastictrain.snapshot import rescue
 
@@ -129,9 +131,12 @@ def events_beside(storage: StorageConfig) -> None:
     old_dir = Path(rt.events_dir) if rt.events_dir else None
     if rt.events_dir is not None and sink.path.parent == old_dir:
         return
-    et_log.move_events_file(sink.path, sink.upload)
+    # Under elastictrain run (it sets the launch id) the launcher's live view and agent
+    # watch the old directory: a link there keeps the worker's events in their sight.
+    launched = bool(getenv(LAUNCH_ID_VAR))
+    et_log.move_events_file(sink.path, sink.upload, leave_link=launched)
     rt.events_dir = str(sink.path.parent)
-    if old_dir is not None:
+    if old_dir is not None and not launched:
         _remove_empty(old_dir, levels=3)  # <run id>/, events/, the default storage root
 
 
