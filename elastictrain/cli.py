@@ -61,14 +61,23 @@ def _goodput(args: argparse.Namespace) -> int:
     from elastictrain import ops
     from elastictrain.accounting.split import format_split, split_run
     from elastictrain.events import is_remote
-    from elastictrain.goodput import compute_goodput, format_report
+    from elastictrain.goodput import (
+        compute_goodput,
+        format_report,
+        one_figure,
+        run_events_location,
+    )
 
-    store = (ops.open_from_cli(args.events_dir, args.storage_options)
-             if is_remote(args.events_dir) else None)
+    remote = is_remote(args.events_dir)
+    store = ops.open_from_cli(args.events_dir, args.storage_options) if remote else None
+    # A storage root (what the script gave SnapshotManager) stands for its newest run.
+    events_dir = run_events_location(args.events_dir, store)
+    if remote and events_dir != args.events_dir:
+        store = ops.open_from_cli(events_dir, args.storage_options)
     try:
-        report = compute_goodput(args.events_dir, store)
+        report = compute_goodput(events_dir, store)
         # The per-cause split reads local event files (object storage: the totals only).
-        split = split_run(args.events_dir) if store is None else None
+        split = split_run(events_dir) if store is None else None
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from None
     if args.plot and split is not None:
@@ -76,7 +85,7 @@ def _goodput(args: argparse.Namespace) -> int:
 
         plot_split(split, args.plot)
     if args.json:
-        print(json.dumps({**report.to_dict(),
+        print(json.dumps({**one_figure(report, split), "events_dir": events_dir,
                           "split": split.to_dict() if split is not None else None}))
     else:
         print(format_split(split) if split is not None else format_report(report))
