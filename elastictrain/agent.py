@@ -239,10 +239,13 @@ class ElasticTrainAgent(LocalElasticAgent):
             code = int(failure.exitcode)
             stopped = failure.pid in self._killed
             error = errors.get(global_rank) or {}
+            # ``message`` is the event's own field: "Type: message" once the worker said.
             fields = {k: error.get(k) for k in (*ERROR_FIELDS, "output_file")
-                      if error.get(k) is not None}
-            message = (f"{error['error']}: {error['message']}" if error
-                       else str(failure.message))
+                      if k != "message" and error.get(k) is not None}
+            # torch keeps a structured error file's message as the dict it read.
+            raw = failure.message
+            message = (f"{error['error']}: {error['message']}" if error else
+                       str(raw.get("message") if isinstance(raw, dict) else raw))
             log.warning("agent.worker_failed" if not stopped else "agent.worker_stopped",
                         worker_rank=global_rank, local_rank=failure.local_rank,
                         pid=failure.pid, exit_code=code,

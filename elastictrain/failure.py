@@ -31,7 +31,9 @@ def failure_lines(error: Mapping[str, Any] | None, crash_loop: int | None = None
     identical failures it saw."""
     if not error:
         return []
-    message = str(error.get("message") or "").split("fix:", 1)[0].rstrip(" ;,")
+    # The agent's event says "Type: message"; the worker's own record the message alone.
+    message = str(error.get("message") or "").removeprefix(f"{error.get('error')}: ")
+    message = message.split("fix:", 1)[0].rstrip(" ;,")
     step = error.get("failed_step")
     lines = [f"  error:           {error.get('error')}: {message}",
              f"    raised at:     {error.get('where')} (rank {error.get('worker_rank')}"

@@ -243,7 +243,7 @@ def describe_failure(exc: BaseException, tb: TracebackType | None) -> dict[str, 
     return {"error": type(exc).__name__, "message": str(exc)[:2000],
             "where": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None,
             "failed_step": structlog_step(),
-            "log_file": None if log_file is None else str(log_file)}
+            "log_file": None if log_file is None else os.path.abspath(log_file)}
 
 
 # torchrun gives each worker this file; its agent reads it when the worker fails.
