@@ -224,7 +224,7 @@ def exit_on_error(exc_type: type[BaseException], exc: BaseException,
     """
     rescue.on_uncaught(exc)  # a survivor commits its last step to node memory
     failure = describe_failure(exc, tb)
-    record_failure(failure, tb)
+    record_failure(failure, tb, with_traceback=not isinstance(exc, ElasticTrainError))
     log = et_log.get_logger("elastictrain")
     if not isinstance(exc, ElasticTrainError):
         log.error("worker.failed", **failure, exit_code=1)
@@ -250,15 +250,21 @@ def describe_failure(exc: BaseException, tb: TracebackType | None) -> dict[str, 
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
 
 
-def record_failure(failure: dict[str, Any], tb: TracebackType | None) -> None:
+def record_failure(failure: dict[str, Any], tb: TracebackType | None,
+                   with_traceback: bool = True) -> None:
     """Write ``failure`` to torchrun's error file for this worker, in torch's own
-    format (its ``message``, which torchrun's summary prints) plus ours under
-    ``elastictrain`` (agent.py reads it). Best effort: the exit must still happen."""
+    format (its ``message``; torchrun's failure report prints ``py_callstack``) plus
+    ours under ``elastictrain`` (agent.py reads it). Without ``with_traceback`` (our
+    own errors, whose message says what to fix) the report gets one line, not a
+    traceback. Best effort: the exit must still happen."""
     path = os.environ.get(ERROR_FILE_VAR)
     if not path:
         return
-    data = {"message": {"message": f"{failure['error']}: {failure['message']}",
-                        "extraInfo": {"py_callstack": "".join(traceback.format_tb(tb)),
+    headline = f"{failure['error']}: {failure['message']}"
+    stack = ("Traceback (most recent call last):\n" + "".join(traceback.format_tb(tb))
+             + headline if with_traceback else f"{headline} (at {failure['where']})")
+    data = {"message": {"message": headline,
+                        "extraInfo": {"py_callstack": stack,
                                       "timestamp": str(int(time.time()))}},
             "elastictrain": {**failure, "ts": time.time()}}
     try:
