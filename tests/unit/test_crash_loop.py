@@ -69,3 +69,23 @@ def test_summary_lines_name_the_error_place_log_and_fix() -> None:
                              "set it >= 1", "where": "x.py:1", "worker_rank": 1})
     assert own_fix[-1].endswith("fix:             set it >= 1")
     assert failure_lines(None) == []
+
+
+def test_the_demo_summary_names_the_first_failing_workers_error(tmp_path: Any) -> None:
+    import json
+
+    from elastictrain.demo.runner import human_summary, summarize
+
+    events = [{"event": "agent.worker_failed", "ts": 2.0, "first": False, "worker_rank": 1,
+               "message": "RuntimeError: peer"},
+              {"event": "agent.worker_failed", "ts": 2.1, "first": True,
+               **_error(0), "message": "RuntimeError: Numpy is not available"},
+              {"event": "agent.crash_loop", "ts": 2.2, "failures": 2}]
+    (tmp_path / "agent-x-host-1.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in events))
+    result = summarize(str(tmp_path), "store", 78, 1.0)
+    text = human_summary(result)
+    assert "error:           RuntimeError: Numpy is not available" in text
+    assert "raised at:     onepass.py:282 (rank 0, step 0)" in text
+    assert "crash loop:      the same error at the same step in 2 attempts" in text
+    assert "fix:" in text
