@@ -15,6 +15,12 @@ What it adds, each by overriding one of the agent's documented steps
   on the same path);
 * **no restart** of a group whose workers exited 75 (preempted after a final
   snapshot: the node is going away) or 78 (fatal: a restart cannot fix it);
+* **the first failing worker's error**, from torchrun's per-worker error file that
+  the worker's excepthook fills (``runtime.record_failure``), on
+  ``agent.worker_failed`` (``first: true``) and in the launcher's summary;
+* **a crash loop stops the run**: ``launch.crash_loop_failures`` attempts in a row
+  whose first failure is the same error at the same place and step end the run with
+  78 (``agent.crash_loop``) instead of burning the remaining restarts;
 * **SIGKILL, not SIGTERM,** to stop the remaining workers for a restart (after a
   failure or on a membership change). Our workers read SIGTERM as a preemption
   notice: they would not die on it but try to save and exit 75 (which another
@@ -68,6 +74,7 @@ from elastictrain.errors import (
     EXIT_PREEMPTED_UNSAVED,
     ElasticTrainError,
 )
+from elastictrain.failure import ERROR_FIELDS, fix_line
 from elastictrain.log import bind, get_logger
 from elastictrain.proctree import tree_cpu_ticks
 from elastictrain.snapshot import rescue
@@ -125,6 +132,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     rescue_dir: Path | None = None  # where survivors mark a rescue (snapshot/rescue.py)
     rescue_timeout_s: float = 30.0
     end_dir: Path | None = None  # where workers mark the run's agreed end (runend.py)
+    crash_loop_failures: int = 2  # set by installed() from launch.crash_loop_failures
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -146,6 +154,11 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._exit_checked = 0.0
         self._end_logged = False  # agent.failed_after_end was logged for this attempt
         self._finished = False  # see finished
+        # The first failing worker's error of the newest failed attempt (its summary),
+        # and the crash-loop count: identical failures in a row (_check_crash_loop).
+        self.failure: dict[str, Any] | None = None
+        self._loop_signature: tuple[str, ...] | None = None
+        self._loop_count = 0
         ElasticTrainAgent.latest = self
 
     @property
@@ -256,16 +269,31 @@ class ElasticTrainAgent(LocalElasticAgent):
                          return_values={w.global_rank: None for w in worker_group.workers})
 
     def _on_failures(self, failures: dict[int, ProcessFailure]) -> None:
+        errors = {rank: self._worker_error(rank, f) for rank, f in failures.items()
+                  if f.pid not in self._killed}
+        reported = {rank: e for rank, e in errors.items() if e is not None}
+        # The worker that failed first says why; the others mostly fail because it did.
+        first = min(reported, key=lambda r: (float(reported[r].get("ts") or 0.0), r),
+                    default=None)
         for global_rank, failure in sorted(failures.items()):
             code = int(failure.exitcode)
             stopped = failure.pid in self._killed
-            log.warning("agent.worker_stopped" if stopped else "agent.worker_failed",
+            error = errors.get(global_rank) or {}
+            # ``message`` is the event's own field: "Type: message" once the worker said.
+            fields = {k: error.get(k) for k in (*ERROR_FIELDS, "output_file")
+                      if k != "message" and error.get(k) is not None}
+            # torch keeps a structured error file's message as the dict it read.
+            raw = failure.message
+            message = (f"{error['error']}: {error['message']}" if error else
+                       str(raw.get("message") if isinstance(raw, dict) else raw))
+            log.warning("agent.worker_failed" if not stopped else "agent.worker_stopped",
                         worker_rank=global_rank, local_rank=failure.local_rank,
                         pid=failure.pid, exit_code=code,
                         signal=failure.signal_name() if code < 0 else None,
                         meaning="stopped by the agent" if stopped else describe_exit(code),
-                        message=str(failure.message)[:300])
+                        message=message[:300], first=global_rank == first, **fields)
         self._killed.clear()
+        self.failure = reported[first] if first is not None else None
         codes = sorted({int(f.exitcode) for f in failures.values()})
         # A 75 means the whole world agreed and the writer committed before any rank
         # exited (workers pass a barrier first); a 78 cannot be healed by a restart.
@@ -278,6 +306,43 @@ class ElasticTrainAgent(LocalElasticAgent):
             self.outcome = "fatal"
             log.error("agent.fatal", exit_codes=codes)
             raise WorkersFatal("a worker exited 78 (fatal, not restarted)")
+        self._check_crash_loop()
+
+    def _worker_error(self, rank: int, failure: ProcessFailure) -> dict[str, Any] | None:
+        """What the worker wrote to its error file before it died (runtime.record_failure),
+        with its rank and output file; None when it wrote nothing (a signal, an OOM kill,
+        a script without ``elastictrain.init``)."""
+        data = getattr(failure, "error_file_data", None)
+        ours = data.get("elastictrain") if isinstance(data, dict) else None
+        if not isinstance(ours, dict):
+            return None
+        stderrs = getattr(self._pcontext, "stderrs", None) or {}
+        output = stderrs.get(failure.local_rank) if isinstance(stderrs, dict) else None
+        return {**ours, "worker_rank": rank, "output_file": str(output) if output else None}
+
+    def _check_crash_loop(self) -> None:
+        """Stop (exit 78) once ``crash_loop_failures`` attempts in a row failed first with
+        the same error at the same place and the same step: no progress, and a restart
+        would fail the same way. A failure at a later step (progress) or another error
+        starts the count over; a failure without a reported error (a signal) resets it."""
+        error = self.failure
+        signature = None if error is None else tuple(
+            str(error.get(k)) for k in ("error", "message", "where", "failed_step"))
+        if signature is not None and signature == self._loop_signature:
+            self._loop_count += 1
+        else:
+            self._loop_signature, self._loop_count = signature, int(signature is not None)
+        if error is None or not self.crash_loop_failures or \
+                self._loop_count < self.crash_loop_failures:
+            return
+        self.outcome = "crash_loop"
+        log.error("agent.crash_loop", failures=self._loop_count,
+                  worker_rank=error.get("worker_rank"),
+                  **{k: error.get(k) for k in ERROR_FIELDS},
+                  fix=fix_line(error))
+        raise WorkersFatal(f"crash loop: {self._loop_count} attempts failed with the same "
+                           f"error at the same step ({error.get('error')} at "
+                           f"{error.get('where')})")
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         healthy = worker_group.state == WorkerState.HEALTHY
@@ -427,6 +492,7 @@ def installed(launch: LaunchDefaults | None = None, rescue_dir: Path | None = No
     ElasticTrainAgent.rescue_dir = rescue_dir
     ElasticTrainAgent.end_dir = end_dir
     ElasticTrainAgent.rescue_timeout_s = launch.rescue_timeout_s
+    ElasticTrainAgent.crash_loop_failures = launch.crash_loop_failures
     ElasticTrainAgent.standby_preload = tuple(launch.standby_preload) if launch.standby else None
     ElasticTrainAgent.latest = None
     try:

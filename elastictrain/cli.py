@@ -137,18 +137,29 @@ def _goodput(args: argparse.Namespace) -> int:
     from elastictrain import ops
     from elastictrain.accounting.split import format_split, split_run
     from elastictrain.events import is_remote
-    from elastictrain.goodput import compute_goodput, format_report
+    from elastictrain.goodput import (
+        compute_goodput,
+        format_report,
+        one_figure,
+        run_events_location,
+    )
 
-    if is_remote(args.events_dir):
+    remote = is_remote(args.events_dir)
+    if remote:
         store = ops.open_from_cli(args.events_dir, args.storage_options)
     else:
         store = None
-        ops.check_location(args.events_dir, "events directory",
-                           "a run's events directory, <storage>/events/<run id>")
+        ops.check_location(args.events_dir, "storage or events directory",
+                           "a run's storage root, or its events directory "
+                           "<storage>/events/<run id>")
+    # A storage root (what the script gave SnapshotManager) stands for its newest run.
+    events_dir = run_events_location(args.events_dir, store)
+    if remote and events_dir != args.events_dir:
+        store = ops.open_from_cli(events_dir, args.storage_options)
     try:
-        report = compute_goodput(args.events_dir, store)
+        report = compute_goodput(events_dir, store)
         # The per-cause split reads local event files (object storage: the totals only).
-        split = split_run(args.events_dir) if store is None else None
+        split = split_run(events_dir) if store is None else None
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from None
     if args.plot and split is not None:
@@ -156,7 +167,7 @@ def _goodput(args: argparse.Namespace) -> int:
 
         plot_split(split, args.plot)
     if args.json:
-        print(json.dumps({**report.to_dict(),
+        print(json.dumps({**one_figure(report, split), "events_dir": events_dir,
                           "split": split.to_dict() if split is not None else None}))
     else:
         print(format_split(split) if split is not None else format_report(report))

@@ -28,10 +28,13 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from elastictrain.events import read_event_files
+from elastictrain.events import EVENTS_DIR, read_event_files
 from elastictrain.storage import Store
+
+if TYPE_CHECKING:
+    from elastictrain.accounting.split import Split
 
 
 @dataclass(frozen=True)
@@ -139,3 +142,55 @@ def format_report(report: Goodput) -> str:
              f"{report.steps_lost} steps lost, step {report.step_time_s * 1000:.1f} ms"]
     lines += [f"  {name:<20} {secs:9.2f}s  {secs / wall:6.1%}" for name, secs in rows]
     return "\n".join(lines)
+
+
+def run_events_location(location: str, store: Store | None = None) -> str:
+    """The events directory of one run, from what the user passed: that directory
+    itself, or a storage root (what the script gave ``SnapshotManager``, or demo/run's
+    ``--storage``) whose ``events/`` holds one directory per run: the newest run's
+    (by the launch ids in its file names, which sort by start time).
+
+    Args:
+        location: a local path or, with ``store`` opened at it, a URL.
+    """
+    def names(directory: str) -> list[str]:
+        if store is None:
+            path = Path(location) / directory
+            return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        try:
+            return sorted(store.list_dir(directory))
+        except Exception:  # a missing prefix lists nothing on most stores, raises on some
+            return []
+
+    def is_rank0(name: str) -> bool:
+        return name.startswith("attempt") and name.endswith("-rank0.jsonl")
+
+    if any(is_rank0(n) for n in names("")) or EVENTS_DIR not in names(""):
+        return location
+    newest: tuple[str, str] | None = None
+    for run in names(EVENTS_DIR):
+        launches = [n.split("-", 1)[1] for n in names(f"{EVENTS_DIR}/{run}") if is_rank0(n)]
+        if launches and (newest is None or max(launches) > newest[0]):
+            newest = (max(launches), run)
+    if newest is None:
+        return location
+    return f"{location.rstrip('/')}/{EVENTS_DIR}/{newest[1]}"
+
+
+def one_figure(report: Goodput, split: Split | None) -> dict[str, Any]:
+    """``goodput --json``'s top level. With the per-cause split (local events) its wall,
+    seconds and goodput are the split's, so the document holds one goodput figure; the
+    step-based estimate (``compute_goodput``) then adds only its step time and the
+    pending time between launches (a part of ``restart_s``). Object storage: the
+    estimate alone."""
+    if split is None:
+        return report.to_dict()
+    wall = split.wall_s
+    productive = split.seconds["productive"]
+    return {"wall_s": round(wall, 3),
+            **{f"{cause}_s": round(secs, 3) for cause, secs in split.seconds.items()},
+            "pending_s": report.pending_s, "attempts": len(split.attempts),
+            "final_step": split.attempts[-1].to_step,
+            "steps_lost": sum(a.lost_steps for a in split.attempts),
+            "step_time_s": report.step_time_s,
+            "goodput": round(productive / wall, 4) if wall > 0 else 0.0}

@@ -490,7 +490,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_id = str(args.rdzv_id)
     # --tee asks for the workers' output on the terminal, where it would tear the view.
     if not view_wanted(quiet=no_view) or "tee" in given:
-        return _run(full, args, settings, run_id)
+        code = _run(full, args, settings, run_id)
+        why = failure_summary()
+        if code != EXIT_OK and why:
+            print(f"elastictrain run: exit {code}: {exit_meaning(code)}\n" + "\n".join(why),
+                  file=sys.stderr, flush=True)
+        return code
     from elastictrain.view.run import RunOutput, run_view, summary, worker_log_args
 
     events_dir = run_events_dir(settings, run_id)
@@ -498,13 +503,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     output = RunOutput(events_dir, log_dir, events_dir / f"launcher-{launch}.log")
     with run_view(output, run_id, launch) as view:
         code = _run(added + full, args, settings, run_id)
-    print(summary(view.state, code, exit_meaning(code), output), flush=True)
+    why = failure_summary() if code != EXIT_OK else []
+    print("\n".join([summary(view.state, code, exit_meaning(code), output), *why]),
+          flush=True)
     return code
 
 
 def _usage_error(exc: ConfigError) -> int:
     print(f"elastictrain run: error: {exc}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def failure_summary() -> list[str]:
+    """Lines naming the first failing worker's error of the last failed attempt, its
+    log and a fix, and the crash loop if that stopped the run (``elastictrain.failure``);
+    none when no worker reported an error (killed by a signal, preempted)."""
+    from elastictrain.agent import ElasticTrainAgent
+    from elastictrain.failure import failure_lines
+
+    agent = ElasticTrainAgent.latest
+    if agent is None:
+        return []
+    loop = agent.crash_loop_failures if agent.outcome == "crash_loop" else None
+    return failure_lines(agent.failure, loop)
 
 
 def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: str) -> int:
@@ -519,6 +540,7 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
              monitor_interval_s=args.monitor_interval, rdzv_backend=args.rdzv_backend,
              rdzv_endpoint=args.rdzv_endpoint, shutdown_timeout_s=args.shutdown_timeout,
              signals_to_handle=args.signals_to_handle, entrypoint=args.training_script)
+    from elastictrain.agent import ElasticTrainAgent
     from elastictrain.snapshot import memory
 
     notices = frozenset(int(signal.Signals[name.strip()])
@@ -526,7 +548,10 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
     with memory.launch_marks() as marks:  # where survivors mark a rescue (agent waits)
         code = run_torchrun(full, settings.launch, marks,
                             shutdown_timeout_s=float(args.shutdown_timeout), notices=notices)
-    log.info("agent.finished", exit_code=code, outcome=_outcome(code),
+    agent = ElasticTrainAgent.latest
+    crash_loop = agent is not None and agent.outcome == "crash_loop" and code == EXIT_FATAL
+    log.info("agent.finished", exit_code=code,
+             outcome="crash_loop" if crash_loop else _outcome(code),
              wall_s=round(time.monotonic() - started, 3))
     return code
 
@@ -547,7 +572,8 @@ def exit_meaning(code: int) -> str:
         EXIT_PREEMPTED_UNSAVED: "stopped, the final snapshot did not commit; the same "
                                 "command resumes from the newest committed one",
         EXIT_FATAL: "fatal, a restart cannot fix it (bad config, resume mismatch, access "
-                    "denied): see the workers' output; do not retry",
+                    "denied, or the same error again and again: a crash loop): see the "
+                    "workers' output; do not retry",
     }
     if code in meanings:
         return meanings[code]

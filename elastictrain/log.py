@@ -9,6 +9,7 @@ log), which ``elastictrain`` reads back for summaries and goodput.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import sys
@@ -42,6 +43,10 @@ class _EventFileTee:
         self._lock = threading.Lock()
         self._upload = upload
 
+    @property
+    def path(self) -> Path:
+        return self._path
+
     def __call__(self, logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
         line = json.dumps(event, default=str, separators=(",", ":"))
         with self._lock:
@@ -69,6 +74,44 @@ def _close_tee() -> None:
     # storage here; a SIGKILLed process keeps what its last periodic upload carried.
     if _tee is not None:
         _tee.close()
+
+
+def move_events_file(path: str | Path, upload: Uploader | None = None,
+                     leave_link: bool = False) -> None:
+    """Move this process's event file to ``path`` and go on appending there.
+
+    What was written so far is copied to the new file first, so it still starts with
+    the process's first event (``worker.start``); the old file is removed, or with
+    ``leave_link`` replaced by a symbolic link to the new one (a launcher that watches
+    the old directory still reads it). Nothing happens without an event file.
+    """
+    global _tee
+    old = _tee
+    if old is None:
+        return
+    new = Path(path)
+    old.close()  # on object storage this also uploads it once more: harmless
+    if old.path != new:
+        new.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            written = old.path.read_bytes()
+            old.path.unlink()
+        except OSError:
+            written = b""
+        with new.open("ab") as f:
+            f.write(written)
+        if leave_link:
+            with contextlib.suppress(OSError):
+                old.path.symlink_to(new.resolve())
+    _tee = _EventFileTee(new, upload)
+    config = structlog.get_config()
+    processors = [_tee if p is old else p for p in config["processors"]]
+    structlog.configure(processors=processors)
+
+
+def events_file() -> Path | None:
+    """This process's event file (None without one)."""
+    return _tee.path if _tee is not None else None
 
 
 def _add_time(logger: WrappedLogger, name: str, event: EventDict) -> EventDict:

@@ -5,26 +5,47 @@ with the run's context bound (run_id, rank, world_size, restart_count), joins
 the process group, and installs a ``sys.excepthook`` under which an
 :class:`~elastictrain.errors.ElasticTrainError` reaching the top of the script
 logs one ``worker.error`` event and exits with the error's ``exit_code`` (78 for
-a fatal one: the launcher's agent then stops restarting). What it returns is
-also ``current()``, where a ``SnapshotManager`` built without ``ctx``/``config``
-finds it. ``shutdown`` destroys the group and restores the previous hook.
+a fatal one: the launcher's agent then stops restarting). Any other exception
+logs ``worker.failed`` and goes on to the previous hook (exit 1). Either way the
+error (type, message, file:line, step, this worker's event file) is also written to
+torchrun's per-worker error file (``TORCHELASTIC_ERROR_FILE``), where the agent
+reads it for its failure summary and its crash-loop rule (agent.py): that file is
+the one channel that reaches the agent under plain and standby-forked workers alike,
+wherever the events go. What it returns is also ``current()``, where a
+``SnapshotManager`` built without ``ctx``/``config`` finds it. ``shutdown`` logs
+``run.finished`` for a clean end (unless ``SnapshotManager.close`` did), destroys the
+group and restores the previous hook.
+
+Where the events go (the rule): ``log.events_dir`` when set; otherwise beside the
+snapshots: ``<storage>/events/<run id>/``, with ``<storage>`` the URL the script
+passes to its first ``SnapshotManager`` (``events_beside``; on object storage the
+file is spooled locally and uploaded there, elastictrain.events). ``init`` runs
+before any manager exists, so it opens the file under ``storage.url`` (the setting,
+default ``./elastictrain-run``) and the manager moves it, with what it holds so far;
+a script without a manager keeps it there. This needs no launcher, so plain torchrun
+and ``elastictrain run`` put events in the same place; under ``elastictrain run`` a
+symbolic link is left in the launcher's events directory (its live view and summary
+read the workers' events there, beside the agent's).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from elastictrain import events, preempt, watchdog
 from elastictrain import log as et_log
-from elastictrain.config import Settings, load_settings
+from elastictrain.config import Settings, StorageConfig, load_settings
 from elastictrain.dist import DistContext, destroy_process_group, init_process_group
-from elastictrain.env import WorkerEnv
+from elastictrain.env import LAUNCH_ID_VAR, WorkerEnv, getenv
 from elastictrain.errors import EXIT_FATAL, ElasticTrainError
 from elastictrain.snapshot import rescue
 
@@ -39,6 +60,10 @@ class Runtime:
     env: WorkerEnv
     ctx: DistContext
     events_dir: str | None
+    run_id: str = ""
+    events_file_name: str = ""
+    events_moved: bool = False  # events_beside already chose the storage
+    finished: bool = False  # run.finished was logged
 
     @property
     def rank(self) -> int:
@@ -51,6 +76,9 @@ class Runtime:
     @property
     def device(self) -> Any:
         return self.ctx.device
+
+
+_current: Runtime | None = None  # what init() returned in this process
 
 
 def default_events_dir(settings: Settings) -> str | None:
@@ -85,8 +113,64 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
     preempt.install(settings.preempt, poll=env.local_rank == 0)
     watchdog.install(settings.watchdog)
     global _current
-    _current = Runtime(settings, env, ctx, str(sink.path.parent))
+    _current = Runtime(settings, env, ctx, str(sink.path.parent), run_id,
+                       sink.path.name)
     return _current
+
+
+def events_beside(storage: StorageConfig) -> None:
+    """Move this worker's event file beside the snapshots at ``storage`` (the module
+    docstring's rule; ``SnapshotManager`` calls it): the first manager decides, and
+    a configured ``log.events_dir`` is left alone."""
+    rt = _current
+    if rt is None or rt.events_moved or rt.settings.log.events_dir:
+        return
+    rt.events_moved = True
+    moved = rt.settings.model_copy(update={"storage": storage})
+    sink = events.open_sink(moved, rt.run_id, rt.events_file_name)
+    old_dir = Path(rt.events_dir) if rt.events_dir else None
+    if rt.events_dir is not None and sink.path.parent == old_dir:
+        return
+    # Under elastictrain run (it sets the launch id) the launcher's live view and agent
+    # watch the old directory: a link there keeps the worker's events in their sight.
+    launched = bool(getenv(LAUNCH_ID_VAR))
+    et_log.move_events_file(sink.path, sink.upload, leave_link=launched)
+    rt.events_dir = str(sink.path.parent)
+    if old_dir is not None and not launched:
+        _remove_empty(old_dir, levels=3)  # <run id>/, events/, the default storage root
+
+
+def _remove_empty(directory: Path, levels: int) -> None:
+    """Remove ``directory`` and up to ``levels - 1`` parents while they are empty (what
+    ``init`` created for the events before they moved)."""
+    for _ in range(levels):
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (another rank's file, snapshots) or gone
+            return
+        directory = directory.parent
+
+
+def log_finished(**fields: Any) -> None:
+    """Log ``run.finished`` once (rank 0): the script ended cleanly. Not while an error
+    propagates (a ``finally`` around the loop): that is no clean end."""
+    rt = _current
+    if sys.exc_info()[1] is not None or (rt is not None and rt.finished):
+        return
+    if rt is not None:
+        rt.finished = True
+        if rt.rank != 0:
+            return
+    fields.setdefault("final_step", structlog_step())
+    et_log.get_logger("elastictrain").info("run.finished", **fields)
+
+
+def structlog_step() -> int | None:
+    """The step bound to this process's events (the manager re-binds it every step)."""
+    import structlog
+
+    step = structlog.contextvars.get_contextvars().get("step")
+    return step if isinstance(step, int) else None
 
 
 def current() -> Runtime | None:
@@ -96,14 +180,16 @@ def current() -> Runtime | None:
 
 def shutdown() -> None:
     """Leave the process group (call at the end of training, also on errors)."""
+    global _current
     failing = sys.exc_info()[1]
     if failing is not None:  # from a ``finally`` while an error propagates: the rescue
         rescue.on_uncaught(failing)  # goes first, before the agent stops this process
+    elif _current is not None:
+        log_finished()  # a script without SnapshotManager.close() ends cleanly here
     watchdog.uninstall()  # teardown is not a hang
     # Handlers stay: a late SIGTERM from the agent must not turn exit 75 into a kill.
     preempt.uninstall(restore_signals=False)
     destroy_process_group()
-    global _current
     _current = None
     # Called from a ``finally`` while an error propagates, the hook must stay for it.
     if sys.exc_info()[1] is None:
@@ -137,16 +223,54 @@ def exit_on_error(exc_type: type[BaseException], exc: BaseException,
     ``SystemExit`` raised by the hook sets the interpreter's exit status.
     """
     rescue.on_uncaught(exc)  # a survivor commits its last step to node memory
+    failure = describe_failure(exc, tb)
+    record_failure(failure, tb, with_traceback=not isinstance(exc, ElasticTrainError))
+    log = et_log.get_logger("elastictrain")
     if not isinstance(exc, ElasticTrainError):
+        log.error("worker.failed", **failure, exit_code=1)
         (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
         return
-    frames = traceback.extract_tb(tb)
-    et_log.get_logger("elastictrain").error(
-        "worker.error", error=exc_type.__name__, message=str(exc), exit_code=exc.exit_code,
-        fatal=exc.exit_code == EXIT_FATAL,
-        where=f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None)
+    log.error("worker.error", **failure, exit_code=exc.exit_code,
+              fatal=exc.exit_code == EXIT_FATAL)
     raise SystemExit(exc.exit_code)
 
 
-_current: Runtime | None = None
+def describe_failure(exc: BaseException, tb: TracebackType | None) -> dict[str, Any]:
+    """What a failure summary says of an uncaught error: its type, message, the
+    file:line it was raised at, the step, and this worker's event file."""
+    frames = traceback.extract_tb(tb)
+    log_file = et_log.events_file()
+    return {"error": type(exc).__name__, "message": str(exc)[:2000],
+            "where": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None,
+            "failed_step": structlog_step(),
+            "log_file": None if log_file is None else os.path.abspath(log_file)}
+
+
+# torchrun gives each worker this file; its agent reads it when the worker fails.
+ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
+
+
+def record_failure(failure: dict[str, Any], tb: TracebackType | None,
+                   with_traceback: bool = True) -> None:
+    """Write ``failure`` to torchrun's error file for this worker, in torch's own
+    format (its ``message``; torchrun's failure report prints ``py_callstack``) plus
+    ours under ``elastictrain`` (agent.py reads it). Without ``with_traceback`` (our
+    own errors, whose message says what to fix) the report gets one line, not a
+    traceback. Best effort: the exit must still happen."""
+    path = os.environ.get(ERROR_FILE_VAR)
+    if not path:
+        return
+    headline = f"{failure['error']}: {failure['message']}"
+    stack = ("Traceback (most recent call last):\n" + "".join(traceback.format_tb(tb))
+             + headline if with_traceback else f"{headline} (at {failure['where']})")
+    data = {"message": {"message": headline,
+                        "extraInfo": {"py_callstack": stack,
+                                      "timestamp": str(int(time.time()))}},
+            "elastictrain": {**failure, "ts": time.time()}}
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, default=str), encoding="utf-8")
+    except OSError:
+        pass
+
 

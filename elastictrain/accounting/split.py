@@ -269,6 +269,11 @@ def _ended_by(events: list[Event], agent: list[Event], start: float,
         before_next = next_start is None or e["ts"] < next_start
         if e.get("event") == "agent.worker_failed" and e["ts"] >= start and before_next:
             return str(e.get("signal") or f"exit {e.get('exit_code')}")
+    # The worker's own last word when no launcher's events are beside (plain torchrun).
+    error = next((e for e in events if e.get("event") in ("worker.failed", "worker.error")),
+                 None)
+    if error is not None:
+        return f"{error.get('error')} at {error.get('where')}"
     return "failed (no event)" if next_start is not None else "ended (no event)"
 
 

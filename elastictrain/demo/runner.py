@@ -22,6 +22,7 @@ from elastictrain.demo.job import RunningJob
 from elastictrain.demo.multinode import NodesPlan, membership_timings, parse_nnodes, run_nodes
 from elastictrain.demo.preflight import check_resumable, validate_elastic
 from elastictrain.errors import EXIT_PREEMPTED, ConfigError
+from elastictrain.failure import failure_lines
 from elastictrain.launch import LaunchSpec, start_torchrun
 from elastictrain.log import read_events
 from elastictrain.runtime import default_events_dir
@@ -93,6 +94,10 @@ class DemoResult:
     membership: list[dict[str, Any]] = field(default_factory=list)  # nodes killed / added
     final_snapshot: int | None = None  # step of the final snapshot after a notice
     interrupted: str | None = None  # SIGINT / SIGTERM the demo received
+    # The first failing worker's error of the last failed attempt (elastictrain.failure),
+    # and the number of identical failures when the launcher stopped on a crash loop.
+    error: dict[str, Any] | None = None
+    crash_loop: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -222,6 +227,14 @@ def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float) -> D
             finished = event
         elif name == "preempt.saved":
             final_snapshot = int(event["snapshot_step"])
+    error: dict[str, Any] | None = None
+    crash_loop: int | None = None
+    agent_files = sorted(Path(events_dir).rglob("agent-*.jsonl"))
+    for event in sorted((e for p in agent_files for e in read_events(p)), key=lambda e: e["ts"]):
+        if event.get("event") == "agent.worker_failed" and event.get("first"):
+            error = event
+        elif event.get("event") == "agent.crash_loop":
+            crash_loop = int(event.get("failures") or 0)
     return DemoResult(
         final_step=finished.get("final_step"),
         restarts=max(len(resumed_from) - 1, 0),
@@ -236,6 +249,8 @@ def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float) -> D
         wall_s=round(wall_s, 2),
         world_sizes=world_sizes,
         final_snapshot=final_snapshot,
+        error=error if exit_code != 0 else None,
+        crash_loop=crash_loop,
     )
 
 
@@ -255,6 +270,8 @@ def human_summary(result: DemoResult) -> str:
         f"  storage:            {result.storage}",
         f"  events:             {result.events_dir}",
     ]
+    if result.exit_code not in (0, EXIT_PREEMPTED):
+        lines += failure_lines(result.error, result.crash_loop)
     return "\n".join(lines)
 
 

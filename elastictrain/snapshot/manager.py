@@ -121,7 +121,9 @@ class SnapshotManager:
         run_id: recorded in manifests; defaults to the settings', then torchrun's run id.
         storage_options: passed to fsspec (credentials: never logged).
         progress_dir: local directory for a tiny per-rank step counter, used to
-            report how many steps a restart lost. None disables it.
+            report how many steps a restart lost (the ``resume`` event's
+            ``lost_steps``). None: this worker's events directory under
+            ``elastictrain.init``, else none; False disables it.
         clock: monotonic seconds for ``every_seconds`` (tests inject a fake one).
         sharded: save model and optimizer from every rank through DCP (FSDP2/DTensor
             state, docs/sharded.md); None: when the model's parameters are DTensors.
@@ -145,7 +147,7 @@ class SnapshotManager:
         ctx: DistContext | None = None,
         run_id: str | None = None,
         storage_options: dict[str, Any] | None = None,
-        progress_dir: str | Path | None = None,
+        progress_dir: str | Path | bool | None = None,
         clock: Callable[[], float] = time.monotonic,
         sharded: bool | None = None,
         **overrides: Any,
@@ -160,6 +162,12 @@ class SnapshotManager:
             storage = _storage_config(storage, settings.storage)
         self.store = (open_store(storage, storage_options)
                       if isinstance(storage, StorageConfig) else storage)
+        # The run's events go beside these snapshots unless log.events_dir says where
+        # (the rule: elastictrain.runtime), so status and goodput read what was passed.
+        runtime.events_beside(storage if isinstance(storage, StorageConfig) else
+                              settings.storage.model_copy(update={"url": self.store.url}))
+        # This run's events directory: its earlier attempts feed the automatic interval.
+        events_dir = rt.events_dir if rt is not None else settings.log.events_dir
         self.run_id = run_id or settings.run_id or env.run_id
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
@@ -183,7 +191,7 @@ class SnapshotManager:
         self._last_progress = clock()
         self._last_save_step = 0
         # The writer alone chooses an automatic interval; it rides the agreement below.
-        history = (failure_history(runtime.default_events_dir(settings))
+        history = (failure_history(events_dir)
                    if self.ctx.is_writer and (self.config.auto or self._memory_auto)
                    else None)
         self._history = history
@@ -201,6 +209,8 @@ class SnapshotManager:
             if self._memory_auto and history is not None else None)
         self._last_memory_step = 0
         self._last_memory_time = clock()
+        if progress_dir is None or progress_dir is True:
+            progress_dir = events_dir  # beside this worker's events (local, per rank)
         self._progress = _ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
         self._rng_rule = "none"
         self._preempt = preempt.current()
@@ -791,15 +801,21 @@ class SnapshotManager:
         if self._memory is not None:
             self._memory.wait_in_flight(self.step_count)
 
-    def close(self) -> None:
+    def close(self, **finished: Any) -> None:
         """Wait for the save in flight and release the persister (same watchdog rule);
         the writer logs the final parameters' digest (``params.digest``: equal digests,
         identical weights; replicated state only, a sharded model has no whole copy).
 
         The run finished: each node's memory snapshots are removed (only here: after a
-        failure the restart needs them), and the ranks agree that every one of them got
-        here, so that a failure in teardown does not restart a finished run
-        (``elastictrain.runend``)."""
+        failure the restart needs them); the ranks agree that every one of them got here,
+        so that a failure in teardown does not restart a finished run
+        (``elastictrain.runend``); and rank 0 logs ``run.finished`` (final step, epoch,
+        digest and ``finished``'s fields), the clean end that goodput, status and the
+        automatic interval read; not when called while an error propagates.
+
+        Args:
+            finished: more fields for the ``run.finished`` event (e.g. ``final_loss``).
+        """
         if self._fence_hook is not None:
             self._fence_hook.remove()
         if self._boundary is not None:
@@ -818,9 +834,14 @@ class SnapshotManager:
         elif ("memory directory" in self._memory_health.degraded
               and self.ctx.local_rank == 0):
             memory.remove_if_ours(self.config, self.store.url)
+        digest = None
         if self.ctx.is_writer and not self.sharded:
-            log.info("params.digest", param_digest=param_digest(unwrap(self.model)))
+            digest = param_digest(unwrap(self.model))
+            log.info("params.digest", param_digest=digest)
         runend.agree_and_mark(self.ctx)
+        if self.ctx.rank == 0:
+            runtime.log_finished(**{"final_step": self.step_count, "epoch": self.epoch,
+                                    "param_digest": digest, **finished})
 
 
 def _storage_config(url: str, configured: StorageConfig) -> StorageConfig:

@@ -311,6 +311,11 @@ class FsspecStore:
         except StorageError:
             raise
         except Exception as exc:
+            # Only a failed read is a storage error. The caller's own work on the bytes
+            # (torch.load, a missing numpy, a shape check) raised inside this block
+            # keeps its type: wrapped, it read as a storage fault and hid the cause.
+            if not _is_io_error(exc):
+                raise
             raise self._translate("read", path, exc, 0) from exc
         finally:
             f.close()
@@ -595,3 +600,11 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _is_io_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed read or write: an ``OSError`` (fsspec and s3fs raise
+    those, timeouts and dropped connections included) or an S3/HTTP client error that
+    s3fs let through (``s3`` knows them by code or class name)."""
+    return (isinstance(exc, OSError) or s3.error_code(exc) is not None
+            or s3.is_transient(exc) is not None)

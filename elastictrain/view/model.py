@@ -164,7 +164,14 @@ _Out = tuple[str, str] | None
 def _worker_failed(state: RunState, e: dict[str, Any]) -> _Out:
     how = f"killed by {e['signal']}" if e.get("signal") else \
         f"exited {e.get('exit_code')} ({e.get('meaning')})"
+    if e.get("error"):  # the worker's own error (its error file, read by the agent)
+        how += f": {e['error']} at {e.get('where')}"
     return "failure", f"worker rank {e.get('worker_rank')} {how}"
+
+
+def _crash_loop(state: RunState, e: dict[str, Any]) -> _Out:
+    return "failure", (f"crash loop: {e.get('failures')} attempts failed with {e.get('error')} "
+                       f"at {e.get('where')} (step {e.get('failed_step')}); not restarted")
 
 
 def _demo_kill(state: RunState, e: dict[str, Any]) -> _Out:
@@ -265,4 +272,5 @@ _LINES = {
     "snapshot.failed": _snapshot_failed, "snapshot.corrupt": _snapshot_corrupt,
     "run.finished": _run_finished, "agent.preempted": _agent_end,
     "agent.fatal": _agent_end, "agent.finished": _agent_end,
+    "agent.crash_loop": _crash_loop,
 }

@@ -1,11 +1,14 @@
 """The excepthook init() installs: an elastictrain error exits with its own code after
-one event; other exceptions reach the previous hook; shutdown() restores it, except
-while an error is on its way to the hook."""
+one event; other exceptions log ``worker.failed`` and reach the previous hook; both
+leave the error in torchrun's error file for the agent; shutdown() restores the hook,
+except while an error is on its way to it, and logs run.finished only for a clean end."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
 
 import pytest
@@ -64,8 +67,44 @@ def test_other_exceptions_go_to_the_previous_hook(monkeypatch: pytest.MonkeyPatc
             sys.excepthook(*_raised(ValueError("user bug")))
     finally:
         runtime._restore_excepthook()
-    assert [str(e) for e in seen] == ["user bug"] and not logs
+    assert [str(e) for e in seen] == ["user bug"]
+    assert [e["event"] for e in logs] == ["worker.failed"]
+    assert logs[0]["error"] == "ValueError" and logs[0]["message"] == "user bug"
+    assert "test_exit_hook.py:" in logs[0]["where"]
     monkeypatch.setattr(sys, "excepthook", original)
+
+
+def test_the_error_reaches_torchruns_error_file(hook: None, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    error_file = tmp_path / "attempt_0" / "0" / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with capture_logs(), pytest.raises(SystemExit):
+        sys.excepthook(*_raised(StorageError("read x/state.pt: timed out")))
+    data = json.loads(error_file.read_text())
+    # torch's own format (what torchrun's summary prints) and ours beside it.
+    assert data["message"]["message"] == "StorageError: read x/state.pt: timed out"
+    assert int(data["message"]["extraInfo"]["timestamp"]) > 0
+    ours = data["elastictrain"]
+    assert (ours["error"], ours["message"]) == ("StorageError", "read x/state.pt: timed out")
+    assert "test_exit_hook.py:" in ours["where"]
+
+
+class _Ctx:
+    rank = 0
+
+
+def test_run_finished_only_for_a_clean_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = runtime.Runtime.__new__(runtime.Runtime)
+    rt.ctx, rt.finished = _Ctx(), False  # type: ignore[assignment]
+    monkeypatch.setattr(runtime, "_current", rt)
+    with capture_logs() as logs:
+        try:
+            raise RuntimeError("in the loop")
+        except RuntimeError:
+            runtime.log_finished(final_step=3)  # from a finally: not an end
+        runtime.log_finished(final_step=5)
+        runtime.log_finished(final_step=6)  # once
+    assert [(e["event"], e["final_step"]) for e in logs] == [("run.finished", 5)]
 
 
 def test_shutdown_restores_the_hook_unless_an_error_is_propagating(hook: None) -> None:

@@ -1,0 +1,75 @@
+"""Events follow the storage the script passes to SnapshotManager (runtime.events_beside):
+the file init() opened under storage.url moves there with what it holds, the empty
+default directory goes away; a configured log.events_dir stays; on object storage
+the file is spooled locally and uploaded under <storage>/events/<run id>/."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastictrain import events, runtime
+from elastictrain import log as et_log
+from elastictrain.config import StorageConfig, load_settings
+from elastictrain.storage import open_store
+
+NAME = "attempt000-20250101T000000Z-abcd-rank0.jsonl"
+
+
+def _runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **log: str) -> runtime.Runtime:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ELASTICTRAIN_LAUNCH_ID", raising=False)
+    settings = load_settings(log=log) if log else load_settings()
+    sink = events.open_sink(settings, "r1", NAME)
+    et_log.configure("info", True, sink.path)
+    et_log.get_logger().info("worker.start", pid=1)
+    rt = runtime.Runtime.__new__(runtime.Runtime)
+    rt.settings, rt.events_dir, rt.run_id = settings, str(sink.path.parent), "r1"
+    rt.events_file_name, rt.events_moved, rt.finished = NAME, False, False
+    monkeypatch.setattr(runtime, "_current", rt)
+    return rt
+
+
+@pytest.fixture(autouse=True)
+def _reset_log() -> Iterator[None]:
+    yield
+    et_log.configure("info", True, None)
+
+
+def test_the_file_moves_beside_the_snapshots(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = _runtime(tmp_path, monkeypatch)
+    assert (tmp_path / "elastictrain-run" / "events" / "r1" / NAME).exists()
+    runtime.events_beside(StorageConfig(url=str(tmp_path / "ckpt")))
+    et_log.get_logger().info("resume", from_step=None)
+    moved = tmp_path / "ckpt" / "events" / "r1" / NAME
+    assert rt.events_dir == str(moved.parent)
+    assert [e["event"] for e in et_log.read_events(moved)] == ["worker.start", "resume"]
+    assert not (tmp_path / "elastictrain-run").exists()
+    runtime.events_beside(StorageConfig(url=str(tmp_path / "other")))  # the first decides
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_configured_events_dir_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = _runtime(tmp_path, monkeypatch, events_dir=str(tmp_path / "ev"))
+    runtime.events_beside(StorageConfig(url=str(tmp_path / "ckpt")))
+    assert rt.events_dir == str(tmp_path / "ev") and (tmp_path / "ev" / NAME).exists()
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_object_storage_gets_the_file_uploaded(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    _runtime(tmp_path, monkeypatch)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the local spool
+    url = "memory://events-beside-test"
+    runtime.events_beside(StorageConfig(url=url))
+    et_log.get_logger().info("resume", from_step=None)
+    et_log.configure("info", True, None)  # closing the file uploads it
+    uploaded = open_store(url).read_bytes(f"events/r1/{NAME}").decode()
+    assert [e["event"] for e in et_log.parse_event_lines(uploaded)] == ["worker.start",
+                                                                      "resume"]
+    assert (tmp_path / "tmp" / "elastictrain-events" / "r1" / NAME).exists()
