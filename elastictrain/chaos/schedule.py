@@ -19,6 +19,9 @@ from elastictrain.errors import ConfigError
 # Faults on processes; "storage" switches the fault-injecting store on for the trial.
 PROCESS_FAULTS = ("kill", "relaunch", "notice", "stop")
 FAULT_KINDS = (*PROCESS_FAULTS, "storage")
+# The standby's faults (runner.inject_standby_fault), asked for by name only: the
+# default draws, and so every seed's replay, stay as they were.
+STANDBY_FAULTS = ("standby_stop", "standby_kill", "pid_recycle")
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,10 @@ class Schedule:
 def parse_kinds(text: str) -> tuple[str, ...]:
     """``kill,notice`` → ("kill", "notice"); one line naming a bad kind."""
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in FAULT_KINDS]
+    unknown = [k for k in kinds if k not in FAULT_KINDS and k not in STANDBY_FAULTS]
     if unknown or not kinds:
         raise ConfigError(f"--faults={text!r}: unknown or empty fault kind {unknown}; fix: "
-                          f"choose from {','.join(FAULT_KINDS)}")
+                          f"choose from {','.join((*FAULT_KINDS, *STANDBY_FAULTS))}")
     return kinds
 
 
@@ -105,7 +108,7 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
     """
     s = trial_seed(seed, trial)
     rng = random.Random(s)  # private: never the caller's random streams
-    process_kinds = [k for k in kinds if k in PROCESS_FAULTS]
+    process_kinds = [k for k in kinds if k in PROCESS_FAULTS or k in STANDBY_FAULTS]
     faults: list[Fault] = []
     if process_kinds:
         for _ in range(rng.randint(1, 2)):

@@ -34,6 +34,10 @@ from elastictrain.proctree import stat_fields
 
 EXIT_UNKNOWN = 255  # the standby reaped a worker, then died before reporting its code
 SPAWN_TIMEOUT_S = 30.0
+# A worker that ended stays a zombie until its parent reaps it; the standby reaps at
+# once, so one left this long means a stopped or stuck standby: it is ended, and the
+# worker, adopted here, is waited for here.
+UNREAPED_GRACE_S = 5.0
 _PR_SET_CHILD_SUBREAPER = 36
 
 # Notices are ignored before anything is imported (importing elastictrain imports torch,
@@ -71,6 +75,8 @@ class Standby:
         self._titles: set[str] = set()  # the commands of requested workers (their titles)
         self._handed: set[int] = set()  # pids of workers handed out (their holders stop them)
         self.spawn_timeout_s = SPAWN_TIMEOUT_S
+        self.unreaped_grace_s = UNREAPED_GRACE_S
+        self._unreaped: dict[int, float] = {}  # request number -> when first seen a zombie
         self.subreaper = False
         self._next = 0
         self._lost = False
@@ -151,7 +157,24 @@ class Standby:
                     return self._wait_adopted(worker)
                 if not self._read(max(0.0, deadline - time.monotonic())) and (
                         time.monotonic() >= deadline):
+                    if self._left_unreaped(worker):
+                        self._abandon("the standby left a worker unreaped for "
+                                      f"{self.unreaped_grace_s:g}s (stopped or stuck)")
+                        return self._wait_adopted(worker)
                     return None
+
+    def _left_unreaped(self, worker: StandbyProcess) -> bool:
+        """Whether ``worker`` ended and the standby has not reaped it for the grace."""
+        try:
+            fields = stat_fields(worker.pid)
+            zombie = fields[0] == "Z" and int(fields[19]) == worker.started
+        except (OSError, IndexError, ValueError):
+            zombie = False
+        if not zombie:
+            self._unreaped.pop(worker.spawn, None)
+            return False
+        since = self._unreaped.setdefault(worker.spawn, time.monotonic())
+        return time.monotonic() - since >= self.unreaped_grace_s
 
     def _wait_adopted(self, worker: StandbyProcess) -> int | None:
         """With the standby gone its workers are this process's children (subreaper):

@@ -158,3 +158,30 @@ def test_a_recycled_pid_is_a_new_worker_not_the_old_ones_exit(tmp_path: Path) ->
     assert result["old_code"] == -signal.SIGKILL
     assert result["new_poll"] is None  # -9 before: the old worker's code, by pid
     assert result["new_code"] == -signal.SIGKILL
+
+
+def test_a_stopped_standby_does_not_hide_a_workers_end(
+        standbys: list[Standby], tmp_path: Path) -> None:
+    """SIGSTOPped, the standby reaps and reports nothing: the worker's zombie, left
+    unreaped past the grace, ends the standby and its code (75) is read here."""
+    server = _start(standbys)
+    server.unreaped_grace_s = 1.0
+    go, ready = tmp_path / "go", tmp_path / "ready"
+    job = _script(tmp_path, f"""
+        import os, sys, time
+        open({str(ready)!r}, "w").close()
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.01)
+        sys.exit(75)
+    """, "worker.py")
+    proc = server.spawn(["-u", str(job)], dict(os.environ), None, None)
+    try:
+        wait_for(ready.exists, 60, "the worker to start")
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        go.touch()
+        assert proc.wait(timeout=60) == 75  # never answered before: the wait timed out
+        assert not pid_alive(server.pid) and not server.ready()
+    finally:
+        if pid_alive(proc.pid):
+            os.kill(proc.pid, signal.SIGKILL)
