@@ -23,7 +23,13 @@ from typing import Any
 from elastictrain.chaos import checks
 from elastictrain.chaos.job import Job, events_of, signal_pid
 from elastictrain.chaos.memfaults import MemoryNode
-from elastictrain.chaos.schedule import FAULT_KINDS, Fault, Schedule, make_schedule
+from elastictrain.chaos.schedule import (
+    FAULT_KINDS,
+    STANDBY_FAULTS,
+    Fault,
+    Schedule,
+    make_schedule,
+)
 from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.launch import LaunchSpec
@@ -267,6 +273,8 @@ class _Run:
         if not workers:
             return None
         rank = sorted(workers)[fault.rank % len(workers)]
+        if fault.kind in STANDBY_FAULTS:
+            return inject_standby_fault(fault.kind, job.launcher_pid, rank, workers[rank])
         sig = {"kill": signal.SIGKILL, "notice": signal.SIGTERM, "stop": signal.SIGSTOP}[
             fault.kind]
         signal_pid(workers[rank], sig)
@@ -300,3 +308,58 @@ class _Run:
                 1 for e in events if e.get("event") == "storage.fault_injected"),
             wall_s=round(self.wall_s, 2), failures=[f for f in found if f is not None])
 
+
+
+# -- the standby's faults (schedule.STANDBY_FAULTS) ----------------------------------------
+def inject_standby_fault(kind: str, launcher_pid: int, rank: int, worker_pid: int) -> str | None:
+    """``standby_stop`` / ``standby_kill``: SIGSTOP or SIGKILL the launcher's standby,
+    then SIGKILL worker ``rank``, so the restart's spawn meets a stopped or dead
+    standby (mid-spawn for the agent: no answer, the group starts with Popen).
+    ``pid_recycle``: SIGKILL the worker and, where this runs in its own PID namespace,
+    make its pid the namespace's next, so the restarted worker likely reuses it.
+    None while the launcher has no standby (not started yet, or none configured)."""
+    if kind == "pid_recycle":
+        signal_pid(worker_pid, signal.SIGKILL)
+        return f"pid_recycle: SIGKILL rank{rank} {worker_pid}, {recycle_pid(worker_pid)}"
+    standby = standby_pid(launcher_pid)
+    if standby is None:
+        return None
+    sig = signal.SIGSTOP if kind == "standby_stop" else signal.SIGKILL
+    signal_pid(standby, sig)
+    signal_pid(worker_pid, signal.SIGKILL)
+    return f"{kind}: {sig.name} standby {standby}, SIGKILL rank{rank} {worker_pid}"
+
+
+def standby_pid(launcher_pid: int) -> int | None:
+    """The standby of the agent in ``launcher_pid`` (its title names the agent)."""
+    title = f"elastictrain standby (agent {launcher_pid})".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "cmdline").read_bytes().startswith(title):
+                return int(entry.name)
+        except OSError:
+            continue  # ended during the walk
+    return None
+
+
+def recycle_pid(pid: int, timeout_s: float = 5.0) -> str:
+    """Make ``pid`` the next pid handed out, once its process is reaped; only inside a
+    PID namespace of our own (``NSpid`` lists more than one pid): elsewhere the next pid
+    is the whole machine's. Says what it did."""
+    status = Path("/proc/self/status").read_text()
+    nspids = next((line.split()[1:] for line in status.splitlines()
+                   if line.startswith("NSpid:")), [])
+    if len(nspids) < 2:
+        return "pid recycling not arranged (not in a PID namespace of its own)"
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists():  # the pid is reusable once its process is reaped
+        if time.monotonic() > deadline:
+            return f"pid recycling not arranged ({pid} not reaped within {timeout_s:g}s)"
+        time.sleep(_POLL_S)  # polling the process table, as the runner polls its job
+    try:
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+    except OSError as exc:
+        return f"pid recycling not arranged ({exc})"
+    return f"next pid set to {pid}"

@@ -25,7 +25,10 @@ FAULT_KINDS = (*PROCESS_FAULTS, "storage")
 # the node; ``shm_full``: the memory tier's tmpfs (a small one, needs root) filled by a
 # filler file; ``memory_corrupt``: a committed memory snapshot's payload corrupted.
 MEMORY_FAULTS = ("shm_neighbour", "shm_full", "memory_corrupt")
-ALL_KINDS = (*FAULT_KINDS, *MEMORY_FAULTS)
+# The standby's faults (runner.inject_standby_fault), asked for by name only: the
+# default draws, and so every seed's replay, stay as they were.
+STANDBY_FAULTS = ("standby_stop", "standby_kill", "pid_recycle")
+ALL_KINDS = (*FAULT_KINDS, *MEMORY_FAULTS, *STANDBY_FAULTS)
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,7 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
     """
     s = trial_seed(seed, trial)
     rng = random.Random(s)  # private: never the caller's random streams
-    process_kinds = [k for k in kinds if k in PROCESS_FAULTS]
+    process_kinds = [k for k in kinds if k in PROCESS_FAULTS or k in STANDBY_FAULTS]
     faults: list[Fault] = []
     if process_kinds:
         for _ in range(rng.randint(1, 2)):

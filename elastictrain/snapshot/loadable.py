@@ -30,6 +30,32 @@ _KEYS: frozenset[type] = frozenset({type(None), bool, int, float, complex, str, 
                                     torch.dtype, torch.device, torch.layout})
 
 
+# Globals a pickle can name to run code or reach the system when called: a snapshot that
+# names one was written by something other than elastictrain (tampered with), and no
+# error may advise allowlisting it. By module (the first dotted part), plus exact prefixes.
+# Pickle protocol 2 writes Python 2 names (subprocess.call is "commands.call"), and torch
+# names a builtin without its module ("eval"): a bare name is a builtin, and every builtin
+# a snapshot can hold (containers, numbers) loads already.
+_CODE_MODULES: frozenset[str] = frozenset({
+    "os", "posix", "nt", "subprocess", "_posixsubprocess", "commands", "popen2", "sys",
+    "builtins", "__builtin__", "_operator", "_functools", "_thread", "thread",
+    "importlib", "runpy", "pty", "shutil", "socket", "ctypes", "code", "codeop", "pickle",
+    "_pickle", "marshal", "operator", "functools", "types", "inspect", "io", "_io",
+    "webbrowser", "multiprocessing", "asyncio", "threading", "signal", "pdb", "timeit",
+    "platform", "gc", "tempfile", "pathlib", "glob", "zipimport", "pydoc", "numpy.testing",
+})
+_CODE_PREFIXES = ("torch.hub.", "torch.package.", "torch.ops.", "torch._ops.", "torch.jit.",
+                  "torch._C.", "torch.load", "torch.serialization.", "torch.utils.cpp_extension.",
+                  "numpy.ctypeslib.", "numpy.f2py.", "numpy.distutils.")
+
+
+def runs_code(qualified_name: str) -> bool:
+    """Whether a pickle global such as ``posix.system`` (``module.attribute``) can run
+    code or touch the system when called: never a type to allowlist."""
+    module, dot, _ = qualified_name.partition(".")
+    return not dot or module in _CODE_MODULES or qualified_name.startswith(_CODE_PREFIXES)
+
+
 def registered_types() -> frozenset[type]:
     """Types the user allowed with ``torch.serialization.add_safe_globals``."""
     found: set[type] = set()

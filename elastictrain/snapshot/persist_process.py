@@ -26,6 +26,7 @@ import atexit
 import contextvars
 import ctypes
 import faulthandler
+import functools
 import os
 import signal
 import sys
@@ -41,6 +42,7 @@ from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import configure_forwarding, get_logger, log_forwarded
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
+    CommitGate,
     PersistOutcome,
     RetryPolicy,
     SaveHandle,
@@ -81,7 +83,8 @@ class ProcessPersister:
         self._next_key = 0
         self._lock = threading.Lock()
         self._reap_lock = threading.Lock()
-        self._inflight: tuple[SaveHandle, contextvars.Context] | None = None
+        self._inflight: tuple[SaveHandle, contextvars.Context, CommitGate | None] | None = None
+        self._send_lock = threading.Lock()  # the reader thread answers gates on this pipe
         self._context = contextvars.copy_context()
         self._dead = False
         self._closing = False
@@ -94,18 +97,20 @@ class ProcessPersister:
     def pid(self) -> int | None:
         return self._proc.pid
 
-    def submit(self, payload: Any, meta: SnapshotMeta) -> SaveHandle:
+    def submit(self, payload: Any, meta: SnapshotMeta,
+               gate: CommitGate | None = None) -> SaveHandle:
         handle = SaveHandle(meta.step)
         skeleton, new, forget = self._encode(payload)
         with self._lock:
             dead = self._dead
             if not dead:
-                self._inflight = (handle, contextvars.copy_context())
+                self._inflight = (handle, contextvars.copy_context(), gate)
         if dead:
             handle._finish(SaveState.FAILED, error=SnapshotWriteFailed(self._death(meta.step)))
             return handle
         try:
-            self._conn.send(("save", meta, skeleton, new, forget))
+            with self._send_lock:
+                self._conn.send(("save", meta, skeleton, new, forget, gate is not None))
         except (OSError, EOFError):
             self._fail_inflight()  # the helper is gone; the reader reports how it ended
         return handle
@@ -113,7 +118,7 @@ class ProcessPersister:
     def close(self) -> None:
         """Stop the helper after the save in flight (the caller waited for it)."""
         self._closing = True
-        with suppress(OSError, EOFError):
+        with suppress(OSError, EOFError), self._send_lock:
             self._conn.send(("close",))
         if not self._reap(60):
             log.warning("snapshot.persister_killed", pid=self._proc.pid,
@@ -168,6 +173,10 @@ class ProcessPersister:
             context = self._context
             if kind == "log":
                 context.run(log_forwarded, body)
+            elif kind == "gate":  # the helper waits before its commit: ask in this process
+                gate = inflight[2] if inflight is not None else None
+                with suppress(OSError), self._send_lock:
+                    self._conn.send(("gate", gate() if gate is not None else True))
             elif kind == "done" and inflight is not None:
                 inflight[0]._finish_with(body)
         self._reap(10)
@@ -230,11 +239,13 @@ def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_
             break
         if message[0] != "save":
             break
-        _, meta, skeleton, new, forget = message
+        _, meta, skeleton, new, forget, gated = message
         for key in forget:
             storages.pop(key, None)
         storages.update(new)
-        outcome = _persist(store, from_views(skeleton, storages), meta, policy, parent_pid)
+        gate = functools.partial(_ask_gate, conn) if gated else None
+        outcome = _persist(store, from_views(skeleton, storages), meta, policy, parent_pid,
+                           gate)
         conn.send(("done", outcome))  # durable now; the worker may stage the next save
         prune_after(store, keep, meta.step, outcome)
     conn.close()
@@ -244,12 +255,21 @@ def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_
 
 
 def _persist(store: Store, payload: Any, meta: SnapshotMeta, policy: RetryPolicy,
-             parent_pid: int) -> PersistOutcome:
+             parent_pid: int, gate: CommitGate | None) -> PersistOutcome:
     try:
         return persist_with_retries(store, payload, meta, policy,
-                                    before_commit=lambda: _exit_if_orphaned(parent_pid))
+                                    before_commit=lambda: _exit_if_orphaned(parent_pid),
+                                    gate=gate)
     except BaseException as exc:  # report, never leave the worker's handle pending
         return PersistOutcome(SaveState.FAILED, error=f"{type(exc).__name__}: {exc}")
+
+
+def _ask_gate(conn: Any) -> bool:
+    """The worker's commit gate for the save in flight (its reader thread answers;
+    nothing else arrives on the pipe while a save is in flight)."""
+    conn.send(("gate", None))
+    kind, allowed = conn.recv()
+    return kind == "gate" and bool(allowed)
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
+    CommitGate,
     PersistOutcome,
     RetryPolicy,
     SaveHandle,
@@ -26,7 +27,7 @@ from elastictrain.snapshot.persister import (
 )
 from elastictrain.storage.api import Store
 
-_Job = tuple[Any, SnapshotMeta, SaveHandle, contextvars.Context]
+_Job = tuple[Any, SnapshotMeta, SaveHandle, contextvars.Context, CommitGate | None]
 
 
 class ThreadPersister:
@@ -47,9 +48,10 @@ class ThreadPersister:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, payload: Any, meta: SnapshotMeta) -> SaveHandle:
+    def submit(self, payload: Any, meta: SnapshotMeta,
+               gate: CommitGate | None = None) -> SaveHandle:
         handle = SaveHandle(meta.step)
-        self._jobs.put((payload, meta, handle, contextvars.copy_context()))
+        self._jobs.put((payload, meta, handle, contextvars.copy_context(), gate))
         return handle
 
     def close(self) -> None:
@@ -60,10 +62,10 @@ class ThreadPersister:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            payload, meta, handle, context = job
+            payload, meta, handle, context, gate = job
             try:
                 outcome = context.run(persist_with_retries, self._store, payload, meta,
-                                      self._policy)
+                                      self._policy, None, gate)
             except BaseException as exc:  # never leave a handle pending: wait() would hang
                 outcome = PersistOutcome(SaveState.FAILED, error=f"{type(exc).__name__}: {exc}")
             handle._finish_with(outcome)  # durable now; the next save may stage meanwhile

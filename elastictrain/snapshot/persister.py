@@ -37,6 +37,14 @@ from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
 
+# Asked just before a commit marker is written: True commits, False drops the save
+# (a copy behind whose source changed, saver.py). It may block until it knows.
+CommitGate = Callable[[], bool]
+
+
+class CommitDropped(Exception):
+    """The commit gate said no: the save ends skipped, never committed nor retried."""
+
 
 class SaveState(str, enum.Enum):
     PENDING = "pending"
@@ -83,6 +91,9 @@ class SaveHandle:
         self.error: BaseException | None = None
         self.finished_at: float | None = None
         self._done = threading.Event()
+        # A copy behind's verdict (saver.py), taken by whoever waits first: the outcome
+        # depends on it, so a wait must never start before it (it would never end).
+        self._settle: Callable[[], object] | None = None
 
     def _finish(self, state: SaveState, manifest: Manifest | None = None,
                 error: BaseException | None = None) -> None:
@@ -101,6 +112,8 @@ class SaveHandle:
 
     def join(self, timeout: float | None = None) -> bool:
         """Block until the save finished either way (never raises); False on timeout."""
+        if self._settle is not None:
+            self._settle()
         return self._done.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> Manifest | None:
@@ -110,7 +123,7 @@ class SaveHandle:
             SnapshotWriteFailed: the persist failed ``max_consecutive_failures`` times.
             TimeoutError: not finished within ``timeout`` seconds.
         """
-        if not self._done.wait(timeout):
+        if not self.join(timeout):
             raise TimeoutError(f"snapshot of step {self.step} not durable after {timeout}s")
         if self.error is not None:
             raise self.error
@@ -192,25 +205,31 @@ class Persister(Protocol):
     returned handle is done; ``close`` waits for the save in flight.
     """
 
-    def submit(self, payload: Any, meta: SnapshotMeta) -> SaveHandle: ...
+    def submit(self, payload: Any, meta: SnapshotMeta,
+               gate: CommitGate | None = None) -> SaveHandle: ...
     def close(self) -> None: ...
 
 
 def persist_with_retries(store: Store, payload: Any, meta: SnapshotMeta, policy: RetryPolicy,
-                         before_commit: Callable[[], None] | None = None) -> PersistOutcome:
+                         before_commit: Callable[[], None] | None = None,
+                         gate: CommitGate | None = None) -> PersistOutcome:
     """Persist and commit one snapshot, retrying failed attempts with backoff.
 
     Logs ``snapshot.failed`` per failed attempt and ``snapshot.committed`` on
     success. ``before_commit`` runs just before the commit marker is written
     (a persister process checks there that its worker is still alive).
     Retention is separate (``prune_after``): a save is durable at its commit,
-    and deleting old snapshots need not delay the next save.
+    and deleting old snapshots need not delay the next save. ``gate``, asked after
+    ``before_commit``, may drop the save (``skipped``, logged by whoever decided).
     """
+    check = _gated(before_commit, gate)
     failures = 0
     while True:
         started = time.perf_counter()
         try:
-            manifest = persist_snapshot(store, payload, meta, before_commit=before_commit)
+            manifest = persist_snapshot(store, payload, meta, before_commit=check)
+        except CommitDropped:
+            return PersistOutcome(SaveState.SKIPPED, attempts=failures + 1)
         except Exception as exc:
             failures += 1
             will_retry = failures < policy.max_consecutive_failures
@@ -230,6 +249,19 @@ def persist_with_retries(store: Store, payload: Any, meta: SnapshotMeta, policy:
                  duration_s=round(duration, 4), attempts=failures + 1,
                  throughput_mb_s=round(manifest.total_bytes / max(duration, 1e-9) / 1e6, 1))
         return PersistOutcome(SaveState.COMMITTED, manifest.to_json(), attempts=failures + 1)
+
+
+def _gated(before_commit: Callable[[], None] | None,
+           gate: CommitGate | None) -> Callable[[], None] | None:
+    if gate is None:
+        return before_commit
+
+    def check() -> None:
+        if before_commit is not None:
+            before_commit()
+        if not gate():
+            raise CommitDropped
+    return check
 
 
 def prune_after(store: Store, keep: int, step: int, outcome: PersistOutcome) -> None:
@@ -258,9 +290,10 @@ class SyncPersister:
         self._keep = keep
         self._policy = policy
 
-    def submit(self, payload: Any, meta: SnapshotMeta) -> SaveHandle:
+    def submit(self, payload: Any, meta: SnapshotMeta,
+               gate: CommitGate | None = None) -> SaveHandle:
         handle = SaveHandle(meta.step)
-        outcome = persist_with_retries(self._store, payload, meta, self._policy)
+        outcome = persist_with_retries(self._store, payload, meta, self._policy, gate=gate)
         handle._finish_with(outcome)
         prune_after(self._store, self._keep, meta.step, outcome)
         return handle

@@ -38,6 +38,7 @@ from elastictrain.errors import (
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout, onepass, signing
 from elastictrain.snapshot.checksum import new_hasher
+from elastictrain.snapshot.loadable import runs_code
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest, ObjectEntry
 from elastictrain.storage.api import Store
 
@@ -361,6 +362,16 @@ def _unloadable(where: str, exc: Exception) -> SnapshotUnloadable:
             "script fail the same way); fix: save only tensors, numbers, strings and "
             "containers of them, and resume from a fresh --storage")
     name = found.group(1)
+    if runs_code(name):  # no writer of elastictrain's puts a callable there: never allowlist
+        return SnapshotUnloadable(
+            f"{where}: the checksum verifies but the payload names {name}, a callable that "
+            "runs code, which torch.load(weights_only=True) refused: the snapshot may have "
+            "been tampered with (elastictrain never saves such a value); the run stops; "
+            "fix: do not load it or allowlist anything; find out who can write this "
+            "storage; set ELASTICTRAIN_SIGNING_KEY so that only snapshots signed with "
+            "your key load; resume from the previous snapshot: list them with `elastictrain "
+            "snapshots verify`, then move this step's directory aside (`elastictrain "
+            "snapshots prune` would keep it: its checksum verifies)")
     return SnapshotUnloadable(
         f"{where}: the checksum verifies but torch.load(weights_only=True) refuses a "
         f"{name} in the saved state; the run stops (older snapshots of this script fail the "

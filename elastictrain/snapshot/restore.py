@@ -18,6 +18,11 @@ it (memory when every node holds the same step and it is newer than the newest
 durable one), every rank reads and verifies its node's copy, and one all-reduce
 agrees on the outcome. Anything short of "verified everywhere", a read error
 included, falls back to the durable loop: durable storage is the source of truth.
+A node's copy that failed to read, verify or load is deleted there
+(``snapshot.memory_set_aside``): memory is a cache, and a relaunch must not meet it again.
+The memory copy is read into the model's tensors (below) only when a durable snapshot
+exists to overwrite them if it fails; before the first durable snapshot it is read into
+fresh memory and verified first, so a bad copy leaves the model fresh, never unusable.
 
 Every rank verifies what it read before anything is applied, and all ranks
 take a step, skip it or fail together, so no rank resumes alone or from another
@@ -192,19 +197,39 @@ def _load_memory(store: Store, ctx: DistContext, durable_step: int,
                  reason=reason, error=error)
         return None
     assert manifest is not None
-    outcome = _load_here(store, manifest, written.in_place)  # each node reads its own copy
+    # In place only with a durable snapshot to fall back on (module docstring): with
+    # none, a copy that fails after its bytes landed would leave no start possible.
+    in_place = written.in_place if durable_step != memory.NO_STEP else None
+    outcome = _load_here(store, manifest, in_place)  # each node reads its own copy
     worst = written.agree(outcome.status)
     if worst != _Status.OK:
         # A read error is no corruption, but durable storage holds the truth: use it.
         log.warning("snapshot.memory_skipped", memory_step=step, durable_step=durable_step,
                     reason=f"{worst.name.lower()} on some rank",
                     error=None if outcome.error is None else str(outcome.error))
+        if outcome.status != _Status.OK:
+            _set_aside(store, step, outcome)
         return None
     assert outcome.loaded is not None
     log.info("snapshot.discovered", snapshot_step=step, size_bytes=outcome.loaded.size_bytes,
              restore_mode="each", tier="memory",
              duration_s=round(time.perf_counter() - started, 4))
     return LoadedSnapshot(step, outcome.loaded.payload, outcome.loaded.size_bytes, "memory")
+
+
+def _set_aside(store: Store, step: int, outcome: _Outcome) -> None:
+    """Delete this node's memory copy of ``step``, which failed here (after every rank
+    has read: the agreement is behind us); never raises, the durable tier goes on."""
+    try:
+        store.delete(layout.step_dir(step), recursive=True)
+        deleted: str | None = None
+    except Exception as exc:
+        deleted = f"{type(exc).__name__}: {exc}"
+    log.warning("snapshot.memory_set_aside", snapshot_step=step, tier="memory",
+                status=outcome.status.name.lower(),
+                error=None if outcome.error is None else str(outcome.error)[:300],
+                action="deleted from this node's memory; the restore goes on from durable "
+                "storage (or fresh)" if deleted is None else f"not deleted ({deleted})")
 
 
 def _newest_memory(store: Store) -> tuple[Manifest | None, str | None]:

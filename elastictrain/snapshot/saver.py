@@ -23,6 +23,13 @@ for them. What is left of the copy then is the only blocking (docs/performance.m
 A copy whose source changed in place before it was done (its version counter moved:
 another optimizer, an update outside ``optimizer.step()``) drops that save
 (``snapshot.copy_raced``, never committed), and copies are made at once from then on.
+The versions are compared on the training thread, by ``fence()`` (or a wait on the
+save), never by the copy thread when its copy ends: an in-place kernel bumps the
+version only once it has finished, so one still running then would pass that check
+with half its writes in the copy. On the training thread every in-place op it started
+has returned, so an unchanged version means the copy saw none of them. The persist
+writes meanwhile and commits only after that verdict (a change after the copy and
+before the fence also drops the save: the two cannot be told apart).
 
 The persister is a thread by default (``persister="process"`` is the option
 for loops that hold the GIL far more): measured in docs/persister.md.
@@ -48,6 +55,7 @@ from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import get_logger
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
+    CommitGate,
     CountingStore,
     Persister,
     RetryPolicy,
@@ -187,27 +195,44 @@ class Saver(InFlightSave):
                      copy_behind=len(later))
             persister = self.persister
             if later:
-                self._behind = _CopyBehind(later, lambda: persister.submit(staged, meta),
-                                           meta.step, self._copy_raced, self._copier.run)
-                self._last = self._behind.handle
+                behind = _CopyBehind(later, functools.partial(persister.submit, staged, meta),
+                                     meta.step, self._copier.run)
+                behind.handle._settle = functools.partial(self._settle, behind)
+                self._behind = behind
+                self._last = behind.handle
             else:
                 self._last = persister.submit(staged, meta)
         return self._last
 
     def fence(self) -> float:
         """Return once the copies the last save deferred are done (at once if none are
-        pending); a wait is logged as ``snapshot.copy_wait``: it blocked the loop.
+        pending) and judged: a source changed since the save drops it
+        (``snapshot.copy_raced``). Call it on the training thread, before the sources
+        change again. A wait is logged as ``snapshot.copy_wait``: it blocked the loop.
         Returns the seconds waited."""
-        behind, self._behind = self._behind, None
-        if behind is None or behind.copied.is_set():
-            return 0.0
-        started = time.perf_counter()
-        behind.copied.wait()
-        waited = time.perf_counter() - started
-        self.copy_wait_s += waited
-        log.info("snapshot.copy_wait", snapshot_step=behind.handle.step, tier=self.tier,
-                 wait_s=round(waited, 4))
+        behind = self._behind
+        return 0.0 if behind is None else self._settle(behind)
+
+    def _settle(self, behind: _CopyBehind) -> float:
+        """``fence()`` for ``behind``; also what a wait on its handle runs first."""
+        if self._behind is behind:
+            self._behind = None
+        waited = 0.0
+        if not behind.copied.is_set():
+            started = time.perf_counter()
+            behind.copied.wait()
+            waited = time.perf_counter() - started
+            self.copy_wait_s += waited
+            log.info("snapshot.copy_wait", snapshot_step=behind.handle.step, tier=self.tier,
+                     wait_s=round(waited, 4))
+        changed = behind.settle()
+        if changed is not None:
+            self._copy_raced(behind.handle.step, changed)
         return waited
+
+    def _join(self) -> None:
+        self.fence()  # the persist of a copy behind waits for this verdict
+        super()._join()
 
     def _copy_raced(self, step: int, source: torch.Tensor) -> None:
         """A copy behind saw its source change before it was done: that save is
@@ -281,42 +306,63 @@ class _CopyThread:
 
 
 class _CopyBehind:
-    """The copies one save deferred, on a thread, then that save's persist.
+    """The copies one save deferred, on a thread, then that save's persist, whose commit
+    waits for the training thread's verdict on the copies (:meth:`settle`): the bytes
+    are written meanwhile, as without copy behind.
 
-    ``handle`` is what the saver hands out: it finishes with the persist's outcome (or
-    fails if a copy raised). ``copied`` is set once the sources may change again.
+    ``handle`` is what the saver hands out: it finishes with the persist's outcome
+    (skipped if a source changed, failed if a copy raised). ``copied`` is set once the
+    copy thread no longer reads the sources.
     """
 
     def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]],
-                 submit: Callable[[], SaveHandle], step: int,
-                 raced: Callable[[int, torch.Tensor], None],
+                 submit: Callable[[CommitGate], SaveHandle], step: int,
                  run: Callable[[Callable[[], None]], None]) -> None:
         self.handle = SaveHandle(step)
         self.copied = threading.Event()
         self.copied_at: float | None = None  # perf_counter once copied (benchmarks)
         # In-place changes bump a tensor's version; the save's values are these versions'.
         self._copies = [(buffer, source, source._version) for buffer, source in copies]
-        self._submit, self._raced = submit, raced
+        self._submit = submit
+        self._lock = threading.Lock()
+        self._judged = threading.Event()
+        self._changed: torch.Tensor | None = None  # the verdict: None keeps the save
         context = contextvars.copy_context()  # the persister logs with the caller's binding
         run(functools.partial(context.run, self._run))
 
+    def settle(self) -> torch.Tensor | None:
+        """(training thread, after ``copied``) The first source whose version moved since
+        the save, or None; lets the persist commit (None) or drop the save.
+        Only the first call judges (and so reports a change); later ones return None."""
+        with self._lock:
+            if self._judged.is_set():
+                return None
+            self._changed = next((source for _, source, version in self._copies
+                                  if source._version != version), None)
+            self._judged.set()
+            return self._changed
+
+    def _may_commit(self) -> bool:
+        """The persist's commit gate: blocks until the verdict."""
+        self._judged.wait()
+        return self._changed is None
+
     def _run(self) -> None:
         try:
-            changed = None
+            changed = False
             try:
                 for buffer, source, version in self._copies:
-                    buffer.copy_(source)  # releases the GIL: the loop runs meanwhile
-                    if source._version != version:
-                        changed = source
+                    changed = source._version != version
+                    if changed:
                         break
+                    buffer.copy_(source)  # releases the GIL: the loop runs meanwhile
             finally:
                 self.copied_at = time.perf_counter()
                 self.copied.set()
-            if changed is not None:
-                self._raced(self.handle.step, changed)
+            if changed:  # versions only grow: the verdict can only drop it, write nothing
                 self.handle._finish(SaveState.SKIPPED)
                 return
-            inner = self._submit()
+            inner = self._submit(self._may_commit)
             inner.join()
             self.handle._finish(inner.state, inner.manifest, inner.error)
         except BaseException as exc:  # never leave the handle pending: waits would hang

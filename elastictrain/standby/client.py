@@ -3,13 +3,24 @@
 :class:`Standby` starts the standby, waits for its imports, and asks it for workers;
 each worker is a :class:`StandbyProcess`, which answers ``pid``, ``poll()`` and
 ``wait()`` as a ``subprocess.Popen`` would, so torchrun's bookkeeping is unchanged.
+
+The agent knows every worker's true exit code however the standby fares: it makes
+itself a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``) before starting the
+standby, so when the standby dies its workers re-parent to the agent, which then waits
+for them itself. Exits are matched by request number and process start time, never by
+pid alone (a pid is reused once its process is reaped). A spawn the standby does not
+answer in time ends the standby (SIGKILL, stopped or not) and every process it forked
+that nobody holds, before the caller starts the group with ``Popen``: no second worker
+for the same rank can start later.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -19,9 +30,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from elastictrain.errors import ElasticTrainError
-from elastictrain.proctree import is_running
+from elastictrain.proctree import stat_fields
 
-EXIT_UNKNOWN = 255  # the standby died before reporting a worker's end
+EXIT_UNKNOWN = 255  # the standby reaped a worker, then died before reporting its code
+SPAWN_TIMEOUT_S = 30.0
+# A worker that ended stays a zombie until its parent reaps it; the standby reaps at
+# once, so one left this long means a stopped or stuck standby: it is ended, and the
+# worker, adopted here, is waited for here.
+UNREAPED_GRACE_S = 5.0
+_PR_SET_CHILD_SUBREAPER = 36
 
 # Notices are ignored before anything is imported (importing elastictrain imports torch,
 # a second and more during which a scheduler's signal to the whole job would kill it).
@@ -53,8 +70,14 @@ class Standby:
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._pending = b""
-        self._exits: dict[int, int] = {}
+        self._exits: dict[int, int] = {}  # request number -> exit code
         self._replies: dict[int, dict[str, Any]] = {}
+        self._titles: set[str] = set()  # the commands of requested workers (their titles)
+        self._handed: set[int] = set()  # pids of workers handed out (their holders stop them)
+        self.spawn_timeout_s = SPAWN_TIMEOUT_S
+        self.unreaped_grace_s = UNREAPED_GRACE_S
+        self._unreaped: dict[int, float] = {}  # request number -> when first seen a zombie
+        self.subreaper = False
         self._next = 0
         self._lost = False
         self._ready: bool | None = None
@@ -67,6 +90,8 @@ class Standby:
 
     def start(self) -> None:
         """Start the standby process; its imports run while the agent goes on."""
+        # Before the standby exists: its forks must re-parent to us if it dies.
+        self.subreaper = become_subreaper()
         ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen(
             [sys.executable, "-u", "-c", BOOT, f"--fd={theirs.fileno()}", *self.modules],
@@ -102,32 +127,112 @@ class Standby:
             if not self.ready() or self._sock is None:
                 raise StandbyUnavailable(f"standby not available: {self.info.get('reason')}")
             self._next += 1
-            request = {"spawn": self._next, "argv": list(argv), "env": env,
+            number = self._next
+            request = {"spawn": number, "argv": list(argv), "env": env,
                        "cwd": os.getcwd(), "stdout": stdout, "stderr": stderr}
+            self._titles.add(" ".join([sys.executable, *argv]))
             try:
                 self._sock.sendall(json.dumps(request).encode() + b"\n")
             except OSError as exc:
-                self._lost = True
-                raise StandbyUnavailable(f"standby gone: {exc}") from exc
-            deadline = time.monotonic() + 30.0
-            while self._next not in self._replies:
+                raise self._abandon(f"standby gone: {exc}") from exc
+            deadline = time.monotonic() + self.spawn_timeout_s
+            while number not in self._replies:
                 if not self._read(deadline - time.monotonic()):
-                    self._lost = True
-                    raise StandbyUnavailable("standby did not answer a spawn request")
-            return StandbyProcess(self, int(self._replies.pop(self._next)["pid"]))
+                    raise self._abandon(
+                        "the standby ended before answering a spawn request" if self._lost
+                        else f"spawn failed after {self.spawn_timeout_s:.1f}s (no answer)")
+            pid = int(self._replies.pop(number)["pid"])
+            self._handed.add(pid)
+            return StandbyProcess(self, number, pid, _started(pid))
 
-    def exit_code(self, pid: int, timeout_s: float = 0.0) -> int | None:
-        """``pid``'s exit code once the standby reported it (None while it runs)."""
+    def exit_code(self, worker: StandbyProcess, timeout_s: float = 0.0) -> int | None:
+        """``worker``'s exit code once known (None while it runs): reported by the
+        standby, or, once the standby is gone, from waiting for it here."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
-                if pid in self._exits:
-                    return self._exits[pid]
+                if worker.spawn in self._exits:
+                    return self._exits[worker.spawn]
                 if self._lost:
-                    return _code_without_report(pid)
+                    return self._wait_adopted(worker)
                 if not self._read(max(0.0, deadline - time.monotonic())) and (
                         time.monotonic() >= deadline):
+                    if self._left_unreaped(worker):
+                        self._abandon("the standby left a worker unreaped for "
+                                      f"{self.unreaped_grace_s:g}s (stopped or stuck)")
+                        return self._wait_adopted(worker)
                     return None
+
+    def _left_unreaped(self, worker: StandbyProcess) -> bool:
+        """Whether ``worker`` ended and the standby has not reaped it for the grace."""
+        try:
+            fields = stat_fields(worker.pid)
+            zombie = fields[0] == "Z" and int(fields[19]) == worker.started
+        except (OSError, IndexError, ValueError):
+            zombie = False
+        if not zombie:
+            self._unreaped.pop(worker.spawn, None)
+            return False
+        since = self._unreaped.setdefault(worker.spawn, time.monotonic())
+        return time.monotonic() - since >= self.unreaped_grace_s
+
+    def _wait_adopted(self, worker: StandbyProcess) -> int | None:
+        """With the standby gone its workers are this process's children (subreaper):
+        wait for ``worker`` here. A pid whose process started at another time is no
+        longer the worker (the standby reaped it, then died before reporting)."""
+        started = _started(worker.pid)
+        if started is None or started != worker.started:
+            code = EXIT_UNKNOWN
+        else:
+            try:
+                done, status = os.waitpid(worker.pid, os.WNOHANG)
+            except ChildProcessError:  # not (yet) ours: still being re-parented, or no
+                return self._not_adopted(worker.pid)  # subreaper here
+            if done == 0:
+                return None
+            code = os.waitstatus_to_exitcode(status)
+        self._exits[worker.spawn] = code
+        return code
+
+    def _not_adopted(self, pid: int) -> int | None:
+        """A worker that is not this process's child: running (None), or, a zombie
+        another process adopted (no subreaper), reaped by someone else: unknown."""
+        try:
+            fields = stat_fields(pid)
+        except (OSError, IndexError):
+            return EXIT_UNKNOWN
+        being_adopted = self.subreaper and fields[1] != str(os.getpid())
+        return None if fields[0] not in ("Z", "X") or being_adopted else EXIT_UNKNOWN
+
+    def _abandon(self, reason: str) -> StandbyUnavailable:
+        """Stop using the standby for good: SIGKILL it (a stopped one too) so it forks
+        nothing more, then every process it forked that no holder stops (a request it
+        answered late, or forked before dying). Returns the error to raise."""
+        self._lost = True
+        self.info.setdefault("reason", reason)
+        killed: list[int] = []
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()  # once reaped, its children are ours (subreaper)
+            killed = [pid for pid in _children(os.getpid())
+                      if pid not in self._handed and self._forked_by_standby(pid)]
+            for pid in killed:
+                _kill_and_reap(pid)
+        self.info["orphans_killed"] = killed
+        return StandbyUnavailable(f"{reason}; standby ended, its unanswered workers "
+                                  f"killed: {killed or 'none'}")
+
+    def _forked_by_standby(self, pid: int) -> bool:
+        """Whether child ``pid`` is a fork of the standby: still titled as the standby
+        (it had not become the worker yet) or titled as a requested worker."""
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            return False
+        return title.startswith(f"elastictrain standby (agent {os.getpid()})") or (
+            title in self._titles)
 
     def close(self) -> None:
         """End the standby (its workers are not touched)."""
@@ -167,7 +272,9 @@ class Standby:
 
     def _take(self, message: dict[str, Any]) -> None:
         if "exited" in message:
-            self._exits[int(message["exited"])] = int(message["code"])
+            if message.get("spawn") is not None:
+                self._exits[int(message["spawn"])] = int(message["code"])
+            self._handed.discard(int(message["exited"]))
         elif "spawned" in message:
             self._replies[int(message["spawned"])] = message
         elif "ready" in message:
@@ -177,24 +284,65 @@ class Standby:
             self.info["ready_after_s"] = round(time.monotonic() - self.started_at, 3)
 
 
-def _code_without_report(pid: int) -> int | None:
-    """With the standby gone, its orphaned children are reaped by someone else: all we
-    can tell is whether ``pid`` still runs (a zombie does not: whoever adopted it may
-    never reap it, a container's PID 1 among them)."""
-    return None if is_running(pid) else EXIT_UNKNOWN
+def become_subreaper() -> bool:
+    """Make this process adopt its descendants' orphans (Linux); False elsewhere or
+    when refused (then a worker whose standby died is known only as running or not)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+
+
+def _started(pid: int) -> int | None:
+    """``pid``'s start time (clock ticks after boot), or None if it is gone: with the
+    pid, it names one process (a pid alone may be reused)."""
+    try:
+        return int(stat_fields(pid)[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _children(parent: int) -> list[int]:
+    """The pids whose parent is ``parent``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(stat_fields(entry)[1]) == parent:
+                    found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue  # ended during the walk
+    return found
+
+
+def _kill_and_reap(pid: int) -> None:
+    """SIGKILL our child ``pid`` and its process group if it leads one (a worker
+    calls setsid), then reap it."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass  # already gone (and reaped)
 
 
 class StandbyProcess:
-    """A worker forked by the standby, with the part of ``Popen``'s API torchrun uses."""
+    """A worker forked by the standby, with the part of ``Popen``'s API torchrun uses.
 
-    def __init__(self, standby: Standby, pid: int) -> None:
+    ``spawn`` (the request's number) and ``started`` (its start time) name this
+    process for good; ``pid`` alone would not once it is reaped."""
+
+    def __init__(self, standby: Standby, spawn: int, pid: int, started: int | None) -> None:
         self._standby = standby
+        self.spawn = spawn
         self.pid = pid
+        self.started = started
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._standby.exit_code(self.pid)
+            self.returncode = self._standby.exit_code(self)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -204,7 +352,7 @@ class StandbyProcess:
             left = 1.0 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise subprocess.TimeoutExpired(f"standby worker {self.pid}", timeout or 0)
-            code = self.returncode = self._standby.exit_code(self.pid, min(left, 1.0))
+            code = self.returncode = self._standby.exit_code(self, min(left, 1.0))
         return code
 
     def send_signal(self, sig: int) -> None:

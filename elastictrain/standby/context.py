@@ -52,7 +52,10 @@ class StandbyHandler:
 
     def close(self, death_sig: signal.Signals | None = None) -> None:
         # The worker called setsid(): its process group is its own, as with Popen.
-        # ProcessLookupError: it ended between torchrun's poll and this signal.
+        # Not once it is known to have ended: its pid may be another process's by now.
+        # ProcessLookupError: it ended between the poll and this signal.
+        if self.proc.poll() is not None:
+            return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
 

@@ -13,8 +13,9 @@ One Unix socket to the agent carries JSON lines:
   child could not use it);
 * agent → standby: ``{"spawn": N, "argv": [...], "env": {...}, "cwd": DIR,
   "stdout": PATH|null, "stderr": PATH|null}``, answered by ``{"spawned": N, "pid": P}``;
-* standby → agent, whenever a child ends: ``{"exited": P, "code": C}`` with ``C`` as
-  ``Popen.returncode`` gives it (``-N`` for signal ``N``).
+* standby → agent, whenever a child ends: ``{"exited": P, "spawn": N, "code": C}`` with
+  ``C`` as ``Popen.returncode`` gives it (``-N`` for signal ``N``); ``N`` names the
+  request, so a later worker that gets the same pid is never taken for this one.
 
 The agent closing its end ends the standby; workers already started keep running,
 as workers started with ``Popen`` do when their launcher dies. Notice signals are
@@ -104,11 +105,12 @@ def serve(sock: socket.socket) -> None:
     selector.register(sock, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
     pending = b""
+    spawns: dict[int, int] = {}  # pid -> request number, until reaped
     while True:
         for key, _ in selector.select():
             if key.fileobj == wake_r:
                 os.read(wake_r, 4096)
-                _report_exits(sock)
+                _report_exits(sock, spawns)
                 continue
             chunk = sock.recv(65536)
             if not chunk:
@@ -120,11 +122,12 @@ def serve(sock: socket.socket) -> None:
                 pid = os.fork()
                 if pid == 0:
                     _child(request, sock, selector, (wake_r, wake_w))
+                spawns[pid] = int(request["spawn"])
                 _send(sock, {"spawned": request["spawn"], "pid": pid})
-        _report_exits(sock)  # a child may have ended before the handler was set
+        _report_exits(sock, spawns)  # a child may have ended before the handler was set
 
 
-def _report_exits(sock: socket.socket) -> None:
+def _report_exits(sock: socket.socket, spawns: dict[int, int]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -132,7 +135,8 @@ def _report_exits(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        _send(sock, {"exited": pid, "spawn": spawns.pop(pid, None),
+                     "code": os.waitstatus_to_exitcode(status)})
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:

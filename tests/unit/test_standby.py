@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from elastictrain.standby.client import (
-    EXIT_UNKNOWN,
     Standby,
     StandbyProcess,
     StandbyUnavailable,
@@ -175,7 +174,8 @@ def test_a_worker_killed_by_the_agent_reports_the_signal(standby: Standby,
 
 def test_standby_lost_while_a_worker_runs(standby: Standby, tmp_path: Path) -> None:
     """Killed under a running worker: the worker goes on, its end is still seen (with
-    an unknown code), and new workers are refused so the agent uses Popen."""
+    its true code: it re-parented to us, the subreaper), and new workers are refused
+    so the agent uses Popen."""
     job, proc = start_a_sleeper(standby, tmp_path)
     assert standby.pid is not None
     os.kill(standby.pid, signal.SIGKILL)
@@ -184,7 +184,7 @@ def test_standby_lost_while_a_worker_runs(standby: Standby, tmp_path: Path) -> N
     assert not standby.ready()
     assert pid_alive(proc.pid) and proc.poll() is None
     os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait(timeout=30) == EXIT_UNKNOWN
+    assert proc.wait(timeout=30) == -signal.SIGKILL
 
 
 def test_a_standby_that_dies_in_its_imports_is_not_ready(

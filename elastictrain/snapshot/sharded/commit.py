@@ -15,7 +15,7 @@ import re
 import time
 
 from elastictrain.config import ChecksumAlgorithm
-from elastictrain.errors import SnapshotCorrupt, StorageConflictError, StorageError
+from elastictrain.errors import SnapshotCorrupt, StorageConflictError, StorageNotFoundError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import checksum_bytes, new_hasher
@@ -95,6 +95,8 @@ def check_parts(store: Store, manifest: Manifest) -> None:
 
     Raises:
         SnapshotCorrupt: an object is missing or has another size (a rank's part lost).
+        StorageError: the size could not be read (throttled, timed out): no corruption,
+            the attempt fails, as in the replicated path (reader.py).
     """
     directory = layout.step_dir(manifest.step)
     for entry in manifest.objects:
@@ -103,7 +105,7 @@ def check_parts(store: Store, manifest: Manifest) -> None:
         path = f"{directory}/{entry.name}"
         try:
             size = store.size(path)
-        except StorageError as exc:
+        except StorageNotFoundError as exc:  # only a missing object is corruption
             raise SnapshotCorrupt(f"{store.url}/{path}: part of rank {entry.rank} is "
                                   f"missing: {exc}") from exc
         if size != entry.size_bytes:
@@ -112,12 +114,13 @@ def check_parts(store: Store, manifest: Manifest) -> None:
 
 
 def read_object(store: Store, manifest: Manifest, entry: ObjectEntry) -> bytes:
-    """A small object (metadata, training state), read whole and verified."""
+    """A small object (metadata, training state), read whole and verified; a read
+    error other than a missing object is raised as it is (no corruption)."""
     path = f"{layout.step_dir(manifest.step)}/{entry.name}"
     try:
         data = store.read_bytes(path)
-    except StorageError as exc:
-        raise SnapshotCorrupt(f"{store.url}/{path}: unreadable: {exc}") from exc
+    except StorageNotFoundError as exc:
+        raise SnapshotCorrupt(f"{store.url}/{path}: missing: {exc}") from exc
     actual = checksum_bytes(data, manifest.checksum_algorithm)
     if len(data) != entry.size_bytes or actual != entry.checksum:
         raise SnapshotCorrupt(f"{store.url}/{path}: {len(data)} bytes, "
@@ -131,6 +134,7 @@ def verify_sharded(store: Store, manifest: Manifest) -> Manifest:
 
     Raises:
         SnapshotCorrupt: a part is missing, truncated or fails its checksum.
+        StorageError: a read failed otherwise (raised, never reported as corruption).
     """
     started = time.perf_counter()
     check_parts(store, manifest)
@@ -153,8 +157,8 @@ def _checksum_object(store: Store, path: str, algorithm: ChecksumAlgorithm) -> s
         with store.open_read(path) as source:
             while chunk := source.read(_READ_CHUNK):
                 hasher.update(chunk)
-    except StorageError as exc:
-        raise SnapshotCorrupt(f"{store.url}/{path}: unreadable: {exc}") from exc
+    except StorageNotFoundError as exc:
+        raise SnapshotCorrupt(f"{store.url}/{path}: missing: {exc}") from exc
     return hasher.hexdigest()
 
 

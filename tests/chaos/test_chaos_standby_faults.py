@@ -1,0 +1,65 @@
+"""``elastictrain chaos`` faults of the standby: stopped or killed with a worker, so the
+restart's spawn meets it (a real standby, a real worker), and a pid recycled where a
+PID namespace allows it; opt-in kinds that leave every default schedule as it was."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from elastictrain.chaos.runner import inject_standby_fault, recycle_pid, standby_pid
+from elastictrain.chaos.schedule import FAULT_KINDS, make_schedule, parse_kinds
+from elastictrain.standby.client import Standby, StandbyUnavailable
+from tests.helpers import pid_alive, wait_for
+
+
+def test_standby_kinds_parse_and_leave_the_default_draws_alone() -> None:
+    assert parse_kinds("standby_stop,pid_recycle") == ("standby_stop", "pid_recycle")
+    for trial in range(20):
+        assert make_schedule(3, trial, FAULT_KINDS, 30.0, 2).faults == make_schedule(
+            3, trial, parse_kinds(",".join(FAULT_KINDS)), 30.0, 2).faults
+    drawn = {f.kind for t in range(20)
+             for f in make_schedule(3, t, ("standby_stop", "standby_kill"), 30.0, 2).faults}
+    assert drawn == {"standby_stop", "standby_kill"}
+
+
+@pytest.mark.parametrize("kind", ["standby_stop", "standby_kill"])
+def test_the_fault_leaves_the_next_spawn_to_popen_and_no_worker_behind(
+        tmp_path: Path, kind: str) -> None:
+    server = Standby(("json",), ready_timeout_s=60)
+    server.start()
+    assert server.ready() and server.pid is not None
+    ready = tmp_path / "ready"
+    job = tmp_path / "job.py"
+    job.write_text(textwrap.dedent(f"""
+        import time
+        open({str(ready)!r}, "w").close()
+        time.sleep(600)
+    """))
+    worker = server.spawn(["-u", str(job)], dict(os.environ), None, None)
+    try:
+        wait_for(ready.exists, 60, "the worker to start")
+        assert standby_pid(os.getpid()) == server.pid
+        note = inject_standby_fault(kind, os.getpid(), 0, worker.pid)
+        assert note is not None and str(server.pid) in note
+        assert worker.wait(timeout=60) == -signal.SIGKILL
+        server.spawn_timeout_s = 2.0  # a stopped standby never answers
+        with pytest.raises(StandbyUnavailable):
+            server.spawn(["-u", str(job)], dict(os.environ), None, None)
+        assert not pid_alive(server.pid)
+    finally:
+        if pid_alive(worker.pid):
+            os.kill(worker.pid, signal.SIGKILL)
+        server.close()
+
+
+def test_pid_recycling_is_arranged_only_in_a_pid_namespace_of_its_own() -> None:
+    nspids = next(line.split()[1:] for line in Path("/proc/self/status").read_text()
+                  .splitlines() if line.startswith("NSpid:"))
+    if len(nspids) >= 2:
+        pytest.skip("runs in a PID namespace: recycling would be arranged here")
+    assert recycle_pid(os.getpid()).startswith("pid recycling not arranged")
