@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, child_env, events, free_port
+from tests.helpers import REPO, child_env, events, free_port, run_cli
 
 pytestmark = pytest.mark.distributed
 
@@ -147,30 +147,36 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
         yield make
 
 
-def worker_events(root: Path, name: str) -> list[dict[str, Any]]:
-    return [e for e in events(root, name) if e.get("role") != "agent"]
+def job_events(cluster: Cluster, name: str) -> list[dict[str, Any]]:
+    """This job's events: the workers' beside the snapshots, the agents' (which cannot
+    know the script's storage) under the default run directory."""
+    found: dict[str, dict[str, Any]] = {}
+    for root in (cluster.storage / "events", cluster.tmp_path / "elastictrain-run"):
+        if root.exists():  # a worker's file may show in both (a link): each event once
+            found.update((json.dumps(e, sort_keys=True), e) for e in events(root, name))
+    return list(found.values())
 
 
-def events_root(cluster: Cluster) -> Path:
-    """Where this job's events are: beside the snapshots, or the default run dir."""
-    for candidate in (cluster.storage / "events", cluster.tmp_path / "elastictrain-run"):
-        if candidate.exists():
-            return candidate
-    raise AssertionError("no events directory")
-
-
-def final_step(cluster: Cluster) -> int:
-    steps = [int(p.name.split("_")[1]) for p in (cluster.storage / "snapshots").iterdir()
-             if p.name.startswith("step_") and (p / "MANIFEST.json").exists()]
-    return max(steps)
+def worker_events(cluster: Cluster, name: str) -> list[dict[str, Any]]:
+    return [e for e in job_events(cluster, name) if e.get("role") != "agent"]
 
 
 def assert_clean_end(cluster: Cluster) -> None:
-    root = events_root(cluster)
-    end = final_step(cluster)
-    again = [e for e in worker_events(root, "resume") if e.get("from_step") == end]
-    assert not again, f"an attempt re-ran the end (resumed from the final step {end})"
-    assert not events(root, "agent.grace_expired")
+    finished = worker_events(cluster, "run.finished")
+    assert len(finished) == 1, f"the run's end recorded {len(finished)} times"
+    end, ended_at = finished[0]["final_step"], finished[0]["ts"]
+    again = [e for e in worker_events(cluster, "resume") if e["ts"] > ended_at]
+    assert not again, f"an attempt started after the end: {again}"
+    assert not job_events(cluster, "agent.grace_expired")
+    # What an operator reads, from the storage the script was given.
+    status = run_cli(["status", str(cluster.storage), "--json"], cluster.tmp_path)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["finished"] == "finished"
+    report = run_cli(["goodput", str(cluster.storage), "--json"], cluster.tmp_path)
+    assert report.returncode == 0, report.stderr
+    goodput = json.loads(report.stdout)
+    assert goodput["final_step"] == end
+    assert goodput["split"]["attempts"][-1]["ended_by"] == "finished"
 
 
 @pytest.mark.parametrize("launcher,nnodes,script", [
@@ -183,7 +189,7 @@ def test_both_agents_end_cleanly(cluster: Any, launcher: str, nnodes: str, scrip
     assert job.wait_all(timeout=240) == [0, 0]
     assert_clean_end(job)
     if launcher == "run":
-        restarts = [e for e in events(events_root(job), "agent.restart")
+        restarts = [e for e in job_events(job, "agent.restart")
                     if e.get("reason") == "failure"]
         assert not restarts, f"a clean run restarted after a failure: {restarts}"
 
@@ -216,10 +222,9 @@ def test_a_worker_failing_after_the_end_does_not_restart_the_run(
     job.start()
     job.start()
     assert job.wait_all(timeout=180) == [0, 0]
-    root = events_root(job)
-    after = events(root, "agent.failed_after_end")
+    after = job_events(job, "agent.failed_after_end")
     assert len(after) == 1 and list(after[0]["exit_codes"].values()) == [3]
-    assert not events(root, "agent.restart")
+    assert not job_events(job, "agent.restart")
     assert (tmp_path / "evaluated").read_text() == "evaluated"
 
 
@@ -280,7 +285,6 @@ def test_a_node_lost_and_replaced_mid_run(cluster: Any) -> None:
     job.start()
     assert job.wait_all(timeout=240) == [0, 0]
     assert_clean_end(job)
-    root = events_root(job)
-    resumed = [e for e in worker_events(root, "resume") if e.get("from_step")]
+    resumed = [e for e in worker_events(job, "resume") if e.get("from_step")]
     assert resumed and all(e["from_step"] >= 10 for e in resumed)
     assert {e["world_size"] for e in resumed} == {2}
