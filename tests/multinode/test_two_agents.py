@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,16 +135,18 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
+def cluster(tmp_path: Path) -> Iterator[Any]:
     made: list[Cluster] = []
 
     def make(launcher: str, nnodes: str, script: str = "ddp") -> Cluster:
         made.append(Cluster(tmp_path, launcher, nnodes, script))
         return made[-1]
 
-    with ExitStack() as stack:
-        stack.callback(lambda: [c.stop() for c in made])
+    try:
         yield make
+    finally:
+        for job in made:
+            job.stop()
 
 
 def job_events(cluster: Cluster, name: str) -> list[dict[str, Any]]:
@@ -194,56 +196,50 @@ def test_both_agents_end_cleanly(cluster: Any, launcher: str, nnodes: str, scrip
         assert not restarts, f"a clean run restarted after a failure: {restarts}"
 
 
-FAIL_AFTER_END = '''
-import os, sys, torch
+# A short run, then what ranks do after close(): "fail" (rank 1 dies after the agreed
+# end, as a worker aborting in teardown would; rank 0 still writes FLAG) or "late" (rank 1
+# writes FLAG and evaluates for an hour while rank 0's node waits for it).
+AFTER_THE_END = '''
+import os, sys, time, torch
 import elastictrain as et
+storage, mode, flag = sys.argv[1:4]
 rt = et.init()
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-snap = et.SnapshotManager(sys.argv[1], model=model, optimizer=opt, ctx=rt.ctx, every_steps=5)
+snap = et.SnapshotManager(storage, model=model, optimizer=opt, ctx=rt.ctx, every_steps=5)
 snap.restore()
 while snap.step_count < 10:
     model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad(); snap.step()
 snap.close()
-if rt.rank == 1:
-    os._exit(3)  # fails after the agreed end (as a worker aborting in teardown would)
-if len(sys.argv) > 2 and rt.rank == 0:
-    open(sys.argv[2], "w").write("evaluated")  # rank 0's work after close() still runs
+if mode == "fail" and rt.rank == 1:
+    os._exit(3)
+if mode == "fail" and rt.rank == 0:
+    open(flag, "w").write("evaluated")
 et.shutdown()
+if mode == "late" and rt.rank == 1:
+    open(flag, "w").write("evaluating")
+    time.sleep(3600)
 '''
+
+
+def after_the_end(cluster: Any, tmp_path: Path, mode: str) -> tuple[Cluster, Path]:
+    script, flag = tmp_path / "after_the_end.py", tmp_path / "flag"
+    script.write_text(AFTER_THE_END)
+    job = cluster("run", "2:2")
+    job.script, job.script_args = script, [mode, str(flag)]
+    return job, flag
 
 
 def test_a_worker_failing_after_the_end_does_not_restart_the_run(
         cluster: Any, tmp_path: Path) -> None:
-    script = tmp_path / "fail_after_end.py"
-    script.write_text(FAIL_AFTER_END)
-    job = cluster("run", "2:2")
-    job.script, job.script_args = script, [str(tmp_path / "evaluated")]
+    job, flag = after_the_end(cluster, tmp_path, "fail")
     job.start()
     job.start()
     assert job.wait_all(timeout=180) == [0, 0]
     after = job_events(job, "agent.failed_after_end")
     assert len(after) == 1 and list(after[0]["exit_codes"].values()) == [3]
     assert not job_events(job, "agent.restart")
-    assert (tmp_path / "evaluated").read_text() == "evaluated"
-
-
-LATE = '''
-import sys, time, torch
-import elastictrain as et
-rt = et.init()
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-snap = et.SnapshotManager(sys.argv[1], model=model, optimizer=opt, ctx=rt.ctx, every_steps=5)
-snap.restore()
-while snap.step_count < 10:
-    model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad(); snap.step()
-snap.close()
-et.shutdown()
-if rt.rank == 1:
-    open(sys.argv[2], "w").write("evaluating")
-    time.sleep(3600)  # one node evaluates long after the end; the other waits for it
-'''
+    assert flag.read_text() == "evaluated"  # rank 0's work after close() was not cut
 
 
 def test_sigterm_ends_an_agent_waiting_for_another_node(cluster: Any, tmp_path: Path) -> None:
@@ -251,11 +247,7 @@ def test_sigterm_ends_an_agent_waiting_for_another_node(cluster: Any, tmp_path: 
     Python signal handler may not run) for node B, still busy: a scheduler's SIGTERM ends
     A within --shutdown-timeout + 10 s, with exit 0 (its run finished) and nothing left
     (the grace watch itself: tests/unit/test_gracewatch.py)."""
-    script = tmp_path / "late.py"
-    script.write_text(LATE)
-    flag = tmp_path / "evaluating"
-    job = cluster("run", "2:2")
-    job.script, job.script_args = script, [str(flag)]
+    job, flag = after_the_end(cluster, tmp_path, "late")
     first = job.start(["--shutdown-timeout", "5"])
     job.start()
     wait_until(flag.exists, 180, "rank 1's evaluation after the end")
