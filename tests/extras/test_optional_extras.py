@@ -40,21 +40,20 @@ sys.meta_path[:] = [_PathFinderWithout if f is PathFinder else f for f in sys.me
 
 
 @pytest.fixture
-def without_extras(tmp_path: Path) -> dict[str, str]:
-    """Environment overrides that hide the optional packages from every child."""
+def without_extras(tmp_path: Path) -> str:
+    """A PYTHONPATH that hides the optional packages from every child."""
     site = tmp_path / "without-extras"
     site.mkdir()
     (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
-    return {"PYTHONPATH": path}
+    return os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
 
 
-def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _python(code: str, path: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120, check=False)
+                          env={**os.environ, "PYTHONPATH": path}, timeout=120, check=False)
 
 
-def test_the_blocker_hides_the_extras(without_extras: dict[str, str]) -> None:
+def test_the_blocker_hides_the_extras(without_extras: str) -> None:
     for name in ABSENT:
         found = _python(f"import importlib.util; print(importlib.util.find_spec({name!r}))",
                         without_extras)
@@ -64,13 +63,11 @@ def test_the_blocker_hides_the_extras(without_extras: dict[str, str]) -> None:
 
 
 def test_demo_with_memory_tier_rescue_and_durable_restore(
-        tmp_path: Path, without_extras: dict[str, str]) -> None:
+        tmp_path: Path, without_extras: str) -> None:
     storage = tmp_path / "s"
-    memory = {"ELASTICTRAIN_SNAPSHOT__MEMORY_EVERY": "5",
-              "ELASTICTRAIN_SNAPSHOT__MEMORY_DIR": str(tmp_path / "mem")}
     first = run_cli(["demo", "--json", f"--storage={storage}", "--steps=40",
                      "--snapshot-every=10", "--kill-at=23"], tmp_path,
-                    **without_extras, **memory)
+                    PYTHONPATH=without_extras, ELASTICTRAIN_SNAPSHOT__MEMORY_EVERY="5")
     assert first.returncode == 0, first.stderr[-4000:]
     out = json.loads(first.stdout)
     # The survivor rescued step 23 into node memory; the restart lost nothing.
@@ -80,37 +77,38 @@ def test_demo_with_memory_tier_rescue_and_durable_restore(
     assert resumed and all(e["tier"] == "memory" for e in resumed)
     # A relaunch reads the durable snapshot of step 40 in place, still without numpy.
     second = run_cli(["demo", "--json", f"--storage={storage}", "--steps=45",
-                      "--snapshot-every=10"], tmp_path, **without_extras)
+                      "--snapshot-every=10"], tmp_path, PYTHONPATH=without_extras)
     assert second.returncode == 0, second.stderr[-4000:]
     assert json.loads(second.stdout)["resumed_from"] == [40]
     for command in (["snapshots", "list"], ["snapshots", "verify"]):
-        result = run_cli([*command, str(storage)], tmp_path, **without_extras)
+        result = run_cli([*command, str(storage)], tmp_path, PYTHONPATH=without_extras)
         assert result.returncode == 0, result.stderr
         assert "45" in result.stdout
 
 
-def test_fsdp_example_saves_and_resumes(tmp_path: Path, without_extras: dict[str, str]) -> None:
+def test_fsdp_example_saves_and_resumes(tmp_path: Path, without_extras: str) -> None:
     storage = tmp_path / "fsdp"
     script = str(REPO / "examples" / "fsdp_resumable.py")
     for steps in (10, 15):
         result = run_cli(["run", "--no-view", "--nproc-per-node", "2", script, str(storage),
                           "--steps", str(steps), "--every", "5"], tmp_path,
-                         **without_extras, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+                         PYTHONPATH=without_extras, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    listed = run_cli(["snapshots", "list", "--json", str(storage)], tmp_path, **without_extras)
-    steps = {row["step"] for row in json.loads(listed.stdout)}
-    assert 15 in steps
+    listed = run_cli(["snapshots", "list", "--json", str(storage)], tmp_path,
+                     PYTHONPATH=without_extras)
+    assert 15 in {row["step"] for row in json.loads(listed.stdout)}
 
 
 def test_each_missing_extra_is_named_in_one_line(
-        tmp_path: Path, without_extras: dict[str, str]) -> None:
-    s3 = run_cli(["snapshots", "list", "s3://bucket/run"], tmp_path, **without_extras)
+        tmp_path: Path, without_extras: str) -> None:
+    s3 = run_cli(["snapshots", "list", "s3://bucket/run"], tmp_path,
+                 PYTHONPATH=without_extras)
     assert s3.returncode != 0
     assert "elastictrain[s3]" in s3.stderr and len(s3.stderr.strip().splitlines()) == 1
     run = run_cli(["demo", "--json", f"--storage={tmp_path / 'd'}", "--steps=5",
-                   "--snapshot-every=5"], tmp_path, **without_extras)
+                   "--snapshot-every=5"], tmp_path, PYTHONPATH=without_extras)
     assert run.returncode == 0, run.stderr[-4000:]
     plot = run_cli(["goodput", json.loads(run.stdout)["events_dir"], "--plot",
-                    str(tmp_path / "p.png")], tmp_path, **without_extras)
+                    str(tmp_path / "p.png")], tmp_path, PYTHONPATH=without_extras)
     assert plot.returncode != 0 and not (tmp_path / "p.png").exists()
     assert "elastictrain[plot]" in plot.stderr and len(plot.stderr.strip().splitlines()) == 1
