@@ -182,6 +182,10 @@ def _claim(path: Path, storage: str, run_id: str, what: str) -> None:
     The same durable storage is the same training (a relaunch under a new run id
     included: its memory snapshots continue that storage's timeline)."""
     identity = read_identity(path)
+    if identity is None and ((path / IDENTITY).exists() or _foreign_entries(path)):
+        # Another local rank of this run may have claimed it since our read: its identity
+        # is written (atomically) before anything else, so a second read tells.
+        identity = read_identity(path)
     if identity is None:
         if (path / IDENTITY).exists() or _foreign_entries(path):
             raise ConfigError(f"{what}: {path} holds files of no known run (no readable "
