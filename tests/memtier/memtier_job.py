@@ -76,6 +76,9 @@ def main() -> None:
             snap.step()
             if (first_attempt and snap.step_count == park_at
                     and not (gates / "go").exists()):
+                # A copy behind commits once the training thread judged it (at the next
+                # step's fence, or here): a parked rank takes no next step.
+                snap.wait()
                 park(gates, rt.ctx.rank)
         snap.close()
     finally:
