@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch.distributed as torch_dist
 
+from elastictrain import watchdog
 from elastictrain.dist import DistContext
 from elastictrain.env import END_DIR_VAR
 from elastictrain.log import get_logger
@@ -37,7 +38,9 @@ def agree_and_mark(ctx: DistContext, timeout_s: float = AGREEMENT_TIMEOUT_S) -> 
     the agent then handles this worker's exit as usual)."""
     if ctx.initialized:
         try:
-            torch_dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+            # A peer still finishing its last save (a slow upload that moves) is no hang.
+            with watchdog.busy("the end agreement"):
+                torch_dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
         except Exception as exc:  # a peer gone or late: no agreed end
             log.warning("run.end_not_agreed", error=f"{type(exc).__name__}: {exc}"[:300])
             return False
