@@ -117,6 +117,7 @@ def test_invalid_value_names_where_to_set_it(monkeypatch: pytest.MonkeyPatch) ->
 ])
 def test_cli_bad_input_is_one_line(tmp_path: Path, args: list[str], env: dict[str, str],
                                    code: int, line: str) -> None:
+    (tmp_path / "x.py").write_text("")  # run's script exists: the settings are the error
     result = run_cli([*args, f"--storage={tmp_path / 's'}"] if args[0] == "demo" else args,
                      tmp_path, timeout=120, **env)
     assert result.returncode == code, result.stderr

@@ -14,6 +14,7 @@ import pytest
 from elastictrain import events, runtime
 from elastictrain import log as et_log
 from elastictrain.config import StorageConfig, load_settings
+from elastictrain.localfiles import user_dir_name
 from elastictrain.storage import open_store
 
 NAME = "attempt000-20250101T000000Z-abcd-rank0.jsonl"
@@ -72,4 +73,5 @@ def test_object_storage_gets_the_file_uploaded(tmp_path: Path,
     uploaded = open_store(url).read_bytes(f"events/r1/{NAME}").decode()
     assert [e["event"] for e in et_log.parse_event_lines(uploaded)] == ["worker.start",
                                                                       "resume"]
-    assert (tmp_path / "tmp" / "elastictrain-events" / "r1" / NAME).exists()
+    spool = tmp_path / "tmp" / user_dir_name("elastictrain-events")  # per user
+    assert (spool / "r1" / NAME).exists()

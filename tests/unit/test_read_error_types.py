@@ -33,15 +33,19 @@ def test_an_os_error_inside_a_read_is_a_storage_error(tmp_path: Path) -> None:
         raise OSError(28, "disk full")
 
 
-def test_a_restore_without_numpy_says_so_not_storage(tmp_path: Path,
+def test_an_error_of_the_reading_code_keeps_its_type(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a failed read is a StorageError: an error raised by the code that turns the
+    bytes into tensors (as a missing numpy once did) keeps its own type and message."""
+    from elastictrain.snapshot import onepass
+
     store = open_store(str(tmp_path / "store"))
     plant_snapshot(store, 7, {"step": 7, "w": torch.randn(1000)})
 
-    def no_numpy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("Numpy is not available")
+    def broken(tensor: torch.Tensor) -> Any:
+        raise RuntimeError("the reader's own bug")
 
-    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
-    with pytest.raises(RuntimeError, match="Numpy is not available") as caught:
+    monkeypatch.setattr(onepass, "tensor_bytes", broken)
+    with pytest.raises(RuntimeError, match="the reader's own bug") as caught:
         verify_snapshot(store, 7, load=True)
     assert not isinstance(caught.value, StorageError)
