@@ -14,21 +14,11 @@ from pathlib import Path
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.snapshot import layout, onepass
+from elastictrain.snapshot import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 from tests.unit.test_manager import build, train
-
-
-def _flip_a_parameter_byte(payload: Path) -> None:
-    plan = onepass.plan(str(payload))
-    assert plan is not None
-    region = plan.regions[0]
-    with open(payload, "r+b") as f:
-        f.seek(region.offset + 8)
-        byte = f.read(1)
-        f.seek(region.offset + 8)
-        f.write(bytes([byte[0] ^ 0x40]))
+from tests.unit.test_restore_in_place import flip_a_parameter_byte
 
 
 def test_a_corrupt_memory_copy_with_no_durable_snapshot_means_a_fresh_start(
@@ -39,7 +29,7 @@ def test_a_corrupt_memory_copy_with_no_durable_snapshot_means_a_fresh_start(
     crashed[4].wait()  # a crash: no close(), memory kept
     assert list_snapshot_dirs(open_store(run)) == []
     assert list_snapshot_dirs(open_store(mem))[0] == 3
-    _flip_a_parameter_byte(tmp_path / "mem" / layout.step_dir(3) / layout.PAYLOAD)
+    flip_a_parameter_byte(tmp_path / "mem" / layout.step_dir(3) / layout.PAYLOAD)
 
     for attempt in range(2):  # the relaunch after it must not meet the bad copy either
         parts = build(run, memory_every=1, memory_dir=mem)

@@ -48,10 +48,15 @@ def _flip_a_model_byte(url: str, step: int) -> None:
     store = open_store(url)
     path = store.local_path(f"{layout.step_dir(step)}/{layout.PAYLOAD}")
     assert path is not None
-    plan = onepass.plan(path)
+    flip_a_parameter_byte(path)
+
+
+def flip_a_parameter_byte(payload: str | Path) -> None:
+    """Flip one bit inside the first saved tensor's bytes of ``payload``."""
+    plan = onepass.plan(str(payload))
     assert plan is not None
     region = plan.regions[0]
-    with open(path, "r+b") as f:
+    with open(payload, "r+b") as f:
         f.seek(region.offset + 8)
         byte = f.read(1)
         f.seek(region.offset + 8)
