@@ -131,6 +131,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     standby_preload: tuple[str, ...] | None = None  # None: no standby (launch.standby)
     rescue_dir: Path | None = None  # where survivors mark a rescue (snapshot/rescue.py)
     rescue_timeout_s: float = 30.0
+    rescue_start_timeout_s: float = 5.0
     end_dir: Path | None = None  # where workers mark the run's agreed end (runend.py)
     crash_loop_failures: int = 2  # set by installed() from launch.crash_loop_failures
 
@@ -369,19 +370,29 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _wait_for_rescues(self, live: list[int]) -> None:
         """A survivor writing a rescue (the failed step's predecessor, to node memory:
         snapshot/rescue.py) is stopped only once it is done, or after
-        ``launch.rescue_timeout_s``: the restart resumes from what it writes."""
+        ``launch.rescue_timeout_s``: the restart resumes from what it writes. A survivor
+        armed for a rescue that has not met its error yet (its peer's death reaches it
+        through a collective, a moment after the agent saw it) gets up to
+        ``launch.rescue_start_timeout_s`` to begin one."""
         if self.rescue_dir is None:
             return
         started = time.monotonic()
-        busy = rescue.rescuing_pids(self.rescue_dir) & set(live)
-        while busy and time.monotonic() - started < self.rescue_timeout_s:
+        while True:
+            running = {pid for pid, code in self._worker_codes().items()
+                       if code is None} & set(live)
+            busy = rescue.rescuing_pids(self.rescue_dir) & running
+            unstarted = rescue.armed_pids(self.rescue_dir) & running - busy
+            elapsed = time.monotonic() - started
+            if not ((busy and elapsed < self.rescue_timeout_s)
+                    or (unstarted and elapsed < self.rescue_start_timeout_s)):
+                break
             time.sleep(0.005)
-            busy = rescue.rescuing_pids(self.rescue_dir) & set(live)
         waited = round(time.monotonic() - started, 3)
         if busy:
             log.warning("agent.rescue_timeout", pids=sorted(busy), waited_s=waited)
         elif waited > 0.005:
-            log.info("agent.rescue_waited", waited_s=waited)
+            log.info("agent.rescue_waited", waited_s=waited,
+                     unstarted=sorted(unstarted))
 
     def _kill_stuck_at_exit(self) -> None:
         """SIGKILL a worker stuck in its exit (see the module docstring).
@@ -492,6 +503,7 @@ def installed(launch: LaunchDefaults | None = None, rescue_dir: Path | None = No
     ElasticTrainAgent.rescue_dir = rescue_dir
     ElasticTrainAgent.end_dir = end_dir
     ElasticTrainAgent.rescue_timeout_s = launch.rescue_timeout_s
+    ElasticTrainAgent.rescue_start_timeout_s = launch.rescue_start_timeout_s
     ElasticTrainAgent.crash_loop_failures = launch.crash_loop_failures
     ElasticTrainAgent.standby_preload = tuple(launch.standby_preload) if launch.standby else None
     ElasticTrainAgent.latest = None

@@ -231,6 +231,9 @@ class LaunchDefaults(_Model):
     # After a worker failed, the agent stops the others only once a survivor writing a
     # rescue (docs/memory-tier.md#rescue) is done, or after this long.
     rescue_timeout_s: float = Field(default=30.0, gt=0)
+    # A survivor armed for a rescue (memory tier on) that has not met its error yet gets
+    # this long to begin one before the agent stops it.
+    rescue_start_timeout_s: float = Field(default=5.0, gt=0)
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     # A crash loop: this many attempts in a row whose first failing worker raised the
     # same error (type, message, file:line) at the same step: a restart cannot help,

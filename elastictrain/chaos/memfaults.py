@@ -38,8 +38,9 @@ class MemoryNode:
         self.neighbour_code: int | None = None
         self._workdir = workdir
 
-    def inject(self, kind: str, env: dict[str, str]) -> str:
-        """One memory fault now; what was done (for the trial's report)."""
+    def inject(self, kind: str, env: dict[str, str]) -> str | None:
+        """One memory fault now; what was done (for the trial's report), or None when
+        there is nothing to hit yet (no memory snapshot to corrupt: try again later)."""
         if kind == "shm_neighbour":
             return self._start_neighbour(env)
         if kind == "shm_full":
@@ -72,7 +73,7 @@ class MemoryNode:
                         raise
         return f"shm_full: filler of {written} bytes"
 
-    def _corrupt(self) -> str:
+    def _corrupt(self) -> str | None:
         """Flip bytes in the middle of every committed memory payload of the trial."""
         hit = []
         for held in memory.held(memory.user_root_in(self.root)):
@@ -85,8 +86,7 @@ class MemoryNode:
                     f.seek(size // 2)
                     f.write(b"\xff" * 64)
                     hit.append(step)
-        return f"memory_corrupt: payload of step(s) {hit}" if hit else \
-            "memory_corrupt: no memory snapshot yet"
+        return f"memory_corrupt: payload of step(s) {hit}" if hit else None
 
     def finish_neighbour(self, timeout_s: float) -> None:
         """Wait for the neighbour run to end (it trains a few seconds), else kill it."""

@@ -240,12 +240,15 @@ class _Run:
                         self.injected.append(note)
                 if memory_faults and time.monotonic() - started >= memory_faults[0].at_s:
                     assert self.node is not None
-                    self.injected.append(self.node.inject(memory_faults.pop(0).kind,
-                                                          self.job.env))
+                    note = self.node.inject(memory_faults[0].kind, self.job.env)
+                    if note is not None:  # else: nothing to hit yet, try again
+                        memory_faults.pop(0)
+                        self.injected.append(note)
                 self.job.poll()
                 self.timed_out = time.monotonic() - started > self.timeout_s
                 time.sleep(_POLL_S)  # polling the job and the fault clock
             self.injected += [f"{f.describe()} not injected (job done)" for f in pending]
+            self.injected += [f"{f.describe()} not injected (job done)" for f in memory_faults]
             if not self.timed_out:
                 self.leftovers = self.job.wait_gone(10)
             if self.node is not None:

@@ -186,19 +186,22 @@ def _claim(path: Path, storage: str, run_id: str, what: str) -> None:
         # Another local rank of this run may have claimed it since our read: its identity
         # is written (atomically) before anything else, so a second read tells.
         identity = read_identity(path)
-    if identity is None:
-        if (path / IDENTITY).exists() or _foreign_entries(path):
+        if identity is None:
             raise ConfigError(f"{what}: {path} holds files of no known run (no readable "
                               f"{IDENTITY}); they are left alone; fix: give this run a "
                               "memory_dir of its own, or remove that directory")
-    elif identity.get("storage") != storage:
+    mine = {"storage": storage, "run_id": run_id, "uid": os.geteuid()}
+    if identity is None:  # an empty directory: ours, unless another claims it first
+        if _write_identity(path, mine, exclusive=True):
+            return
+        identity = read_identity(path) or {}
+    if identity.get("storage") != storage:
         raise ConfigError(f"{what}: {path} holds the memory snapshots of another run (run "
                           f"{identity.get('run_id')!r}, storage {identity.get('storage')!r}); "
                           "they are left alone; fix: give each run its own "
                           "snapshot.memory_dir, or unset it (one per storage)")
-    elif identity.get("run_id") == run_id:
-        return
-    _write_identity(path, {"storage": storage, "run_id": run_id, "uid": os.geteuid()})
+    elif identity.get("run_id") != run_id:
+        _write_identity(path, mine, exclusive=False)
 
 
 def _foreign_entries(path: Path) -> list[str]:
@@ -207,17 +210,24 @@ def _foreign_entries(path: Path) -> list[str]:
             if n != LOCK and not n.startswith(f"{IDENTITY}.tmp-")]
 
 
-def _write_identity(path: Path, identity: dict[str, object]) -> None:
+def _write_identity(path: Path, identity: dict[str, object], *, exclusive: bool) -> bool:
+    """Write ``identity`` whole (a temporary file, then one link or rename). Exclusive:
+    False when an identity is there already (another process claimed it first)."""
     tmp = path / f"{IDENTITY}.tmp-{os.getpid()}"
     fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         os.write(fd, json.dumps(identity).encode())
-    except BaseException:
+        if not exclusive:
+            os.replace(tmp, path / IDENTITY)  # same storage, a new run id: ours now
+            return True
+        try:
+            os.link(tmp, path / IDENTITY)
+        except FileExistsError:
+            return False
+        return True
+    finally:
         os.close(fd)
         tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(tmp, path / IDENTITY)  # every local rank writes the same: the last one wins
 
 
 @contextlib.contextmanager

@@ -49,6 +49,7 @@ BOUNDARY_DIR = "boundary"
 # the storage URL the script passes). Without it, the boundary directory.
 MARKS_ENV = RESCUE_MARKS_VAR
 _RESCUING = "rescuing-"  # + the PID of a process writing a rescue
+_ARMED = "armed-"  # + the PID of a process that rescues on an uncaught error
 _RESCUED = "rescued-"  # + the step of a committed rescue
 _MAGIC = 0x45545242  # "ETRB"
 # magic, step, world size, restart count, resumed-from step, payload length, crc32
@@ -219,12 +220,22 @@ def clear_marks(directory: Path) -> None:
 def rescuing_pids(directory: Path) -> set[int]:
     """PIDs of the processes writing a rescue in ``directory`` now (the agent waits for
     them before it stops a failed group)."""
+    return _marked_pids(directory, _RESCUING)
+
+
+def armed_pids(directory: Path) -> set[int]:
+    """PIDs of the processes that would rescue on an uncaught error: a survivor of a
+    failure may not have seen its error yet when the agent sees the failed worker."""
+    return _marked_pids(directory, _ARMED)
+
+
+def _marked_pids(directory: Path, prefix: str) -> set[int]:
     try:
         names = os.listdir(directory)
     except OSError:
         return set()
-    return {int(n.removeprefix(_RESCUING)) for n in names
-            if n.startswith(_RESCUING) and n.removeprefix(_RESCUING).isdigit()}
+    return {int(n.removeprefix(prefix)) for n in names
+            if n.startswith(prefix) and n.removeprefix(prefix).isdigit()}
 
 
 def marks_dir(boundary: Path) -> Path:
@@ -271,31 +282,49 @@ def take_lock(directory: Path, attempt: tuple[int, int, int], step: int) -> bool
 # (runtime.exit_on_error) on an uncaught error. A weak reference: a manager the
 # script dropped is not kept alive by it.
 _armed: weakref.ref[Callable[[BaseException], None]] | None = None
+_armed_mark: Path | None = None
 
 
 def arm(rescue: Callable[[BaseException], None]) -> None:
-    global _armed
+    """Run ``rescue`` on an uncaught error. Under a launcher that waits for rescues
+    (``MARKS_ENV``) this process is also marked armed there: the agent then gives it a
+    moment to begin its rescue before it stops the group (``agent.py``)."""
+    global _armed, _armed_mark
     _armed = weakref.WeakMethod(rescue) if hasattr(rescue, "__self__") else weakref.ref(rescue)
+    named = os.environ.get(MARKS_ENV)
+    if named and _armed_mark is None:
+        mark = Path(named) / f"{_ARMED}{os.getpid()}"
+        private_dir(mark.parent, "the rescue's marks")
+        os.close(open_private(mark, os.O_WRONLY | os.O_CREAT))
+        _armed_mark = mark
 
 
 def disarm() -> None:
-    global _armed
+    global _armed, _armed_mark
     _armed = None
+    if _armed_mark is not None:
+        _armed_mark.unlink(missing_ok=True)
+        _armed_mark = None
 
 
 def on_uncaught(exc: BaseException) -> None:
     """Run the armed rescue once, for an error (never raises: the error that ended the
     worker is what its log must show). An exit (``SystemExit``: a preemption's exit 75
-    included, after its final snapshot) or Ctrl-C is no failure to rescue from."""
-    if not isinstance(exc, Exception):
-        return
-    rescue = _armed() if _armed is not None else None
-    disarm()
-    if rescue is None:
-        return
-    started = time.perf_counter()
+    included, after its final snapshot) or Ctrl-C is no failure to rescue from. The
+    armed mark goes only once the rescue is over: by then its ``rescuing-`` marker has
+    come and gone, so the agent never sees this process as neither."""
+    global _armed
+    rescue = _armed() if _armed is not None and isinstance(exc, Exception) else None
+    _armed = None
     try:
-        rescue(exc)
-    except Exception as failure:  # a rescue must never mask the error
-        log.warning("snapshot.rescue_skipped", reason=f"{type(failure).__name__}: {failure}",
-                    duration_s=round(time.perf_counter() - started, 4))
+        if rescue is None:
+            return
+        started = time.perf_counter()
+        try:
+            rescue(exc)
+        except Exception as failure:  # a rescue must never mask the error
+            log.warning("snapshot.rescue_skipped",
+                        reason=f"{type(failure).__name__}: {failure}",
+                        duration_s=round(time.perf_counter() - started, 4))
+    finally:
+        disarm()

@@ -3,7 +3,7 @@ STEPS with a durable snapshot every EVERY steps and a memory snapshot every MEMO
 steps (default 1), close.
 
     python -m elastictrain.launch ... tests/memtier/memtier_job.py ROOT STEPS EVERY PARK GATES \
-        [MEMORY_EVERY [DIE_IN [FROZEN_MB]]]
+        [MEMORY_EVERY [DIE_IN [FROZEN_MB [LATE_SURVIVOR]]]]
 
 Each step's batch is a function of the step and rank only, so a resumed run is
 bit-exact. In the first attempt every rank stops after step PARK (PARK 0: never),
@@ -12,12 +12,15 @@ kills what it must meanwhile. With DIE_IN > 0, rank 1 of the first attempt SIGKI
 itself in the middle of step DIE_IN, between its forward and its backward (no boundary,
 no barrier). Every step also draws from the global python, torch and numpy RNGs, so
 a resume with any rank's RNG state wrong is not bit-exact. FROZEN_MB adds a frozen
-parameter of that size (no compute, but every snapshot holds it). The memory directory comes
+parameter of that size (no compute, but every snapshot holds it). With LATE_SURVIVOR 1,
+rank 0 meets rank 1's death only after the agent saw it: it starts its backward once
+``agent.failure_detected`` is in the run's event log. The memory directory comes
 from ``ELASTICTRAIN_SNAPSHOT__MEMORY_DIR`` (one per node).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -31,6 +34,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elastictrain as et
+from elastictrain.launch import EVENTS_DIR_VAR
 
 PARK_TIMEOUT_S = 300.0
 
@@ -44,11 +48,24 @@ def park(gates: Path, rank: int) -> None:
         time.sleep(0.05)
 
 
+def await_event(events_dir: Path, name: str) -> None:
+    """Wait until an event ``name`` is in a file under ``events_dir`` (with a deadline)."""
+    deadline = time.monotonic() + PARK_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for file in events_dir.rglob("*.jsonl"):
+            for line in file.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    if json.loads(line).get("event") == name:
+                        return
+        time.sleep(0.02)
+
+
 def main() -> None:
     root, steps, every, park_at, gates = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
                                           int(sys.argv[4]), Path(sys.argv[5]))
-    memory_every, die_in, frozen_mb = (int(sys.argv[i]) if len(sys.argv) > i else default
-                                       for i, default in ((6, 1), (7, 0), (8, 0)))
+    memory_every, die_in, frozen_mb, late_survivor = (
+        int(sys.argv[i]) if len(sys.argv) > i else default
+        for i, default in ((6, 1), (7, 0), (8, 0), (9, 0)))
     rt = et.init()
     try:
         torch.manual_seed(0)
@@ -70,6 +87,8 @@ def main() -> None:
             loss = model(torch.randn(16, 32, generator=data) + noise).pow(2).mean()
             if first_attempt and rt.ctx.rank == 1 and snap.step_count + 1 == die_in:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if first_attempt and late_survivor and snap.step_count + 1 == die_in:
+                await_event(Path(os.environ[EVENTS_DIR_VAR]), "agent.failure_detected")
             loss.backward()
             opt.step()
             opt.zero_grad()

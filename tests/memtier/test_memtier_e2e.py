@@ -10,7 +10,9 @@
     (``snapshot.rescued``); the restart resumes step 25 from memory, not 20 from
     durable storage, and the final parameters are bit-exact with an uninterrupted run.
     Then the same with 256 MB of state: the rescue outlasts the agent's failure
-    detection, and the agent waits for it before it stops the group.
+    detection, and the agent waits for it before it stops the group; and with a survivor
+    that meets its error only after the agent saw the death: the agent waits for it to
+    begin its rescue.
 (b) Two agents on localhost as two nodes, one worker each, each with its own memory
     directory: after step 25 node 1 (agent and worker) is SIGKILLed and a new agent
     with an empty memory directory (a replacement node) joins; node 0 still holds
@@ -211,10 +213,27 @@ def test_agent_waits_for_a_rescue_in_progress(tmp_path: Path, agents: Agents) ->
                        extra=(1000, PARK + 1, 256))
     assert run.wait(timeout=300) == 0, _log(agents)
 
-    ev = tmp_path / "ev" / "run"
-    (rescued,) = events(ev, "snapshot.rescued")
-    (waited,) = events(ev, "agent.rescue_waited")
-    assert rescued["snapshot_step"] == PARK and waited["waited_s"] > 0
+    _assert_rescue_waited_for(tmp_path / "ev" / "run")
+
+
+@pytest.mark.timeout(600)
+def test_agent_waits_for_a_survivor_that_has_not_met_its_error(tmp_path: Path,
+                                                              agents: Agents) -> None:
+    """Rank 0 starts the backward that fails on its dead peer only once the agent has
+    seen the death: without the armed mark, the agent stops it before it can rescue."""
+    run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2,
+                       extra=(1000, PARK + 1, 0, 1))
+    assert run.wait(timeout=300) == 0, _log(agents)
+    _assert_rescue_waited_for(tmp_path / "ev" / "run")
+
+
+def _assert_rescue_waited_for(ev: Path) -> None:
+    told = [e for e in events(ev) if "rescue" in str(e.get("event"))
+            or e.get("event") == "agent.failure_detected"]
+    rescued = events(ev, "snapshot.rescued")
+    waited = events(ev, "agent.rescue_waited")
+    assert len(rescued) == 1 and len(waited) == 1, told
+    assert rescued[0]["snapshot_step"] == PARK and waited[0]["waited_s"] > 0, told
     resumes = [e for e in events(ev, "resume") if e["restart_count"] == 1]
     assert sorted((e["rank"], e["from_step"], e["tier"]) for e in resumes) == \
         [(0, PARK, "memory"), (1, PARK, "memory")]
