@@ -347,14 +347,25 @@ def standby_pid(launcher_pid: int) -> int | None:
     return None
 
 
-def recycle_pid(pid: int, timeout_s: float = 5.0) -> str:
-    """Make ``pid`` the next pid handed out, once its process is reaped; only inside a
-    PID namespace of our own (``NSpid`` lists more than one pid): elsewhere the next pid
-    is the whole machine's. Says what it did."""
+def in_child_pid_namespace() -> bool:
+    """True inside a PID namespace other than the machine's: ``NSpid`` lists more than
+    one pid (a /proc of an outer namespace), or this /proc has no kernel thread daemon
+    at pid 2 (``unshare --pid --fork --mount-proc``: only the namespace's processes)."""
     status = Path("/proc/self/status").read_text()
     nspids = next((line.split()[1:] for line in status.splitlines()
                    if line.startswith("NSpid:")), [])
-    if len(nspids) < 2:
+    try:
+        kthreadd = Path("/proc/2/comm").read_text().strip() == "kthreadd"
+    except OSError:
+        kthreadd = False
+    return len(nspids) >= 2 or not kthreadd
+
+
+def recycle_pid(pid: int, timeout_s: float = 5.0) -> str:
+    """Make ``pid`` the next pid handed out, once its process is reaped; only inside a
+    PID namespace of our own: elsewhere the next pid is the whole machine's. Says what
+    it did."""
+    if not in_child_pid_namespace():
         return "pid recycling not arranged (not in a PID namespace of its own)"
     deadline = time.monotonic() + timeout_s
     while Path(f"/proc/{pid}").exists():  # the pid is reusable once its process is reaped

@@ -150,10 +150,14 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
             latency_s=rng.choice((0.0, 0.01, 0.05)),
             crash_after_bytes=rng.choice((None, 4096, 65536)))
     # Memory faults from a stream of their own: the draws above replay as before.
+    # A trial draws a subset of the memory kinds asked for: with all of them at once,
+    # a full tmpfs would leave no memory snapshot for the others to meet.
     memory_rng = random.Random(s ^ 0x6D656D)
+    asked = [kind for kind in MEMORY_FAULTS if kind in kinds]
+    drawn = memory_rng.sample(asked, memory_rng.randint(1, len(asked))) if asked else []
     memory = [MemoryFault(kind, round(memory_rng.uniform(0.1, 0.6) * horizon_s, 2))
-              for kind in MEMORY_FAULTS if kind in kinds]
-    if not process_kinds and memory and "memory_corrupt" in kinds:
+              for kind in asked if kind in drawn]
+    if not process_kinds and "memory_corrupt" in drawn:
         # A corrupt memory snapshot matters to a restart: give the trial one.
         faults.append(Fault(kind="kill", at_s=round(memory_rng.uniform(0.6, 0.9) * horizon_s,
                                                     2), target="worker",

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from elastictrain.chaos.runner import inject_standby_fault, recycle_pid, standby_pid
+from elastictrain.chaos.runner import (
+    in_child_pid_namespace,
+    inject_standby_fault,
+    recycle_pid,
+    standby_pid,
+)
 from elastictrain.chaos.schedule import FAULT_KINDS, make_schedule, parse_kinds
 from elastictrain.standby.client import Standby, StandbyUnavailable
 from tests.helpers import pid_alive, wait_for
@@ -58,8 +65,18 @@ def test_the_fault_leaves_the_next_spawn_to_popen_and_no_worker_behind(
 
 
 def test_pid_recycling_is_arranged_only_in_a_pid_namespace_of_its_own() -> None:
-    nspids = next(line.split()[1:] for line in Path("/proc/self/status").read_text()
-                  .splitlines() if line.startswith("NSpid:"))
-    if len(nspids) >= 2:
+    if in_child_pid_namespace():
         pytest.skip("runs in a PID namespace: recycling would be arranged here")
     assert recycle_pid(os.getpid()).startswith("pid recycling not arranged")
+
+
+def test_a_pid_namespace_of_our_own_is_recognised_with_its_own_proc(tmp_path: Path) -> None:
+    if in_child_pid_namespace():
+        pytest.skip("already in a PID namespace")
+    probe = ("from elastictrain.chaos.runner import in_child_pid_namespace as f; "
+             "print(f())")
+    unshare = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", probe]
+    done = subprocess.run(unshare, capture_output=True, text=True, timeout=60, check=False)
+    if done.returncode != 0 and "Operation not permitted" in done.stderr:
+        pytest.skip(f"unshare refused here: {done.stderr.strip()}")
+    assert done.stdout.strip() == "True", done.stderr

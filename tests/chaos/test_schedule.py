@@ -57,3 +57,18 @@ def test_two_stops_in_one_trial_stop_the_same_rank() -> None:
         assert len(stops) <= 1, faults
         doubles += sum(f.kind == "stop" for f in faults) == 2
     assert doubles > 0  # the case was drawn and handled
+
+
+def test_memory_faults_come_as_subsets_so_each_meets_a_working_memory_tier() -> None:
+    """All memory kinds in every trial would put a full tmpfs beside every corruption:
+    no memory snapshot would be left to corrupt."""
+    from elastictrain.chaos.schedule import MEMORY_FAULTS, make_schedule
+
+    drawn = [{f.kind for f in make_schedule(5, trial, ("kill", *MEMORY_FAULTS), 30.0, 2).memory}
+             for trial in range(60)]
+    assert all(drawn)  # at least one memory fault per trial
+    assert set().union(*drawn) == set(MEMORY_FAULTS)
+    assert any("memory_corrupt" in kinds and "shm_full" not in kinds for kinds in drawn)
+    assert any(len(kinds) == len(MEMORY_FAULTS) for kinds in drawn)
+    alone = make_schedule(5, 0, ("memory_corrupt",), 30.0, 2)
+    assert [f.kind for f in alone.faults] == ["kill"]  # a restart meets the corrupt copy
