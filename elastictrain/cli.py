@@ -171,6 +171,8 @@ def _goodput(args: argparse.Namespace) -> int:
                           "split": split.to_dict() if split is not None else None}))
     else:
         print(format_split(split) if split is not None else format_report(report))
+        if split is not None:  # format_report prints them itself
+            print("".join(f"  note: {note}\n" for note in report.notes), end="")
     return 0
 
 

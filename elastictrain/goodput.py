@@ -51,6 +51,8 @@ class Goodput:
     final_step: int
     steps_lost: int
     step_time_s: float
+    # What the figures cannot show by themselves (e.g. the node-memory tier was off).
+    notes: tuple[str, ...] = ()
 
     @property
     def goodput(self) -> float:
@@ -109,7 +111,34 @@ def compute_goodput(events_dir: str | Path, store: Store | None = None) -> Goodp
         lost_work_s=round(lost_work, 3), snapshot_blocking_s=round(blocking, 3),
         restart_s=round(restart, 3), pending_s=round(pending, 3), attempts=len(attempts),
         final_step=final_step, steps_lost=lost, step_time_s=round(step_time, 5),
+        notes=_memory_notes(attempts),
     )
+
+
+def _memory_notes(attempts: list[list[dict[str, Any]]]) -> tuple[str, ...]:
+    """How long the node-memory tier was off (``snapshot.memory_degraded`` until
+    ``snapshot.memory_recovered`` or the attempt's end, e.g. a full /dev/shm): a failure
+    in that time restarts from durable storage, so it loses more than with the tier."""
+    off_s = 0.0
+    seen: set[str] = set()
+    for events in attempts:
+        off: set[str] = set()
+        since = 0.0
+        for event in events:
+            name, what, ts = event.get("event"), str(event.get("what")), float(event["ts"])
+            if name == "snapshot.memory_degraded":
+                seen.add(what)
+                since = since if off else ts
+                off.add(what)
+            elif name == "snapshot.memory_recovered" and what in off:
+                off.discard(what)
+                off_s += 0.0 if off else ts - since
+        if off:
+            off_s += float(events[-1]["ts"]) - since
+    if not seen:
+        return ()
+    return (f"the node-memory tier was off for {off_s:.1f}s ({', '.join(sorted(seen))}): "
+            "a failure then restarted from durable snapshots",)
 
 
 def _pending_s(attempts: list[list[dict[str, Any]]]) -> float:
@@ -141,6 +170,7 @@ def format_report(report: Goodput) -> str:
              f"{report.attempts} attempts, final step {report.final_step}, "
              f"{report.steps_lost} steps lost, step {report.step_time_s * 1000:.1f} ms"]
     lines += [f"  {name:<20} {secs:9.2f}s  {secs / wall:6.1%}" for name, secs in rows]
+    lines += [f"  note: {note}" for note in report.notes]
     return "\n".join(lines)
 
 
@@ -193,4 +223,5 @@ def one_figure(report: Goodput, split: Split | None) -> dict[str, Any]:
             "final_step": split.attempts[-1].to_step,
             "steps_lost": sum(a.lost_steps for a in split.attempts),
             "step_time_s": report.step_time_s,
-            "goodput": round(productive / wall, 4) if wall > 0 else 0.0}
+            "goodput": round(productive / wall, 4) if wall > 0 else 0.0,
+            "notes": list(report.notes)}

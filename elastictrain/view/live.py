@@ -30,7 +30,7 @@ from elastictrain.view.tail import EventTail
 REFRESH_S = 0.25
 SHOWN_LINES = 12
 _STYLES = {"failure": "bold red", "restart": "yellow", "resume": "green",
-           "membership": "magenta", "preempt": "cyan", "end": "bold"}
+           "membership": "magenta", "preempt": "cyan", "memory": "yellow", "end": "bold"}
 
 
 def view_wanted(stream: IO[str] | None = None, *, json_output: bool = False,

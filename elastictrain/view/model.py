@@ -19,7 +19,8 @@ class Line:
     """One event worth a line in a view."""
 
     ts: float
-    kind: str  # "failure", "restart", "resume", "membership", "preempt", "snapshot", "end"
+    # "failure", "restart", "resume", "membership", "preempt", "snapshot", "memory", "end"
+    kind: str
     text: str
 
     def to_dict(self) -> dict[str, Any]:
@@ -53,6 +54,8 @@ class RunState:
     agent_seen: bool = False  # launched by elastictrain run/demo: the agent logs the end
     ended: bool = False  # nothing more will be written (the launcher or, without one, rank 0)
     lines: deque[Line] = field(default_factory=deque)
+    # What of the node-memory tier is off now (a full /dev/shm): what -> the error.
+    memory_degraded: dict[str, str] = field(default_factory=dict)
     _samples: deque[tuple[float, int]] = field(default_factory=deque)
     _notice_ts: float | None = None
 
@@ -150,6 +153,7 @@ class RunState:
                 **self.last_snapshot, "age_s": None if age is None else round(age, 1)},
             "finished": self.finished, "lost_steps": self.lost_steps,
             "final_snapshot": self.final_snapshot,
+            "memory_degraded": dict(self.memory_degraded),
             "first_ts": self.first_ts, "last_ts": self.last_ts,
             "events": self.events,
             "failures": [line.to_dict() for line in self.failures()],
@@ -245,6 +249,31 @@ def _snapshot_corrupt(state: RunState, e: dict[str, Any]) -> _Out:
     return "failure", f"snapshot {e.get('snapshot_step')} corrupt: {e.get('action')}"
 
 
+def _memory_degraded(state: RunState, e: dict[str, Any]) -> _Out:
+    what = str(e.get("what"))
+    if what in state.memory_degraded:
+        return None  # every rank says it: one line until it comes back
+    state.memory_degraded[what] = str(e.get("error"))
+    return "memory", (f"node memory tier off ({what}): {e.get('error')}; training goes on "
+                      "with durable snapshots")
+
+
+def _memory_recovered(state: RunState, e: dict[str, Any]) -> _Out:
+    if state.memory_degraded.pop(str(e.get("what")), None) is None:
+        return None
+    return "memory", f"node memory tier back ({e.get('what')})"
+
+
+def _memory_set_aside(state: RunState, e: dict[str, Any]) -> _Out:
+    return "memory", (f"memory copy of step {e.get('snapshot_step')} set aside on rank "
+                      f"{e.get('rank')} ({e.get('status')}): {e.get('action')}")
+
+
+def _rescued(state: RunState, e: dict[str, Any]) -> _Out:
+    return "snapshot", (f"rank {e.get('rank')} rescued step {e.get('snapshot_step')} to node "
+                        f"memory after {e.get('error')}")
+
+
 def _run_finished(state: RunState, e: dict[str, Any]) -> _Out:
     state.finished = state.finished or "finished"
     state.step = max(state.step, int(e.get("final_step") or 0))
@@ -273,4 +302,7 @@ _LINES = {
     "run.finished": _run_finished, "agent.preempted": _agent_end,
     "agent.fatal": _agent_end, "agent.finished": _agent_end,
     "agent.crash_loop": _crash_loop,
+    "snapshot.memory_degraded": _memory_degraded,
+    "snapshot.memory_recovered": _memory_recovered,
+    "snapshot.memory_set_aside": _memory_set_aside, "snapshot.rescued": _rescued,
 }

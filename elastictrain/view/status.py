@@ -95,6 +95,8 @@ def format_text(status: RunStatus) -> str:
                 or "none"),
              f"  newest snapshot: step {snap['step']}, {snap.get('size_bytes')} bytes, "
              f"{snap.get('created_at')}" if snap else "  newest snapshot: none",
+             *(f"  node memory tier off ({what}): {error}"
+               for what, error in (data.get("memory_degraded") or {}).items()),
              *(f"  {time.strftime('%H:%M:%S', time.localtime(line['ts']))} {line['text']}"
                for line in (data.get("lines") or [])[-20:])]
     return "\n".join(lines)

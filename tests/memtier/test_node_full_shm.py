@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
+from elastictrain.view.model import RunState
 from tests.unit.test_manager import build, train
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
@@ -56,6 +57,12 @@ def test_full_memory_dir_degrades_and_recovers(tmp_path: Path, small_tmpfs: Path
     assert list_snapshot_dirs(open_store(str(tmp_path / "run"))) == [5]  # durable goes on
     degraded = {e["what"] for e in logs if e["event"] == "snapshot.memory_degraded"}
     assert degraded == {"rescue boundary record", "memory snapshot"}
+    view = RunState()  # what the live view and status show of these events
+    for event in logs:
+        view.apply(event)
+    assert set(view.memory_degraded) == degraded
+    assert sorted(line.text.split(":")[0] for line in view.lines if line.kind == "memory") \
+        == [f"node memory tier off ({what})" for what in sorted(degraded)]
     retried = [e for e in logs if e["event"] == "snapshot.failed" and e["will_retry"]]
     assert not retried  # no back-off for the next memory save to wait out
     (small_tmpfs / "filler").unlink()
@@ -64,6 +71,10 @@ def test_full_memory_dir_degrades_and_recovers(tmp_path: Path, small_tmpfs: Path
         snap.wait()
     recovered = {e["what"] for e in logs if e["event"] == "snapshot.memory_recovered"}
     assert recovered == degraded
+    for event in logs:
+        view.apply(event)
+    assert view.memory_degraded == {}
+    assert sum(line.text.startswith("node memory tier back") for line in view.lines) == 2
     assert list_snapshot_dirs(open_store(str(small_tmpfs / "mem")))[0] == 9
     snap.close()
     assert os.listdir(small_tmpfs) == []

@@ -71,3 +71,32 @@ def test_relaunches_of_one_run_are_attempts_and_their_gap_is_pending(tmp_path: P
     assert report.restart_s == pytest.approx(134.0 - 10.0 - 120.0)
     assert report.goodput == pytest.approx(10.0 / 134.0)
     assert "pending" in format_report(report)
+
+
+def test_a_degraded_memory_tier_is_noted_with_how_long_it_was_off(tmp_path: Path) -> None:
+    # Off from t=3 (two things, one back at t=4, the other at t=5), then off again from
+    # t=7 to the attempt's end at t=8: 3 s in all.
+    write(tmp_path / "attempt000-rank0.jsonl", [
+        {"event": "resume", "ts": 2.0, "step": 0, "from_step": None, "lost_steps": 0},
+        {"event": "snapshot.memory_degraded", "ts": 3.0, "what": "memory snapshot"},
+        {"event": "snapshot.memory_degraded", "ts": 3.5, "what": "rescue boundary record"},
+        {"event": "snapshot.memory_recovered", "ts": 4.0, "what": "memory snapshot"},
+        {"event": "snapshot.memory_recovered", "ts": 5.0, "what": "rescue boundary record"},
+        {"event": "snapshot.memory_degraded", "ts": 7.0, "what": "memory snapshot"},
+        {"event": "run.finished", "ts": 8.0, "step": 30},
+    ])
+    report = compute_goodput(tmp_path)
+    assert report.notes == ("the node-memory tier was off for 3.0s (memory snapshot, rescue "
+                            "boundary record): a failure then restarted from durable "
+                            "snapshots",)
+    assert "  note: the node-memory tier was off for 3.0s" in format_report(report)
+    assert list(report.to_dict()["notes"]) == list(report.notes)
+
+
+def test_no_note_without_a_degraded_memory_tier(tmp_path: Path) -> None:
+    write(tmp_path / "attempt000-rank0.jsonl", [
+        {"event": "resume", "ts": 2.0, "step": 0, "from_step": None, "lost_steps": 0},
+        {"event": "run.finished", "ts": 8.0, "step": 30},
+    ])
+    report = compute_goodput(tmp_path)
+    assert report.notes == () and "note:" not in format_report(report)
