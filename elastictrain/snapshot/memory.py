@@ -25,6 +25,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -236,6 +237,7 @@ def launch_marks() -> Iterator[Path | None]:
     to its workers in ``MARKS_ENV``, held while it runs and removed after. None (the
     agent then waits for no rescue) where the node's tmpfs refuses it."""
     path = user_root() / f"{MARKS_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    sweep(math.inf)  # earlier launchers' marks (of a launcher killed: never removed)
     try:
         private_dir(path.parent, "the memory tier's root")
         private_dir(path, "the rescue's marks")
@@ -256,9 +258,11 @@ def launch_marks() -> Iterator[Path | None]:
 
 
 def sweep(max_idle_s: float, keep: Path | None = None) -> list[Path]:
-    """Remove this user's memory directories (and launchers' rescue marks) that no
-    process holds and nobody used for ``max_idle_s``: no run can use them any more
-    without having touched them since. Returns what was removed."""
+    """Remove this user's memory directories that no process holds and nobody used for
+    ``max_idle_s`` (no run can use them any more without having touched them since),
+    and every launcher's rescue marks that no launcher holds (they serve only the
+    launcher that made them: one SIGKILLed leaves them behind). Returns what was
+    removed."""
     root = user_root()
     try:
         check_private_dir(root, "the memory tier's root")
@@ -271,11 +275,14 @@ def sweep(max_idle_s: float, keep: Path | None = None) -> list[Path]:
         if (path == keep or not entry.is_dir(follow_symlinks=False)
                 or not entry.name.startswith((RUN_PREFIX, MARKS_PREFIX))):
             continue
-        with _exclusive(path) as free:
-            if free and time.time() - _last_used(path) >= max_idle_s:
+        marks = entry.name.startswith(MARKS_PREFIX)
+        # (FileNotFoundError: another sweep removed it meanwhile.)
+        with _exclusive(path) as free, contextlib.suppress(FileNotFoundError):
+            if free and (marks or time.time() - _last_used(path) >= max_idle_s):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
-                log.info("snapshot.memory_removed", path=str(path), reason="idle",
+                log.info("snapshot.memory_removed", path=str(path),
+                         reason="launcher gone" if marks else "idle",
                          max_idle_s=max_idle_s, tier="memory")
     return removed
 
@@ -345,10 +352,23 @@ def held(root: Path | None = None) -> list[Held]:
         identity = read_identity(path) or {}
         steps = sorted((s for s in (layout.parse_step(n) for n in _names(path / layout.SNAPSHOTS))
                         if s is not None), reverse=True)
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        try:  # a run may be writing and pruning here meanwhile
+            idle_s = time.time() - _last_used(path)
+        except FileNotFoundError:
+            continue  # removed since the scan
         found.append(Held(path, _str(identity.get("storage")), _str(identity.get("run_id")),
-                          steps, size, in_use(path), time.time() - _last_used(path)))
+                          steps, _size(path), in_use(path), idle_s))
     return found
+
+
+def _size(path: Path) -> int:
+    """Bytes of the files under ``path``; files removed while walking count as gone."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(root, name), follow_symlinks=False).st_size
+    return total
 
 
 def _names(path: Path) -> list[str]:
