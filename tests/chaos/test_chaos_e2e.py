@@ -4,6 +4,7 @@ real faults (SIGKILL by PID, job kill + relaunch, notices, storage faults) that 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from tests.helpers import run_cli
@@ -42,4 +43,28 @@ def test_chaos_two_trials_on_the_demo_pass(tmp_path: Path) -> None:
     assert any(i.startswith("notice") for i in trials[1]["injected"])
     assert "replay: --seed 1 --first 1 --trials 1" in result.stderr
     assert "chaos-secret-" not in result.stdout + result.stderr  # the planted credential
+    assert processes_mentioning(work) == []
+
+
+def test_chaos_memory_and_standby_faults_on_the_demo_pass(tmp_path: Path) -> None:
+    """The faults of a shared node, with the memory tier on: a second run sharing the
+    default memory root, a memory snapshot corrupted on disk, the tmpfs filling up (a
+    small tmpfs of the trial's own: root only), the standby SIGKILLed with a worker.
+    Each trial also checks that no file of the run in node memory is open to other
+    users and that nothing of it is left there at the end."""
+    work = tmp_path / "chaos"
+    result = run_cli(["chaos", "--trials", "2", "--seed", "7", "--steps", "30",
+                      "--snapshot-every", "10", "--storage", str(work), "--json",
+                      "--faults", "kill,shm_neighbour,shm_full,memory_corrupt,standby_kill"],
+                     tmp_path, timeout=500)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    trials = json.loads(result.stdout)["trials"]
+    assert all(t["failures"] == [] and t["exit_codes"][-1] == 0 for t in trials), trials
+    injected = " ".join(i for t in trials for i in t["injected"])
+    # Seed 7 draws memory_corrupt + shm_neighbour + a kill in trial 0, and shm_full +
+    # memory_corrupt + two standby kills in trial 1.
+    assert "memory_corrupt: payload of step(s)" in " ".join(trials[0]["injected"])
+    assert "shm_neighbour: second run" in injected
+    assert "standby_kill: SIGKILL standby" in injected
+    assert ("shm_full: filler of" if os.geteuid() == 0 else "shm_full not injected") in injected
     assert processes_mentioning(work) == []
