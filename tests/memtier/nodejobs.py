@@ -52,6 +52,34 @@ class Job:
         return self.proc.stderr.read().decode(errors="replace")
 
 
+def as_user_seeing(user: str, paths: list[Path], cmd: list[str]) -> list[str]:
+    """``cmd`` run as ``user`` in a mount namespace of its own where ``paths`` can be
+    reached: the interpreter and the checkout often live under a directory only root may
+    enter (``/root``, a ``mktemp -d``). There, each such directory on the way is covered
+    by an empty tmpfs that anyone may enter, with the one entry on the way bound back in;
+    modes, owners and every other file stay as they are, for the user and everybody
+    else (nothing outside the namespace changes)."""
+    steps: list[str] = ["set -e", "stash=$(mktemp -d)"]
+    done: set[Path] = set()
+    for target in paths:
+        resolved = [target, target.resolve()]
+        for path in resolved:
+            for parent in reversed(path.parents):
+                child = path.parts[len(parent.parts)] if len(path.parts) > len(parent.parts) \
+                    else None
+                if child is None or parent in done or os.stat(parent).st_mode & 0o001:
+                    continue
+                done.add(parent)
+                keep = f"$stash/{len(done)}"
+                entry = parent / child
+                make = "mkdir" if entry.is_dir() else "touch"
+                steps += [f"{make} {keep}", f"mount --bind '{entry}' {keep}",
+                          f"mount -t tmpfs -o mode=0755 tmpfs '{parent}'",
+                          f"{make} '{entry}'", f"mount --move {keep} '{entry}'"]
+    script = "\n".join([*steps, f'exec runuser -u {user} -- "$@"'])
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *cmd]
+
+
 class Jobs:
     """Starts jobs; stops what is left of them at the end of the test."""
 
@@ -60,12 +88,12 @@ class Jobs:
         self.started: list[Job] = []
 
     def start(self, root: Path, steps: int, park: int = 0, user: str | None = None,
-              **env: str) -> Job:
+              cwd: Path | None = None, **env: str) -> Job:
         cmd = [sys.executable, str(JOB), str(root), str(steps), str(park)]
         if user is not None:
-            cmd = ["runuser", "-u", user, "--", *cmd]
+            cmd = as_user_seeing(user, [Path(sys.executable), Path(sys.prefix), REPO], cmd)
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=self.tmp_path,
+                                stderr=subprocess.PIPE, cwd=cwd or self.tmp_path,
                                 env=child_env(self.tmp_path, ELASTICTRAIN_SHM=str(self.shm),
                                               PYTHONPATH=str(REPO), **env),
                                 start_new_session=True)
