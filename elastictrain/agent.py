@@ -34,8 +34,8 @@ What it adds, each by overriding one of the agent's documented steps
   ``launch.rescue_timeout_s`` (``agent.rescue_waited``, ``agent.rescue_timeout``);
 * **a worker stuck in its exit is ended**: once a peer exited 0, a worker whose
   process tree uses no CPU for ``exit_timeout_s`` (stopped, or deadlocked in a
-  destructor) is SIGKILLed, so torchrun restarts the group instead of waiting for it
-  without bound; the restart restores the newest snapshot and finishes again;
+  destructor) is SIGKILLed instead of waited for without bound; one that had agreed
+  the run's end (``runend``) finished, anything else is a failure that restarts;
 * **repeated notices ignored** while workers save after the launcher was
   signalled (a second SIGTERM would abort torchrun's graceful wait and orphan
   workers mid-snapshot), and the workers' exit codes recorded afterwards;
@@ -241,7 +241,10 @@ class ElasticTrainAgent(LocalElasticAgent):
         if after_end is not None:
             return after_end
         self._kill_survivors_of_a_failure()
-        self._kill_stuck_at_exit()
+        if self._kill_stuck_at_exit():  # one that had marked the run's end: finished
+            after_end = self._failed_after_the_end(worker_group)
+            if after_end is not None:
+                return after_end
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and result.failures:
             self._on_failures(result.failures)
@@ -394,7 +397,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             log.info("agent.rescue_waited", waited_s=waited,
                      unstarted=sorted(unstarted))
 
-    def _kill_stuck_at_exit(self) -> None:
+    def _kill_stuck_at_exit(self) -> bool:
         """SIGKILL a worker stuck in its exit (see the module docstring).
 
         Its own watchdog ended with its script and its peers are gone, so only the agent
@@ -402,12 +405,12 @@ class ElasticTrainAgent(LocalElasticAgent):
         final snapshot (in a thread or a persist process) after its peers exited."""
         now = time.monotonic()
         if now - self._exit_checked < 1.0:  # one /proc walk a second is plenty
-            return
+            return False
         self._exit_checked = now
         codes = self._worker_codes()
         live = [pid for pid, code in codes.items() if code is None]
         if 0 not in codes.values() or not live or self._pcontext is None:
-            return
+            return False
         stuck = []
         for pid, ticks in tree_cpu_ticks(live).items():
             seen = self._exit_watch.get(pid)
@@ -421,6 +424,7 @@ class ElasticTrainAgent(LocalElasticAgent):
                         exit_codes={str(pid): code for pid, code in codes.items()})
             self._killed.update(stuck)
             self._pcontext.close(death_sig=signal.SIGKILL, timeout=30)
+        return bool(stuck)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._restart_stop = True

@@ -70,14 +70,20 @@ def check_lost_steps(events: Sequence[dict[str, Any]], interval: int,
     """Each resume starts from the newest committed snapshot; it loses at most the
     snapshot interval plus the steps whose save was in flight or failed; and the
     first resume after a preemption exit (75) loses nothing."""
-    committed = [(float(e["ts"]), int(e["snapshot_step"]))
+    committed = [(float(e["ts"]), int(e["snapshot_step"]), str(e.get("tier")))
                  for e in _rank0(events, "snapshot.committed")]
+    # A memory copy found bad at restore (a memory_corrupt fault) is set aside: then the
+    # restore rightly goes back to durable storage.
+    set_aside = [(float(e["ts"]), int(e["snapshot_step"])) for e in events
+                 if e.get("event") == "snapshot.memory_set_aside"]
     staged = [(float(e["ts"]), int(e["snapshot_step"]))
               for e in _rank0(events, "snapshot.staged")]
     seen_launches: set[int] = set()
     for resume in _rank0(events, "resume"):
         ts, start = float(resume["ts"]), int(resume.get("from_step") or 0)
-        newest = max((s for t, s in committed if t < ts), default=0)
+        newest = max((s for t, s, tier in committed if t < ts and not (
+            tier == "memory" and any(a <= ts and step == s for a, step in set_aside))),
+            default=0)
         if start < newest:
             return f"resumed from step {start} although step {newest} was committed"
         launch = sum(1 for t in launch_ts if t <= ts) - 1

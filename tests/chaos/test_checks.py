@@ -71,6 +71,18 @@ def test_lost_steps_resume_from_the_newest_commit() -> None:
     assert checks.check_lost_steps(in_flight, 10, [0], [0.0]) is None
 
 
+def test_a_memory_copy_set_aside_at_restore_is_no_newer_commit() -> None:
+    base = [ev("resume", 1, from_step=None, lost_steps=0),
+            ev("snapshot.committed", 2, snapshot_step=10, tier="durable"),
+            ev("snapshot.committed", 3, snapshot_step=14, tier="memory")]
+    set_aside = [*base, ev("snapshot.memory_set_aside", 4.5, snapshot_step=14),
+                 ev("resume", 5, from_step=10, lost_steps=5)]
+    assert checks.check_lost_steps(set_aside, 10, [0], [0.0]) is None
+    ignored = [*base, ev("resume", 5, from_step=10, lost_steps=5)]  # memory 14 was good
+    assert "although step 14 was committed" in str(
+        checks.check_lost_steps(ignored, 10, [0], [0.0]))
+
+
 def test_nothing_may_be_lost_after_a_preemption_exit() -> None:
     events = [ev("resume", 1, from_step=None, lost_steps=0),
               ev("snapshot.committed", 3, snapshot_step=13),
