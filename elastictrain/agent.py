@@ -164,10 +164,14 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     @property
     def finished(self) -> bool:
-        """This node's workers all ended the run (exit 0, or a failure after the agreed
-        end): a notice while the agent waits for the other nodes is no failure."""
+        """This node's workers all ended the run (exit 0, or past the agreed end:
+        ``runend``): a notice while the agent waits for the other nodes, or while a
+        script works on after ``close()``, is no failure (a relaunch would only re-run
+        the end from an older snapshot)."""
         codes = self._worker_codes()
-        return self._finished or (bool(codes) and all(c == 0 for c in codes.values()))
+        ended = runend.ended_pids(self.end_dir) if self.end_dir is not None else set()
+        return self._finished or (bool(codes) and all(
+            code == 0 or pid in ended for pid, code in codes.items()))
 
     def restart_count(self) -> int:
         """The attempt number torchrun gives workers (TORCHELASTIC_RESTART_COUNT)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, events, pid_alive, started
+from tests.helpers import REPO, events, pid_alive, started, wait_for
 
 pytestmark = pytest.mark.distributed
 
@@ -66,3 +66,35 @@ def test_a_busy_exit_longer_than_the_timeout_is_left_to_finish(tmp_path: Path) -
     assert not events(ev, "agent.worker_stuck_at_exit")
     assert not events(ev, "agent.restart")
     assert len(events(ev, "agent.attempt_started")) == 1
+
+
+def test_a_notice_after_the_agreed_end_leaves_a_finished_run(tmp_path: Path) -> None:
+    """SIGTERM to the launcher (a scheduler's notice) while rank 0 still works after
+    ``close()``: every rank had agreed the end, so the launcher exits 0, not 143 (a
+    relaunch would re-run the end from an older snapshot)."""
+    ev = tmp_path / "ev"
+    cmd = [sys.executable, "-m", "elastictrain.cli", "run", "--nproc-per-node=2",
+           "--max-restarts=2", f"--log-dir={tmp_path / 'logs'}", JOB, str(tmp_path / "s"),
+           "10", "busy", "600"]
+    try:
+        with started(cmd, tmp_path, "launcher.log", ELASTICTRAIN_LOG__EVENTS_DIR=str(ev),
+                     PYTHONPATH=str(REPO)) as launcher:
+            wait_for(lambda: bool(events(ev, "run.finished")) and _rank1_gone(ev), 180,
+                     "the run's end, rank 0 still busy after it")
+            launcher.send_signal(signal.SIGTERM)
+            code = launcher.wait(timeout=120)
+    finally:
+        for start in events(ev, "worker.start"):
+            with suppress(ProcessLookupError):
+                os.kill(int(start["pid"]), signal.SIGKILL)
+    log = (tmp_path / "launcher.log").read_text()
+    assert code == 0, log[-4000:]
+    (finished,) = events(ev, "agent.finished")
+    assert finished["exit_code"] == 0
+    assert events(ev, "agent.restart") == []
+
+
+def _rank1_gone(ev: Path) -> bool:
+    """Rank 1 returned from its script (rank 0 is still busy after close())."""
+    rank1 = [e for e in events(ev, "worker.start") if e["rank"] == 1]
+    return bool(rank1) and not pid_alive(int(rank1[0]["pid"]))
