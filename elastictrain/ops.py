@@ -21,7 +21,7 @@ from elastictrain.snapshot import layout
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.snapshot.retention import prune
-from elastictrain.snapshot.sharded.commit import parts_by_rank
+from elastictrain.snapshot.sharded.reader import parts_by_rank
 from elastictrain.storage import Store, open_store
 
 # URL schemes a run's storage may use: a local path starting with one of them and a

@@ -40,6 +40,7 @@ from elastictrain.snapshot import layout, onepass, signing
 from elastictrain.snapshot.checksum import new_hasher
 from elastictrain.snapshot.loadable import runs_code
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest, ObjectEntry
+from elastictrain.snapshot.sharded.reader import verify_sharded
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
@@ -131,8 +132,6 @@ def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None
     """
     manifest = manifest if manifest is not None else read_manifest(store, step)
     if manifest.format_version == SHARDED_FORMAT_VERSION:
-        from elastictrain.snapshot.sharded.commit import verify_sharded  # imports the writer
-
         return VerifiedSnapshot(verify_sharded(store, manifest), None)
     where = f"{store.url}/{layout.step_dir(step)}"
     entry = _payload_entry(manifest, where)
