@@ -77,7 +77,7 @@ from elastictrain.errors import (
 from elastictrain.failure import ERROR_FIELDS, fix_line
 from elastictrain.log import bind, get_logger
 from elastictrain.proctree import tree_cpu_ticks
-from elastictrain.snapshot import rescue
+from elastictrain.rescue_marks import armed_pids, rescuing_pids
 from elastictrain.standby.client import Standby
 from elastictrain.standby.context import starting_from
 
@@ -129,7 +129,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     latest: ElasticTrainAgent | None = None
     exit_timeout_s: float = 60.0  # set by installed() from launch.exit_timeout_s
     standby_preload: tuple[str, ...] | None = None  # None: no standby (launch.standby)
-    rescue_dir: Path | None = None  # where survivors mark a rescue (snapshot/rescue.py)
+    rescue_dir: Path | None = None  # where survivors mark a rescue (rescue_marks.py)
     rescue_timeout_s: float = 30.0
     rescue_start_timeout_s: float = 5.0
     end_dir: Path | None = None  # where workers mark the run's agreed end (runend.py)
@@ -380,8 +380,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         while True:
             running = {pid for pid, code in self._worker_codes().items()
                        if code is None} & set(live)
-            busy = rescue.rescuing_pids(self.rescue_dir) & running
-            unstarted = rescue.armed_pids(self.rescue_dir) & running - busy
+            busy = rescuing_pids(self.rescue_dir) & running
+            unstarted = armed_pids(self.rescue_dir) & running - busy
             elapsed = time.monotonic() - started
             if not ((busy and elapsed < self.rescue_timeout_s)
                     or (unstarted and elapsed < self.rescue_start_timeout_s)):

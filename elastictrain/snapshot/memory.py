@@ -21,7 +21,6 @@ dies, SIGKILL included): a directory nobody holds and untouched for
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -33,32 +32,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastictrain.config import SnapshotConfig
-from elastictrain.env import SHM_VAR
 from elastictrain.errors import ConfigError
-from elastictrain.localfiles import check_private_dir, open_private, private_dir, user_dir_name
+from elastictrain.localfiles import check_private_dir, open_private, private_dir
 from elastictrain.log import get_logger
+from elastictrain.rescue_marks import MARKS_PREFIX
+from elastictrain.shm import LOCK, hold, user_root
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs
-from elastictrain.snapshot.rescue import BOUNDARY_DIR, MARKS_ENV
+from elastictrain.snapshot.rescue import BOUNDARY_DIR
 from elastictrain.storage import Store
 from elastictrain.storage.fsspec_store import FsspecStore
 
 log = get_logger("elastictrain.snapshot")
 
 IDENTITY = "IDENTITY.json"
-LOCK = "LOCK"
 RUN_PREFIX = "run-"  # a memory directory under the user's root
-MARKS_PREFIX = "marks-"  # a launcher's rescue marks (snapshot/rescue.py)
 NO_STEP = -1  # a rank whose node holds no committed memory snapshot
-
-
-def user_root() -> Path:
-    """This user's directory in the node's shared tmpfs (``0700``)."""
-    return user_root_in(Path(os.environ.get(SHM_VAR) or "/dev/shm"))
-
-
-def user_root_in(shm: Path) -> Path:
-    return shm / user_dir_name("elastictrain")
 
 
 def canonical_storage(url: str) -> str:
@@ -125,7 +114,7 @@ def open_memory_tier(config: SnapshotConfig, run_id: str, durable: Store,
         if sweep_idle:
             sweep(config.memory_max_idle_s, keep=path)
     kept = private_dir(path, what)
-    fd = _hold(path, what)
+    fd = hold(path, what)
     try:
         _claim(path, canonical_storage(durable.url), run_id, what)
     except BaseException:
@@ -149,23 +138,6 @@ def _refuse_overlap(path: Path, durable: Store) -> None:
                           f"{durable.url!r} (the memory tier prunes and removes its own "
                           "directory); fix: choose a memory_dir outside the durable storage, "
                           "or unset it")
-
-
-def _hold(path: Path, what: str) -> int:
-    """A shared lock on ``path/LOCK`` for this process's lifetime (the kernel drops it
-    when the process dies). A sweep may remove the directory between our open and our
-    lock: then the file we locked is gone and we start over."""
-    for _ in range(10):
-        fd = open_private(path / LOCK, os.O_RDWR | os.O_CREAT)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        with contextlib.suppress(FileNotFoundError):
-            here, held = os.stat(path / LOCK, follow_symlinks=False), os.fstat(fd)
-            if (here.st_ino, here.st_dev) == (held.st_ino, held.st_dev):
-                os.utime(fd)  # last use: what the idle sweep measures
-                return fd
-        os.close(fd)
-        private_dir(path, what)
-    raise OSError(errno.EAGAIN, f"{path}: removed again and again while being opened")
 
 
 def read_identity(path: Path) -> dict[str, object] | None:
@@ -228,31 +200,6 @@ def _write_identity(path: Path, identity: dict[str, object], *, exclusive: bool)
     finally:
         os.close(fd)
         tmp.unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def launch_marks() -> Iterator[Path | None]:
-    """A private directory for this launcher's rescue marks (snapshot/rescue.py), named
-    to its workers in ``MARKS_ENV``, held while it runs and removed after. None (the
-    agent then waits for no rescue) where the node's tmpfs refuses it."""
-    path = user_root() / f"{MARKS_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
-    try:
-        private_dir(path.parent, "the memory tier's root")
-        private_dir(path, "the rescue's marks")
-        fd = _hold(path, "the rescue's marks")
-    except (OSError, ConfigError) as exc:
-        log.warning("snapshot.memory_degraded", what="rescue marks", error=str(exc),
-                    tier="memory", action="the agent stops a failed group without waiting "
-                    "for a rescue")
-        yield None
-        return
-    os.environ[MARKS_ENV] = str(path)
-    try:
-        yield path
-    finally:
-        os.environ.pop(MARKS_ENV, None)
-        shutil.rmtree(path, ignore_errors=True)
-        os.close(fd)
 
 
 def sweep(max_idle_s: float, keep: Path | None = None) -> list[Path]:

@@ -166,6 +166,14 @@ def test_no_import_points_up(graph: dict[str, set[str]]) -> None:
     assert not upward, "imports pointing up the layering:\n" + "\n".join(upward)
 
 
+def test_the_launcher_imports_no_snapshot_module(graph: dict[str, set[str]]) -> None:
+    # What it shares with the workers' snapshots is naming: rescue_marks.py, shm.py.
+    launcher = ("elastictrain.launch", "elastictrain.agent")
+    found = sorted((s, t) for s in launcher for t in graph[s]
+                   if t.startswith("elastictrain.snapshot."))
+    assert not found, found
+
+
 def test_every_allowed_upward_import_is_still_there(graph: dict[str, set[str]]) -> None:
     # An arrow that went away leaves ALLOWED_UP and docs/design/layers.md.
     gone = sorted(set(ALLOWED_UP) - upward_imports(graph))
