@@ -27,8 +27,8 @@ What it adds, each by overriding one of the agent's documented steps
   node's agent could take for a real preemption), or, blocked in a collective
   with a dead peer, not run the handler at all until torchrun's 30 s grace ends.
   A group being restarted has nothing worth saving, and even a clean Python
-  exit after ``import torch`` costs 1.5-2.7 s here, which every recovery would
-  pay. Survivors of a preemption (a peer exited 75) are left to finish;
+  exit after ``import torch`` takes seconds (docs/preemption.md), which every
+  recovery would pay. Survivors of a preemption (a peer exited 75) are left to finish;
 * **a rescue finishes first**: a survivor writing the last step to node memory
   (``snapshot/rescue.py``) is killed only once it is done, or after
   ``launch.rescue_timeout_s`` (``agent.rescue_waited``, ``agent.rescue_timeout``);

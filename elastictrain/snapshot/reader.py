@@ -266,9 +266,9 @@ def _wrong_size(where: str, actual: int, expected: int) -> SnapshotCorrupt:
 
 
 # Bytes per read_into (parallel ranged GETs) of a remote payload that is checked, not
-# loaded: the memory a verification holds. Larger chunks mean fewer, larger ranges:
-# 64 MiB read 512 MB as 32 ranges, and a server that reads the whole object for every
-# range (moto) paid 32 times (docs/benchmarks.md#s3-benchmark).
+# loaded: the memory a verification holds. Larger chunks mean fewer, larger ranges: a
+# server that reads the whole object for every range (moto) pays that once per range
+# (docs/benchmarks.md#s3-benchmark).
 _VERIFY_CHUNK = 256 << 20
 
 

@@ -78,7 +78,7 @@ class BoundaryRecord:
             self._watched = self._tensors()
         payload = _rng_bytes(self._numpy)
         if len(payload) + _HEADER.size > SLOT_BYTES:
-            return  # not expected (RNG states are ~10 kB); the rescue then skips this rank
+            return  # not expected (a slot is several times their size); the rescue skips it
         header = _HEADER.pack(_MAGIC, step, *self._attempt, len(payload), zlib.crc32(payload))
         data = header + payload
         if os.pwrite(self._fd, data, (step % 2) * SLOT_BYTES) != len(data):
@@ -136,8 +136,8 @@ def _rng_bytes(numpy_state: _NumpyState) -> bytes:
 
 class _NumpyState:
     """numpy's global (legacy) RNG state as record parts, without ``get_state()`` when
-    it cannot have changed: ``get_state`` costs ~30 µs, a look at the generator's 2.5 kB
-    through its ctypes address ~1 µs. A pending cached gaussian can be used up without
+    it cannot have changed: a look at the generator's state through its ctypes address
+    is far cheaper (docs/memory-tier.md#rescue). A pending cached gaussian can be used up without
     moving that state, so a look is trusted only after a capture that had none; and
     only once a capture showed the look reads exactly the keys and position."""
 
