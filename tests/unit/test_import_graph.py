@@ -151,12 +151,18 @@ def test_the_graph_sees_the_package(graph: dict[str, set[str]]) -> None:
 
 def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
     found = cycles(graph)
-    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+    assert not found, "modules in an import cycle:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_every_module_has_a_layer(graph: dict[str, set[str]]) -> None:
     for module in graph:
         layer_of(module)
+
+
+def test_every_layer_entry_names_a_module(graph: dict[str, set[str]]) -> None:
+    missing = [entry for _, entries in LAYERS for entry in entries
+               if not any(m == entry or m.startswith(entry + ".") for m in graph)]
+    assert not missing, f"no such module, drop from LAYERS: {missing}"
 
 
 def test_no_import_points_up(graph: dict[str, set[str]]) -> None:
