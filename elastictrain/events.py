@@ -1,4 +1,5 @@
-"""Where a process's event file lives, and how it reaches the run's storage.
+"""Where a process's event file lives, and how it reaches the run's storage (reading
+event files back: ``elastictrain.events_read``).
 
 Every process of a run (each worker, each ``elastictrain run`` agent) appends its
 events to one JSON-lines file of its own under ``<storage>/events/<run id>/``:

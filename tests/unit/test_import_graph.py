@@ -46,8 +46,10 @@ ALLOWED_UP: dict[tuple[str, str], str] = {
 
 
 def module_name(path: Path) -> str:
+    """A subpackage's ``__init__`` is named by its package; the root's keeps its own
+    name, so that its layer is not every module's."""
     parts = path.relative_to(SOURCE.parent).with_suffix("").parts
-    if parts[-1] == "__init__" and len(parts) > 1 and parts[:-1] != (PACKAGE,):
+    if parts[-1] == "__init__" and parts[:-1] != (PACKAGE,):
         parts = parts[:-1]
     return ".".join(parts)
 
