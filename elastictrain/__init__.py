@@ -9,8 +9,6 @@ Public API::
     snap.restore(); ...; snap.step(); ...; snap.close(); elastictrain.shutdown()
 """
 
-__version__ = "0.1.0"
-
 from elastictrain.config import Settings, load_settings
 from elastictrain.data import ElasticSampler, Micro, MicroBatchSampler, optimizer_steps
 from elastictrain.errors import (
@@ -21,6 +19,7 @@ from elastictrain.errors import (
 )
 from elastictrain.runtime import Runtime, init, shutdown
 from elastictrain.snapshot.manager import ResumeInfo, SnapshotManager
+from elastictrain.version import __version__
 
 __all__ = [
     "ConfigError",

@@ -27,8 +27,8 @@ What it adds, each by overriding one of the agent's documented steps
   node's agent could take for a real preemption), or, blocked in a collective
   with a dead peer, not run the handler at all until torchrun's 30 s grace ends.
   A group being restarted has nothing worth saving, and even a clean Python
-  exit after ``import torch`` costs 1.5-2.7 s here, which every recovery would
-  pay. Survivors of a preemption (a peer exited 75) are left to finish;
+  exit after ``import torch`` takes seconds (docs/preemption.md), which every
+  recovery would pay. Survivors of a preemption (a peer exited 75) are left to finish;
 * **a rescue finishes first**: a survivor writing the last step to node memory
   (``snapshot/rescue.py``) is killed only once it is done, or after
   ``launch.rescue_timeout_s`` (``agent.rescue_waited``, ``agent.rescue_timeout``);
@@ -77,7 +77,7 @@ from elastictrain.errors import (
 from elastictrain.failure import ERROR_FIELDS, fix_line
 from elastictrain.log import bind, get_logger
 from elastictrain.proctree import tree_cpu_ticks
-from elastictrain.snapshot import rescue
+from elastictrain.rescue_marks import armed_pids, rescuing_pids
 from elastictrain.standby.client import Standby
 from elastictrain.standby.context import starting_from
 
@@ -129,7 +129,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     latest: ElasticTrainAgent | None = None
     exit_timeout_s: float = 60.0  # set by installed() from launch.exit_timeout_s
     standby_preload: tuple[str, ...] | None = None  # None: no standby (launch.standby)
-    rescue_dir: Path | None = None  # where survivors mark a rescue (snapshot/rescue.py)
+    rescue_dir: Path | None = None  # where survivors mark a rescue (rescue_marks.py)
     rescue_timeout_s: float = 30.0
     rescue_start_timeout_s: float = 5.0
     end_dir: Path | None = None  # where workers mark the run's agreed end (runend.py)
@@ -387,8 +387,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         while True:
             running = {pid for pid, code in self._worker_codes().items()
                        if code is None} & set(live)
-            busy = rescue.rescuing_pids(self.rescue_dir) & running
-            unstarted = rescue.armed_pids(self.rescue_dir) & running - busy
+            busy = rescuing_pids(self.rescue_dir) & running
+            unstarted = armed_pids(self.rescue_dir) & running - busy
             elapsed = time.monotonic() - started
             if not ((busy and elapsed < self.rescue_timeout_s)
                     or (unstarted and elapsed < self.rescue_start_timeout_s)):

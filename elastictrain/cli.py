@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import textwrap
 from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
@@ -25,6 +24,7 @@ from elastictrain.errors import (
     ElasticTrainError,
     StorageNotFoundError,
 )
+from elastictrain.helpformat import HelpFormatter
 
 # Commands that start a run: only they may end with 78 (a fatal run, do not retry).
 _RUNS = ("demo", "chaos")
@@ -43,38 +43,6 @@ exit codes:
        access denied), or run's own settings are invalid (run, demo)
   128+N  stopped by signal N (run, demo)
 """
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Adds "(default: X)" to an option's help unless its help already names the
-    default; wraps descriptions and epilogs by paragraph, leaving indented lines
-    (examples, tables) as they are."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if ("default" in text or not action.option_strings or action.required
-                or action.default is None or action.default is False
-                or action.default == argparse.SUPPRESS):
-            return text
-        return f"{text} (default: %(default)s)"
-
-    def _split_lines(self, text: str, width: int) -> list[str]:
-        # Values such as k=v,k=v lists or URLs stay whole rather than split mid-word.
-        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False,
-                             break_on_hyphens=False)
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        out: list[str] = []
-        prose: list[str] = []
-        for line in [*text.splitlines(), ""]:
-            if line and not line.startswith(" "):
-                prose.append(line)
-                continue
-            if prose:  # a run of plain lines is one paragraph, wrapped
-                out.append(super()._fill_text(" ".join(prose), width, indent))
-                prose = []
-            out.append(indent + line if line else "")
-        return "\n".join(out).rstrip("\n")
 
 
 def _version() -> str:
@@ -106,10 +74,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _snapshots(args: argparse.Namespace) -> int:
     from elastictrain import ops
 
-    if getattr(args, "memory", False):  # node memory, not a storage (snapshot/memory_cli.py)
-        from elastictrain.snapshot.memory_cli import list_memory
-
-        return list_memory(args.json)
+    if getattr(args, "memory", False):  # node memory, not a storage
+        return ops.list_memory(args.json)
     if args.storage is None:
         print("elastictrain snapshots list: give a storage, or --memory", file=sys.stderr)
         return 2

@@ -101,7 +101,7 @@ class SnapshotConfig(_Model):
     auto_max_interval_s: float = Field(default=3600.0, gt=0)
     keep: int = Field(default=3, ge=1)
     mode: Literal["sync", "async"] = "async"
-    persister: Literal["thread", "process"] = "thread"  # measured: docs/persister.md
+    persister: Literal["thread", "process"] = "thread"  # the two compared: docs/persister.md
     checksum: ChecksumAlgorithm = "crc32"
     # auto: "each" on a local file system, "broadcast" elsewhere (snapshot/restore.py)
     restore_mode: Literal["auto", "each", "broadcast"] = "auto"
@@ -205,8 +205,8 @@ class WatchdogConfig(_Model):
 
 
 ModuleName = Annotated[str, Field(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")]
-# torch._dynamo: DDP and the optimizers import it on first use (0.9 s here); s3fs (an
-# extra, 0.3 s) on first use of S3, and is skipped where it is not installed.
+# torch._dynamo: DDP and the optimizers import it on first use; s3fs (an extra) on
+# first use of S3, and is skipped where it is not installed (docs/recovery.md).
 STANDBY_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim",
                    "torch._dynamo", "elastictrain", "s3fs")
 
@@ -218,8 +218,8 @@ class LaunchDefaults(_Model):
     max_restarts: int = Field(default=3, ge=0)
     monitor_interval_s: float = Field(default=0.1, gt=0)
     rdzv_backend: str = Field(default="c10d", min_length=1)
-    # Tuned on this kind of machine: scale-down took 46 s with torch's defaults and
-    # 9 s with these; keep-alive 1 s x 2 caused a split brain.
+    # A short last call forms a smaller group soon after a node is lost; keep-alives
+    # that tolerate a busy node's delays do not split the group (docs/preemption.md).
     rdzv_conf: str = "last_call_timeout=1,keep_alive_interval=2,keep_alive_max_attempt=3"
     # SIGTERM -> SIGKILL grace for workers when the launcher is signalled: the final
     # snapshot needs it (torchrun's default is 30 s).

@@ -34,9 +34,9 @@ log = get_logger("elastictrain.dist")
 # threads let go of them. A gloo worker thread drops a finished work's tensors after
 # the caller saw the result; if Python dropped them first, that needs the GIL, and at
 # interpreter exit the main thread holds the GIL while ~ProcessGroupGloo joins that
-# thread: the worker hangs after its last collective (seen here: a final snapshot
-# committed, then 90 s until the agent's SIGKILL and exit 143 instead of 75).
-# Tensors Python still owns never need the GIL there. See docs/faults.md.
+# thread: the worker hangs after its last collective, until the agent's SIGKILL (exit
+# 143 instead of 75). Tensors Python still owns never need the GIL there. See
+# docs/faults.md.
 _handed: deque[torch.Tensor] = deque(maxlen=256)
 QUIESCE_TIMEOUT_S = 5.0
 
@@ -215,8 +215,8 @@ def _pickled(obj: Any, device: torch.device) -> torch.Tensor:
 
 
 def _unpickled(data: torch.Tensor) -> Any:
-    # The bytes straight from the tensor's memory: a list of Python ints first cost
-    # ~0.3 ms per 15 kB object, once per rank on every snapshot's RNG gather.
+    # The bytes straight from the tensor's memory, not through a list of Python ints:
+    # this runs once per rank on every snapshot's RNG gather (docs/performance.md).
     cpu = data.cpu().contiguous()
     return pickle.loads(ctypes.string_at(cpu.data_ptr(), cpu.numel()))
 

@@ -1,4 +1,5 @@
-"""Where a process's event file lives, and how it reaches the run's storage.
+"""Where a process's event file lives, and how it reaches the run's storage (reading
+event files back: ``elastictrain.events_read``).
 
 Every process of a run (each worker, each ``elastictrain run`` agent) appends its
 events to one JSON-lines file of its own under ``<storage>/events/<run id>/``:
@@ -25,10 +26,8 @@ import secrets
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from elastictrain.config import Settings
 from elastictrain.env import LAUNCH_ID_VAR, getenv
@@ -166,20 +165,3 @@ class Uploader:
                 self._sent[file.name] = len(data)
             except (OSError, StorageError):
                 continue
-
-
-def read_event_files(location: str | Path, pattern: str = "*.jsonl",
-                     store: Store | None = None) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """``(file name, events)`` for each event file directly in ``location``, sorted by
-    name: a local directory, or (with ``store`` opened at that URL) an object prefix."""
-    from fnmatch import fnmatch
-
-    from elastictrain.log import parse_event_lines
-
-    if store is None:
-        for path in sorted(Path(location).glob(pattern)):
-            yield path.name, parse_event_lines(path.read_text(encoding="utf-8"))
-        return
-    for name in sorted(store.list_dir("")):
-        if fnmatch(name, pattern):
-            yield name, parse_event_lines(store.read_bytes(name).decode("utf-8"))

@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elastictrain.events import EVENTS_DIR, read_event_files
+from elastictrain.events import EVENTS_DIR
+from elastictrain.events_read import read_event_files
 from elastictrain.storage import Store
 
 if TYPE_CHECKING:

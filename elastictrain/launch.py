@@ -234,8 +234,8 @@ def run_help() -> str:
     effect, else the built-in ones) and exit codes, then torchrun's other options."""
     from torch.distributed.run import get_args_parser
 
-    from elastictrain.cli import HelpFormatter
     from elastictrain.config import load_settings
+    from elastictrain.helpformat import HelpFormatter
 
     try:
         settings = load_settings()
@@ -541,11 +541,11 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
              rdzv_endpoint=args.rdzv_endpoint, shutdown_timeout_s=args.shutdown_timeout,
              signals_to_handle=args.signals_to_handle, entrypoint=args.training_script)
     from elastictrain.agent import ElasticTrainAgent
-    from elastictrain.snapshot import memory
+    from elastictrain.rescue_marks import launch_marks
 
     notices = frozenset(int(signal.Signals[name.strip()])
                         for name in str(args.signals_to_handle).split(",") if name.strip())
-    with memory.launch_marks() as marks:  # where survivors mark a rescue (agent waits)
+    with launch_marks() as marks:  # where survivors mark a rescue (agent waits)
         code = run_torchrun(full, settings.launch, marks,
                             shutdown_timeout_s=float(args.shutdown_timeout), notices=notices)
     agent = ElasticTrainAgent.latest

@@ -3,7 +3,7 @@
 Every event carries run_id, rank, world_size, restart_count and step, bound
 once through structlog's contextvars (step is re-bound as training advances).
 Events can also be appended to a JSON-lines file per worker (the run's event
-log), which ``elastictrain`` reads back for summaries and goodput.
+log); reading it back is ``elastictrain.events_read``'s job.
 """
 
 from __future__ import annotations
@@ -17,18 +17,23 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
 from elastictrain.localfiles import make_private_dirs, private_opener
 
-if TYPE_CHECKING:
-    from elastictrain.events import Uploader
-
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
+
+
+class Uploader(Protocol):
+    """Copies an event file to the run's storage (``elastictrain.events.Uploader``)."""
+
+    def maybe_upload(self, path: Path) -> None: ...
+
+    def close(self, path: Path) -> None: ...
 
 
 class _EventFileTee:
@@ -213,19 +218,3 @@ def bind_step(step: int) -> None:
 def get_logger(name: str | None = None) -> Any:
     """A structlog logger; call as ``log.info("snapshot.committed", step=…)``."""
     return structlog.get_logger(name) if name else structlog.get_logger()
-
-
-def read_events(path: str | Path) -> list[dict[str, Any]]:
-    """Parse a JSON-lines event file, skipping a torn last line (a killed writer)."""
-    return parse_event_lines(Path(path).read_text(encoding="utf-8"))
-
-
-def parse_event_lines(text: str) -> list[dict[str, Any]]:
-    """Parse JSON-lines events, skipping torn lines."""
-    events: list[dict[str, Any]] = []
-    for line in text.splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events

@@ -1,4 +1,5 @@
-"""Operator tooling behind ``elastictrain snapshots …``: list, verify, inspect, prune.
+"""Operator tooling behind ``elastictrain snapshots …``: list, verify, inspect, prune;
+and ``snapshots list --memory``: what this user holds in this node's memory.
 
 A snapshot directory is in one of three states, named the same by every command:
 ``committed`` (its manifest is there; ``verify`` then says ``ok`` or ``corrupt``),
@@ -17,11 +18,12 @@ from typing import Any
 
 from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError, SnapshotCorrupt, StorageNotFoundError
-from elastictrain.snapshot import layout
+from elastictrain.shm import user_root
+from elastictrain.snapshot import layout, memory
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.snapshot.retention import prune
-from elastictrain.snapshot.sharded.commit import parts_by_rank
+from elastictrain.snapshot.sharded.reader import parts_by_rank
 from elastictrain.storage import Store, open_store
 
 # URL schemes a run's storage may use: a local path starting with one of them and a
@@ -242,3 +244,23 @@ def print_rows(rows: list[dict[str, Any]], as_json: bool) -> None:
         return
     for row in rows:
         sys.stdout.write("  ".join(f"{k}={v}" for k, v in row.items()) + "\n")
+
+
+def memory_rows() -> list[dict[str, Any]]:
+    """One row per memory directory of this user on this node (the memory tier's
+    directories under ``/dev/shm/elastictrain-<uid>``): its run and storage, steps held,
+    bytes, and whether a live process holds it (else how long it has been idle: the
+    sweep's measure)."""
+    return [{"path": str(h.path), "run_id": h.run_id, "storage": h.storage,
+             "steps": ",".join(str(s) for s in h.steps) or "-", "size_bytes": h.size_bytes,
+             "in_use": h.in_use, "idle_s": round(h.idle_s, 1)}
+            for h in memory.held()]
+
+
+def list_memory(as_json: bool) -> int:
+    rows = memory_rows()
+    if not rows and not as_json:
+        print(f"nothing held in node memory under {user_root()}", file=sys.stderr)
+        return 0
+    print_rows(rows, as_json)
+    return 0

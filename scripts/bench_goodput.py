@@ -54,8 +54,8 @@ from benchlib import load_average, noisy, write_json
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # elastictrain from this checkout, like the workers
 
+from elastictrain.events_read import read_events  # noqa: E402
 from elastictrain.launch import LaunchSpec, start_torchrun  # noqa: E402
-from elastictrain.log import read_events  # noqa: E402
 
 WORKER = "elastictrain.demo.worker"
 DEFAULT_CONFIGS = ["fixed:20", "fixed:40", "fixed:80", "auto", "auto+memory:auto"]

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from elastictrain.events_read import read_events
 from elastictrain.launch import LaunchSpec, start_torchrun
-from elastictrain.log import read_events
 from elastictrain.proctree import stat_fields
 
 MARKER_VAR = "ETCHAOS_RUN"

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from elastictrain.env import SHM_VAR
+from elastictrain.shm import user_root_in
 from elastictrain.snapshot import layout, memory
 
 TMPFS_SIZE = "64m"
@@ -49,7 +51,7 @@ class MemoryNode:
 
     def _start_neighbour(self, env: dict[str, str]) -> str:
         root = self._workdir / "neighbour"
-        child = {**os.environ, **env, memory.SHM_VAR: str(self.root)}
+        child = {**os.environ, **env, SHM_VAR: str(self.root)}
         for name in ("ELASTICTRAIN_STORAGE__URL", "ELASTICTRAIN_STORAGE__FAULTS",
                      "ELASTICTRAIN_RUN_ID", "TORCHELASTIC_RUN_ID"):
             child.pop(name, None)
@@ -76,7 +78,7 @@ class MemoryNode:
     def _corrupt(self) -> str | None:
         """Flip bytes in the middle of every committed memory payload of the trial."""
         hit = []
-        for held in memory.held(memory.user_root_in(self.root)):
+        for held in memory.held(user_root_in(self.root)):
             if held.storage is None or not held.storage.endswith("/storage"):
                 continue  # the neighbour's
             for step in held.steps:

@@ -25,8 +25,8 @@ FAULT_KINDS = (*PROCESS_FAULTS, "storage")
 # the node; ``shm_full``: the memory tier's tmpfs (a small one, needs root) filled by a
 # filler file; ``memory_corrupt``: a committed memory snapshot's payload corrupted.
 MEMORY_FAULTS = ("shm_neighbour", "shm_full", "memory_corrupt")
-# The standby's faults (runner.inject_standby_fault), asked for by name only: the
-# default draws, and so every seed's replay, stay as they were.
+# The standby's faults (runner.inject_standby_fault), asked for by name only, never
+# drawn by default: a seed's default draws, and so its replay, do not depend on them.
 STANDBY_FAULTS = ("standby_stop", "standby_kill", "pid_recycle")
 ALL_KINDS = (*FAULT_KINDS, *MEMORY_FAULTS, *STANDBY_FAULTS)
 

@@ -44,8 +44,9 @@ from typing import IO, Any
 from elastictrain import preempt
 from elastictrain.demo.job import RunningJob
 from elastictrain.errors import ConfigError, ElasticTrainError
+from elastictrain.events_read import read_events
 from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
-from elastictrain.log import get_logger, read_events
+from elastictrain.log import get_logger
 
 log = get_logger("elastictrain.demo")
 

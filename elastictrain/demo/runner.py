@@ -22,9 +22,9 @@ from elastictrain.demo.job import RunningJob
 from elastictrain.demo.multinode import NodesPlan, membership_timings, parse_nnodes, run_nodes
 from elastictrain.demo.preflight import check_resumable, validate_elastic
 from elastictrain.errors import EXIT_PREEMPTED, ConfigError
+from elastictrain.events_read import read_events
 from elastictrain.failure import failure_lines
 from elastictrain.launch import LaunchSpec, start_torchrun
-from elastictrain.log import read_events
 from elastictrain.runtime import default_events_dir
 from elastictrain.storage import open_store
 from elastictrain.view.live import LiveView, live_view

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as serialization_config
 
-import elastictrain
 from elastictrain.config import ChecksumAlgorithm
 from elastictrain.errors import (
     SnapshotCorrupt,
@@ -43,6 +42,7 @@ from elastictrain.snapshot.checksum import HashingWriter
 from elastictrain.snapshot.manifest import FORMAT_VERSION, Manifest, ObjectEntry
 from elastictrain.snapshot.reader import read_manifest, verify_snapshot
 from elastictrain.storage.api import Store
+from elastictrain.version import __version__
 
 log = get_logger("elastictrain.snapshot")
 
@@ -184,7 +184,7 @@ def build_manifest(meta: SnapshotMeta, objects: list[ObjectEntry],
         epoch=meta.epoch,
         world_size=meta.world_size,
         torch_version=torch.__version__,
-        elastictrain_version=elastictrain.__version__,
+        elastictrain_version=__version__,
         checksum_algorithm=meta.checksum_algorithm,
         objects=objects,
         dataset_len=meta.dataset_len,

@@ -21,45 +21,31 @@ dies, SIGKILL included): a directory nobody holds and untouched for
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
-import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from elastictrain.config import SnapshotConfig
-from elastictrain.env import SHM_VAR
 from elastictrain.errors import ConfigError
-from elastictrain.localfiles import check_private_dir, open_private, private_dir, user_dir_name
+from elastictrain.localfiles import check_private_dir, open_private, private_dir
 from elastictrain.log import get_logger
+from elastictrain.rescue_marks import sweep_marks
+from elastictrain.shm import LOCK, exclusive, hold, user_root
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs
-from elastictrain.snapshot.rescue import BOUNDARY_DIR, MARKS_ENV
+from elastictrain.snapshot.rescue import BOUNDARY_DIR
 from elastictrain.storage import Store
 from elastictrain.storage.fsspec_store import FsspecStore
 
 log = get_logger("elastictrain.snapshot")
 
 IDENTITY = "IDENTITY.json"
-LOCK = "LOCK"
 RUN_PREFIX = "run-"  # a memory directory under the user's root
-MARKS_PREFIX = "marks-"  # a launcher's rescue marks (snapshot/rescue.py)
 NO_STEP = -1  # a rank whose node holds no committed memory snapshot
-
-
-def user_root() -> Path:
-    """This user's directory in the node's shared tmpfs (``0700``)."""
-    return user_root_in(Path(os.environ.get(SHM_VAR) or "/dev/shm"))
-
-
-def user_root_in(shm: Path) -> Path:
-    return shm / user_dir_name("elastictrain")
 
 
 def canonical_storage(url: str) -> str:
@@ -126,7 +112,7 @@ def open_memory_tier(config: SnapshotConfig, run_id: str, durable: Store,
         if sweep_idle:
             sweep(config.memory_max_idle_s, keep=path)
     kept = private_dir(path, what)
-    fd = _hold(path, what)
+    fd = hold(path, what)
     try:
         _claim(path, canonical_storage(durable.url), run_id, what)
     except BaseException:
@@ -150,23 +136,6 @@ def _refuse_overlap(path: Path, durable: Store) -> None:
                           f"{durable.url!r} (the memory tier prunes and removes its own "
                           "directory); fix: choose a memory_dir outside the durable storage, "
                           "or unset it")
-
-
-def _hold(path: Path, what: str) -> int:
-    """A shared lock on ``path/LOCK`` for this process's lifetime (the kernel drops it
-    when the process dies). A sweep may remove the directory between our open and our
-    lock: then the file we locked is gone and we start over."""
-    for _ in range(10):
-        fd = open_private(path / LOCK, os.O_RDWR | os.O_CREAT)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        with contextlib.suppress(FileNotFoundError):
-            here, held = os.stat(path / LOCK, follow_symlinks=False), os.fstat(fd)
-            if (here.st_ino, here.st_dev) == (held.st_ino, held.st_dev):
-                os.utime(fd)  # last use: what the idle sweep measures
-                return fd
-        os.close(fd)
-        private_dir(path, what)
-    raise OSError(errno.EAGAIN, f"{path}: removed again and again while being opened")
 
 
 def read_identity(path: Path) -> dict[str, object] | None:
@@ -193,7 +162,7 @@ def _claim(path: Path, storage: str, run_id: str, what: str) -> None:
                               "memory_dir of its own, or remove that directory")
     mine = {"storage": storage, "run_id": run_id, "uid": os.geteuid()}
     if identity is None:  # an empty directory: ours, unless another claims it first
-        if _write_identity(path, mine, exclusive=True):
+        if _write_identity(path, mine, only_if_absent=True):
             return
         identity = read_identity(path) or {}
     if identity.get("storage") != storage:
@@ -202,7 +171,7 @@ def _claim(path: Path, storage: str, run_id: str, what: str) -> None:
                           "they are left alone; fix: give each run its own "
                           "snapshot.memory_dir, or unset it (one per storage)")
     elif identity.get("run_id") != run_id:
-        _write_identity(path, mine, exclusive=False)
+        _write_identity(path, mine, only_if_absent=False)
 
 
 def _foreign_entries(path: Path) -> list[str]:
@@ -211,14 +180,14 @@ def _foreign_entries(path: Path) -> list[str]:
             if n != LOCK and not n.startswith(f"{IDENTITY}.tmp-")]
 
 
-def _write_identity(path: Path, identity: dict[str, object], *, exclusive: bool) -> bool:
-    """Write ``identity`` whole (a temporary file, then one link or rename). Exclusive:
+def _write_identity(path: Path, identity: dict[str, object], *, only_if_absent: bool) -> bool:
+    """Write ``identity`` whole (a temporary file, then one link or rename). Only if absent:
     False when an identity is there already (another process claimed it first)."""
     tmp = path / f"{IDENTITY}.tmp-{os.getpid()}"
     fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         os.write(fd, json.dumps(identity).encode())
-        if not exclusive:
+        if not only_if_absent:
             os.replace(tmp, path / IDENTITY)  # same storage, a new run id: ours now
             return True
         try:
@@ -231,83 +200,31 @@ def _write_identity(path: Path, identity: dict[str, object], *, exclusive: bool)
         tmp.unlink(missing_ok=True)
 
 
-@contextlib.contextmanager
-def launch_marks() -> Iterator[Path | None]:
-    """A private directory for this launcher's rescue marks (snapshot/rescue.py), named
-    to its workers in ``MARKS_ENV``, held while it runs and removed after. None (the
-    agent then waits for no rescue) where the node's tmpfs refuses it."""
-    path = user_root() / f"{MARKS_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
-    sweep(math.inf)  # earlier launchers' marks (of a launcher killed: never removed)
-    try:
-        private_dir(path.parent, "the memory tier's root")
-        private_dir(path, "the rescue's marks")
-        fd = _hold(path, "the rescue's marks")
-    except (OSError, ConfigError) as exc:
-        log.warning("snapshot.memory_degraded", what="rescue marks", error=str(exc),
-                    tier="memory", action="the agent stops a failed group without waiting "
-                    "for a rescue")
-        yield None
-        return
-    os.environ[MARKS_ENV] = str(path)
-    try:
-        yield path
-    finally:
-        os.environ.pop(MARKS_ENV, None)
-        shutil.rmtree(path, ignore_errors=True)
-        os.close(fd)
-
-
 def sweep(max_idle_s: float, keep: Path | None = None) -> list[Path]:
     """Remove this user's memory directories that no process holds and nobody used for
     ``max_idle_s`` (no run can use them any more without having touched them since),
-    and every launcher's rescue marks that no launcher holds (they serve only the
-    launcher that made them: one SIGKILLed leaves them behind). Returns what was
-    removed."""
+    and launchers' rescue marks that no launcher holds (``rescue_marks.sweep_marks``).
+    Returns what was removed."""
     root = user_root()
     try:
         check_private_dir(root, "the memory tier's root")
         entries = list(os.scandir(root))
     except (OSError, ConfigError):
         return []
-    removed = []
+    removed = sweep_marks()
     for entry in entries:
         path = Path(entry.path)
         if (path == keep or not entry.is_dir(follow_symlinks=False)
-                or not entry.name.startswith((RUN_PREFIX, MARKS_PREFIX))):
+                or not entry.name.startswith(RUN_PREFIX)):
             continue
-        marks = entry.name.startswith(MARKS_PREFIX)
         # (FileNotFoundError: another sweep removed it meanwhile.)
-        with _exclusive(path) as free, contextlib.suppress(FileNotFoundError):
-            if free and (marks or time.time() - _last_used(path) >= max_idle_s):
+        with exclusive(path) as free, contextlib.suppress(FileNotFoundError):
+            if free and time.time() - _last_used(path) >= max_idle_s:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
-                log.info("snapshot.memory_removed", path=str(path),
-                         reason="launcher gone" if marks else "idle",
+                log.info("snapshot.memory_removed", path=str(path), reason="idle",
                          max_idle_s=max_idle_s, tier="memory")
     return removed
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[bool]:
-    """Yields whether no process holds ``path`` (its ``LOCK``), holding it meanwhile."""
-    try:
-        fd = os.open(path / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        yield True  # never held (the directory of an opener that died before its lock)
-        return
-    except OSError:
-        yield False
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        os.close(fd)
 
 
 def _last_used(path: Path) -> float:
@@ -319,7 +236,7 @@ def _last_used(path: Path) -> float:
 
 def in_use(path: Path) -> bool:
     """Whether a live process holds this memory directory."""
-    with _exclusive(path) as free:
+    with exclusive(path) as free:
         return not free
 
 

@@ -322,7 +322,7 @@ class _Prefault:
 
 class _Hashing:
     """Hashes chunks on a second thread, in the order they are given, while the next
-    chunk is read: the checksum (0.06-0.09 s per GiB) leaves the read's critical path.
+    chunk is read: the checksum leaves the read's critical path.
 
     A chunk whose buffer is about to be reused (the scratch buffer) is hashed with
     ``now``, after everything before it, so the order of the bytes never changes.

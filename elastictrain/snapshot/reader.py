@@ -40,6 +40,7 @@ from elastictrain.snapshot import layout, onepass, signing
 from elastictrain.snapshot.checksum import new_hasher
 from elastictrain.snapshot.loadable import runs_code
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest, ObjectEntry
+from elastictrain.snapshot.sharded.reader import verify_sharded
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
@@ -131,8 +132,6 @@ def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None
     """
     manifest = manifest if manifest is not None else read_manifest(store, step)
     if manifest.format_version == SHARDED_FORMAT_VERSION:
-        from elastictrain.snapshot.sharded.commit import verify_sharded  # imports the writer
-
         return VerifiedSnapshot(verify_sharded(store, manifest), None)
     where = f"{store.url}/{layout.step_dir(step)}"
     entry = _payload_entry(manifest, where)
@@ -267,9 +266,9 @@ def _wrong_size(where: str, actual: int, expected: int) -> SnapshotCorrupt:
 
 
 # Bytes per read_into (parallel ranged GETs) of a remote payload that is checked, not
-# loaded: the memory a verification holds. Larger chunks mean fewer, larger ranges:
-# 64 MiB read 512 MB as 32 ranges, and a server that reads the whole object for every
-# range (moto) paid 32 times (docs/benchmarks.md#s3-benchmark).
+# loaded: the memory a verification holds. Larger chunks mean fewer, larger ranges: a
+# server that reads the whole object for every range (moto) pays that once per range
+# (docs/benchmarks.md#s3-benchmark).
 _VERIFY_CHUNK = 256 << 20
 
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from elastictrain.env import RESCUE_MARKS_VAR
 from elastictrain.localfiles import open_private, private_dir
 from elastictrain.log import get_logger
+from elastictrain.rescue_marks import ARMED, MARKS_ENV, RESCUING
 from elastictrain.snapshot.tensorbytes import tensor_bytes
 
 try:  # numpy is optional (as in rng.py)
@@ -44,12 +44,6 @@ except ImportError:  # pragma: no cover - numpy is installed with the test extra
 log = get_logger("elastictrain.snapshot")
 
 BOUNDARY_DIR = "boundary"
-# Where a launcher (elastictrain run) wants the rescue marks it waits for: a private
-# directory of its own, since it cannot know the memory directory (its name comes from
-# the storage URL the script passes). Without it, the boundary directory.
-MARKS_ENV = RESCUE_MARKS_VAR
-_RESCUING = "rescuing-"  # + the PID of a process writing a rescue
-_ARMED = "armed-"  # + the PID of a process that rescues on an uncaught error
 _RESCUED = "rescued-"  # + the step of a committed rescue
 _MAGIC = 0x45545242  # "ETRB"
 # magic, step, world size, restart count, resumed-from step, payload length, crc32
@@ -84,7 +78,7 @@ class BoundaryRecord:
             self._watched = self._tensors()
         payload = _rng_bytes(self._numpy)
         if len(payload) + _HEADER.size > SLOT_BYTES:
-            return  # not expected (RNG states are ~10 kB); the rescue then skips this rank
+            return  # not expected (a slot is several times their size); the rescue skips it
         header = _HEADER.pack(_MAGIC, step, *self._attempt, len(payload), zlib.crc32(payload))
         data = header + payload
         if os.pwrite(self._fd, data, (step % 2) * SLOT_BYTES) != len(data):
@@ -142,8 +136,8 @@ def _rng_bytes(numpy_state: _NumpyState) -> bytes:
 
 class _NumpyState:
     """numpy's global (legacy) RNG state as record parts, without ``get_state()`` when
-    it cannot have changed: ``get_state`` costs ~30 µs, a look at the generator's 2.5 kB
-    through its ctypes address ~1 µs. A pending cached gaussian can be used up without
+    it cannot have changed: a look at the generator's state through its ctypes address
+    is far cheaper (docs/memory-tier.md#rescue). A pending cached gaussian can be used up without
     moving that state, so a look is trusted only after a capture that had none; and
     only once a capture showed the look reads exactly the keys and position."""
 
@@ -217,27 +211,6 @@ def clear_marks(directory: Path) -> None:
                 (directory / name).unlink(missing_ok=True)
 
 
-def rescuing_pids(directory: Path) -> set[int]:
-    """PIDs of the processes writing a rescue in ``directory`` now (the agent waits for
-    them before it stops a failed group)."""
-    return _marked_pids(directory, _RESCUING)
-
-
-def armed_pids(directory: Path) -> set[int]:
-    """PIDs of the processes that would rescue on an uncaught error: a survivor of a
-    failure may not have seen its error yet when the agent sees the failed worker."""
-    return _marked_pids(directory, _ARMED)
-
-
-def _marked_pids(directory: Path, prefix: str) -> set[int]:
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return set()
-    return {int(n.removeprefix(prefix)) for n in names
-            if n.startswith(prefix) and n.removeprefix(prefix).isdigit()}
-
-
 def marks_dir(boundary: Path) -> Path:
     """Where this process marks a rescue in progress: the launcher's directory when it
     named one (``MARKS_ENV``), else the boundary directory."""
@@ -250,7 +223,7 @@ def rescuing(directory: Path) -> Iterator[None]:
     """Mark this process as writing a rescue while the block runs. Entered before the
     rescue takes its lock or waits for anything: from the moment one may begin, the
     agent sees it (and waits up to ``launch.rescue_timeout_s``)."""
-    marker = directory / f"{_RESCUING}{os.getpid()}"
+    marker = directory / f"{RESCUING}{os.getpid()}"
     private_dir(directory, "the rescue's marks")
     os.close(open_private(marker, os.O_WRONLY | os.O_CREAT))
     try:
@@ -293,7 +266,7 @@ def arm(rescue: Callable[[BaseException], None]) -> None:
     _armed = weakref.WeakMethod(rescue) if hasattr(rescue, "__self__") else weakref.ref(rescue)
     named = os.environ.get(MARKS_ENV)
     if named and _armed_mark is None:
-        mark = Path(named) / f"{_ARMED}{os.getpid()}"
+        mark = Path(named) / f"{ARMED}{os.getpid()}"
         private_dir(mark.parent, "the rescue's marks")
         os.close(open_private(mark, os.O_WRONLY | os.O_CREAT))
         _armed_mark = mark

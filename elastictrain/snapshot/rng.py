@@ -25,7 +25,7 @@ def capture_rng() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         # Its 625 words as one tensor, not a tuple of ints: a save walks every leaf of
-        # every rank's RNG state, and this was 1250 of them at two ranks.
+        # every rank's RNG state (docs/performance.md).
         "python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
         "torch": torch.get_rng_state(),
     }
@@ -46,7 +46,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     2.13), so each state is cloned into a tensor of its own first.
     """
     version, internal, gauss = state["python"]
-    if isinstance(internal, torch.Tensor):  # a tuple of ints in snapshots before session 7
+    if isinstance(internal, torch.Tensor):  # else a tuple of ints (older snapshots)
         internal = internal.tolist()
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"].clone())

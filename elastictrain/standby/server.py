@@ -202,7 +202,7 @@ def _threads_from_environment() -> None:
 
 # What the script left behind, held until the interpreter finalizes: freed earlier,
 # its objects would be torn down outside finalization, where a gloo process group's
-# destructor deadlocks with its own threads (measured: 1 exit in ~30 hung).
+# destructor can deadlock with its own threads (docs/recovery.md).
 _LEFT_BEHIND: list[object] = []
 
 

@@ -20,7 +20,7 @@ def _claimed_meanwhile(monkeypatch: pytest.MonkeyPatch, path: Path, storage: str
         found = looked(where)
         monkeypatch.setattr(memory, "_foreign_entries", looked)
         assert memory._write_identity(where, {"storage": storage, "run_id": "r", "uid": 0},
-                                      exclusive=True)
+                                      only_if_absent=True)
         return found
 
     monkeypatch.setattr(memory, "_foreign_entries", look_then_claim)

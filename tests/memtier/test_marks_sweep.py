@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from elastictrain.rescue_marks import launch_marks
 from elastictrain.snapshot import memory
 
 
@@ -27,8 +28,8 @@ def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def _launcher_holding_marks(shm: Path) -> tuple[subprocess.Popen[str], Path]:
     """A real process inside ``launch_marks`` (as ``elastictrain run`` is), waiting."""
-    code = ("import sys\nfrom elastictrain.snapshot import memory\n"
-            "with memory.launch_marks() as path:\n    print(path, flush=True)\n"
+    code = ("import sys\nfrom elastictrain.rescue_marks import launch_marks\n"
+            "with launch_marks() as path:\n    print(path, flush=True)\n"
             "    sys.stdin.read()\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True,
@@ -44,7 +45,7 @@ def test_marks_of_a_killed_launcher_go_with_the_next_launch(shm: Path) -> None:
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
         assert left.is_dir() and kept.is_dir()  # SIGKILL: nothing of it cleaned up
-        with memory.launch_marks() as mine:
+        with launch_marks() as mine:
             assert mine is not None and mine.is_dir()
             assert not left.exists()  # no launcher holds it: removed at once
             assert kept.is_dir()  # a running launcher's marks stay

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from elastictrain.snapshot import memory
+from elastictrain.shm import LOCK
 from tests.helpers import kill_session
 from tests.memtier.nodejobs import Jobs, jobs, shm
 
@@ -43,7 +43,7 @@ def _parked(jobs: Jobs, root: Path, park: int) -> tuple[subprocess.Popen[bytes],
 
 def _age(path: Path, seconds: float) -> None:
     then = time.time() - seconds
-    for p in (path, path / memory.LOCK):
+    for p in (path, path / LOCK):
         os.utime(p, (then, then))
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from elastictrain.rescue_marks import rescuing_pids
 from elastictrain.snapshot import rescue
 from tests.helpers import REPO, child_env, kill_session
 
@@ -40,12 +41,12 @@ def test_the_agent_sees_a_rescue_waiting_for_a_save_in_flight(
     assert rescuer.stdout is not None and rescuer.stdin is not None
     assert rescuer.stdout.readline() == b"waiting\n"  # inside the rescue, before it saves
     marks = tmp_path / "mem" / rescue.BOUNDARY_DIR
-    assert rescuer.pid in rescue.rescuing_pids(marks)
+    assert rescuer.pid in rescuing_pids(marks)
     rescuer.stdin.write(b"go\n")
     rescuer.stdin.flush()
     assert rescuer.stdout.readline() == b"done\n"
     assert rescuer.wait(timeout=60) == 0
-    assert rescue.rescuing_pids(marks) == set()
+    assert rescuing_pids(marks) == set()
     assert rescue.was_rescued(marks, 2)
 
 

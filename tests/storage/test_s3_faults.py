@@ -23,6 +23,7 @@ from elastictrain.errors import (
     StorageNotFoundError,
     StoragePermissionError,
 )
+from elastictrain.events_read import read_events
 from elastictrain.storage import FsspecStore
 from tests.s3server import FAKE_KEY, FAKE_SECRET, Request, S3Bucket, assert_no_secret
 
@@ -184,5 +185,5 @@ def test_retry_events_from_upload_threads_carry_the_run_context(s3: S3Bucket,
     finally:
         structlog.contextvars.clear_contextvars()
         structlog.reset_defaults()
-    retries = [e for e in et_log.read_events(events_file) if e["event"] == "storage.retry"]
+    retries = [e for e in read_events(events_file) if e["event"] == "storage.retry"]
     assert retries and all(e["run_id"] == "run-ctx" and e["rank"] == 0 for e in retries)

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from elastictrain.chaos.runner import ChaosOptions
-from elastictrain.cli import HelpFormatter, build_parser
+from elastictrain.cli import build_parser
 from elastictrain.config import LaunchDefaults
 from elastictrain.errors import EXIT_USAGE, ConfigError
+from elastictrain.helpformat import HelpFormatter
 from elastictrain.launch import torchrun_parser
 from tests.helpers import REPO, run_cli
 

@@ -12,6 +12,7 @@ from elastictrain import log as et_log
 from elastictrain.config import load_settings
 from elastictrain.env import SHARE_STORE_FIX_VAR, WorkerEnv, launcher_environ
 from elastictrain.errors import ConfigError
+from elastictrain.events_read import read_events
 
 
 def test_worker_env_reads_torchrun_contract() -> None:
@@ -75,7 +76,7 @@ def test_events_carry_bound_context_and_go_to_file(tmp_path: Path) -> None:
     et_log.bind(run_id="r1", rank=1, world_size=2, restart_count=3)
     et_log.bind_step(42)
     et_log.get_logger().info("snapshot.committed", size_bytes=10)
-    (event,) = et_log.read_events(events_file)
+    (event,) = read_events(events_file)
     assert event["event"] == "snapshot.committed"
     assert {k: event[k] for k in ("run_id", "rank", "world_size", "restart_count", "step")} == {
         "run_id": "r1", "rank": 1, "world_size": 2, "restart_count": 3, "step": 42}
@@ -85,4 +86,4 @@ def test_events_carry_bound_context_and_go_to_file(tmp_path: Path) -> None:
 def test_read_events_skips_torn_line(tmp_path: Path) -> None:
     f = tmp_path / "ev.jsonl"
     f.write_text(json.dumps({"event": "a"}) + "\n" + '{"event": "b", "tru')
-    assert [e["event"] for e in et_log.read_events(f)] == ["a"]
+    assert [e["event"] for e in read_events(f)] == ["a"]

@@ -14,6 +14,7 @@ import pytest
 from elastictrain import events, runtime
 from elastictrain import log as et_log
 from elastictrain.config import StorageConfig, load_settings
+from elastictrain.events_read import parse_event_lines, read_events
 from elastictrain.localfiles import user_dir_name
 from elastictrain.storage import open_store
 
@@ -48,7 +49,7 @@ def test_the_file_moves_beside_the_snapshots(tmp_path: Path,
     et_log.get_logger().info("resume", from_step=None)
     moved = tmp_path / "ckpt" / "events" / "r1" / NAME
     assert rt.events_dir == str(moved.parent)
-    assert [e["event"] for e in et_log.read_events(moved)] == ["worker.start", "resume"]
+    assert [e["event"] for e in read_events(moved)] == ["worker.start", "resume"]
     assert not (tmp_path / "elastictrain-run").exists()
     runtime.events_beside(StorageConfig(url=str(tmp_path / "other")))  # the first decides
     assert not (tmp_path / "other").exists()
@@ -71,7 +72,7 @@ def test_object_storage_gets_the_file_uploaded(tmp_path: Path,
     et_log.get_logger().info("resume", from_step=None)
     et_log.configure("info", True, None)  # closing the file uploads it
     uploaded = open_store(url).read_bytes(f"events/r1/{NAME}").decode()
-    assert [e["event"] for e in et_log.parse_event_lines(uploaded)] == ["worker.start",
+    assert [e["event"] for e in parse_event_lines(uploaded)] == ["worker.start",
                                                                       "resume"]
     spool = tmp_path / "tmp" / user_dir_name("elastictrain-events")  # per user
     assert (spool / "r1" / NAME).exists()

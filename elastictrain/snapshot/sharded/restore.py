@@ -32,8 +32,8 @@ from elastictrain.snapshot import layout
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest
 from elastictrain.snapshot.reader import list_snapshot_dirs, load_checked_bytes, read_manifest
 from elastictrain.snapshot.restore import LoadedSnapshot
-from elastictrain.snapshot.sharded.commit import check_parts, object_of, read_object
 from elastictrain.snapshot.sharded.dcp_io import StoreReader, WeightsOnlyLoadPlanner, parse_metadata
+from elastictrain.snapshot.sharded.reader import check_parts, object_of, read_object
 from elastictrain.snapshot.sharded.state import apply_state, current_state
 from elastictrain.storage.api import Store
 
