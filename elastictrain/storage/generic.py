@@ -71,6 +71,10 @@ def cause_chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
+def _is_dropped_connection(exc: BaseException) -> bool:
+    return any(type(link).__name__ in _DROPPED_CONNECTIONS for link in cause_chain(exc))
+
+
 @dataclass(frozen=True)
 class StoreSettings:
     """How a store moves bytes (from :class:`~elastictrain.config.StorageConfig`).
@@ -126,7 +130,7 @@ class Backend:
     @classmethod
     def is_transient(cls, exc: BaseException) -> bool:
         """Whether retrying the operation that raised ``exc`` can succeed."""
-        if any(type(link).__name__ in _DROPPED_CONNECTIONS for link in cause_chain(exc)):
+        if _is_dropped_connection(exc):
             return True
         if isinstance(exc, _PERMANENT):
             return False
@@ -143,8 +147,7 @@ class Backend:
     def is_io_error(cls, exc: BaseException) -> bool:
         """Whether ``exc`` is a failed read or write: an ``OSError`` (fsspec raises those,
         timeouts included) or a client's error that the file system let through."""
-        return isinstance(exc, OSError) or any(
-            type(link).__name__ in _DROPPED_CONNECTIONS for link in cause_chain(exc))
+        return isinstance(exc, OSError) or _is_dropped_connection(exc)
 
     @classmethod
     def is_missing_location(cls, exc: FileNotFoundError) -> bool:
