@@ -34,6 +34,7 @@ from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.retention import prune
 from elastictrain.storage.api import Store
+from elastictrain.storage.retry import RetryPolicy
 
 log = get_logger("elastictrain.snapshot")
 
@@ -51,19 +52,6 @@ class SaveState(str, enum.Enum):
     COMMITTED = "committed"
     SKIPPED = "skipped"
     FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How a persist that fails is retried (from ``SnapshotConfig``)."""
-
-    max_consecutive_failures: int = 3
-    backoff_s: float = 0.5
-    max_delay_s: float = 30.0  # an outage can outlast many retries: keep trying often
-
-    def delay_s(self, failures: int) -> float:
-        """Backoff before the next attempt after ``failures`` failed ones (1, 2, …)."""
-        return float(min(self.max_delay_s, self.backoff_s * 2 ** (failures - 1)))
 
 
 @dataclass(frozen=True)

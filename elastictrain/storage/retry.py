@@ -1,25 +1,29 @@
-"""Retrying storage operations: which faults are transient, and how long to wait.
+"""Retrying failed operations: the one retry policy, and which storage faults are transient.
 
-Three layers retry S3 requests, each for what only it can see: botocore retries
-one HTTP request (its retry mode and ``AWS_MAX_ATTEMPTS`` apply), s3fs retries
-throttling it recognises, and this policy retries a whole operation (a PUT, a
-part of a multipart upload, a listing) with exponential backoff and jitter, and
-logs ``storage.retry`` so an operator sees a flaky store. Faults a retry cannot
-fix (a missing bucket or object, denied access, rejected credentials) fail on
-the first attempt.
+:class:`RetryPolicy` is how often, and after how long a wait, an operation that
+failed is tried again: a storage request here, a whole snapshot persist in
+:mod:`elastictrain.snapshot.persister`.
+
+On S3, three layers retry, each for what only it can see: botocore retries one
+HTTP request (its retry mode and ``AWS_MAX_ATTEMPTS`` apply), s3fs retries
+throttling it recognises, and the store's policy retries a whole operation (a PUT,
+a part of a multipart upload, a listing) with exponential backoff and jitter, and
+logs ``storage.retry`` so an operator sees a flaky store. Which faults are worth a
+retry is the backend's call (:func:`is_transient`); faults a retry cannot fix (a
+missing bucket or object, denied access, rejected credentials) fail on the first
+attempt.
 """
 
 from __future__ import annotations
 
-import errno
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from elastictrain.log import get_logger
-from elastictrain.storage import s3
+from elastictrain.storage.backends import backend_for
 
 T = TypeVar("T")
 
@@ -29,55 +33,64 @@ log = get_logger("elastictrain.storage")
 # shift the user's Python RNG stream on every retry and break bit-exact resume.
 _JITTER = random.Random()
 
-_TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET,
-                               errno.ECONNREFUSED, errno.EBUSY, errno.EREMOTEIO})
-_PERMANENT = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
-              NotADirectoryError)
+# A storage operation's longest wait between tries.
+STORAGE_MAX_DELAY_S = 20.0
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Whether retrying the operation that raised ``exc`` can succeed."""
-    verdict = s3.is_transient(exc)
-    if verdict is not None:
-        return verdict
-    if isinstance(exc, _PERMANENT):
-        return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+def is_transient(exc: BaseException, protocol: str | Sequence[str]) -> bool:
+    """Whether retrying the operation that raised ``exc`` on a store of ``protocol`` (an
+    fsspec protocol name or its aliases) can succeed: the protocol's backend decides."""
+    return backend_for(protocol).is_transient(exc)
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff with jitter: attempt ``n`` waits about
-    ``backoff_s * 2**n`` (between half and all of it), at most ``max_backoff_s``."""
+    """Up to ``max_consecutive_failures`` tries in a row. After failure ``k`` (1, 2, …)
+    the next try waits ``backoff_s * 2**(k-1)``, at most ``max_delay_s``; with
+    ``jitter``, a random part of that, between half and all of it."""
 
-    retries: int = 5
-    backoff_s: float = 0.2
-    max_backoff_s: float = 20.0
+    max_consecutive_failures: int = 3
+    backoff_s: float = 0.5
+    max_delay_s: float = 30.0  # an outage can outlast many retries: keep trying often
+    jitter: bool = False
 
-    def delay(self, attempt: int) -> float:
-        ceiling = min(self.backoff_s * (2**attempt), self.max_backoff_s)
-        # Jitter spreads retries of many ranks/parts so they do not throttle in lockstep.
-        return ceiling * _JITTER.uniform(0.5, 1.0)
+    @classmethod
+    def for_storage(cls, retries: int, backoff_s: float) -> RetryPolicy:
+        """A store's policy: ``retries`` tries after the first, jittered so that many
+        ranks and upload parts retrying at once do not throttle the store in lockstep."""
+        return cls(retries + 1, backoff_s, max_delay_s=STORAGE_MAX_DELAY_S, jitter=True)
 
-    def run(self, fn: Callable[[], T], *, op: str, where: str) -> tuple[T, int]:
-        """Call ``fn`` until it succeeds or fails permanently; return (result, retries).
+    @property
+    def retries(self) -> int:
+        """Tries after the first."""
+        return self.max_consecutive_failures - 1
+
+    def delay_s(self, failures: int) -> float:
+        """The wait before the next try after ``failures`` failed ones (1, 2, …)."""
+        ceiling = float(min(self.max_delay_s, self.backoff_s * 2 ** (failures - 1)))
+        return ceiling * _JITTER.uniform(0.5, 1.0) if self.jitter else ceiling
+
+    def run(self, fn: Callable[[], T], *, op: str, where: str,
+            protocol: str | Sequence[str]) -> tuple[T, int]:
+        """Call a storage operation ``fn`` until it succeeds, fails with a fault that is
+        not transient on ``protocol``, or has failed ``max_consecutive_failures`` times;
+        return (result, retries). Each retry logs ``storage.retry``.
 
         Raises:
             The last exception, untranslated, with ``retries_used`` set on it.
         """
-        attempt = 0
+        failures = 0
         while True:
             try:
-                return fn(), attempt
+                return fn(), failures
             except Exception as exc:
-                if attempt >= self.retries or not is_transient(exc):
-                    exc.retries_used = attempt  # type: ignore[attr-defined]
+                failures += 1
+                if failures >= self.max_consecutive_failures or not is_transient(exc, protocol):
+                    exc.retries_used = failures - 1  # type: ignore[attr-defined]
                     raise
-                delay = self.delay(attempt)
-                log.warning("storage.retry", op=op, path=where, attempt=attempt + 1,
+                delay = self.delay_s(failures)
+                log.warning("storage.retry", op=op, path=where, attempt=failures,
                             retries=self.retries, delay_s=round(delay, 3),
-                            error_type=type(exc).__name__, error_code=s3.error_code(exc))
+                            error_type=type(exc).__name__,
+                            error_code=backend_for(protocol).error_code(exc))
                 time.sleep(delay)
-                attempt += 1

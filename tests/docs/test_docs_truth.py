@@ -202,7 +202,7 @@ EVENT_NAME = re.compile(r"^[a-z_]+(\.[a-z_]+)*$")
 # Log calls whose name is not a literal, and what they log.
 DYNAMIC_EVENTS = {
     ("dist.py", "self._event"): "deadline",  # names come from deadline(seconds, "name")
-    ("fsspec_store.py", "full"): None,  # self.fs.info(path): not a log call
+    ("generic.py", "full"): None,  # self.fs.info(path): not a log call
 }
 
 

@@ -39,12 +39,12 @@ def test_rename_commits_directory(tmp_path: Path) -> None:
 
 def test_denied_write_is_permission_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Tests run as root, which ignores mode bits, so the OS denial is simulated.
-    from elastictrain.storage import fsspec_store
+    from elastictrain.storage import local
 
     def deny(full: str, data: bytes, if_absent: bool, *_: object) -> None:
         raise PermissionError(13, "Permission denied", full)
 
-    monkeypatch.setattr(fsspec_store, "_local_atomic_write", deny)
+    monkeypatch.setattr(local, "atomic_write", deny)
     with pytest.raises(StoragePermissionError, match="permission denied; fix") as info:
         open_store(str(tmp_path / "ro")).check_writable()
     assert str(tmp_path / "ro") in str(info.value)

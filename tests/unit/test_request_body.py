@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 
-from elastictrain.storage.multipart import PartBuffer, RequestBody
+from elastictrain.storage.s3_multipart import PartBuffer, RequestBody
 
 DATA = bytes(range(256)) * 10
 

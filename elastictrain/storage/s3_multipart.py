@@ -7,9 +7,9 @@ and a fresh one is started, so memory depends on the settings, never on the
 state's size.
 
 The first part is ``single_put_max`` bytes: a stream that ends within it is sent
-as one ``PutObject``, like s3fs and boto3 do for small objects (one request
-instead of three; servers that re-hash every part on completion, moto among
-them, are markedly slower on multipart). Later parts are ``part_size``. Each
+as one ``PutObject``, like s3fs and boto3 do for small objects: one request
+instead of three, and servers that re-hash every part on completion are slower
+on multipart (docs/performance.md). Later parts are ``part_size``. Each
 request body is a :class:`RequestBody` over the part's own bytes, which aiohttp
 sends as 1 MiB ``memoryview`` slices: given plain ``bytes`` it would join the
 headers and the whole body into a second copy (and Python 3.11's socket
