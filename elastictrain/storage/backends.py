@@ -29,3 +29,9 @@ def backend_for(protocol: str | Sequence[str]) -> type[Backend]:
         if name in BACKENDS:
             return BACKENDS[name]
     return Backend
+
+
+def is_transient(exc: BaseException, protocol: str | Sequence[str]) -> bool:
+    """Whether retrying the operation that raised ``exc`` on a store of ``protocol`` (an
+    fsspec protocol name or its aliases) can succeed: the protocol's backend decides."""
+    return backend_for(protocol).is_transient(exc)

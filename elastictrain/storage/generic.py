@@ -168,7 +168,8 @@ class Backend:
         """``fn()`` with retries; a failure raised as a :class:`StorageError`."""
         try:
             result, _ = self.policy.run(fn, op=op, where=self.describe(path),
-                                        protocol=self.fs.protocol)
+                                        transient=self.is_transient,
+                                        error_code=self.error_code)
         except Exception as exc:
             raise self.translate(op, path, exc, getattr(exc, "retries_used", 0)) from exc
         return result

@@ -9,21 +9,20 @@ HTTP request (its retry mode and ``AWS_MAX_ATTEMPTS`` apply), s3fs retries
 throttling it recognises, and the store's policy retries a whole operation (a PUT,
 a part of a multipart upload, a listing) with exponential backoff and jitter, and
 logs ``storage.retry`` so an operator sees a flaky store. Which faults are worth a
-retry is the backend's call (:func:`is_transient`); faults a retry cannot fix (a
-missing bucket or object, denied access, rejected credentials) fail on the first
-attempt.
+retry is the backend's call (``Backend.is_transient``, passed in by the backend that
+runs the operation); faults a retry cannot fix (a missing bucket or object, denied
+access, rejected credentials) fail on the first attempt.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from elastictrain.log import get_logger
-from elastictrain.storage.backends import backend_for
 
 T = TypeVar("T")
 
@@ -35,12 +34,6 @@ _JITTER = random.Random()
 
 # A storage operation's longest wait between tries.
 STORAGE_MAX_DELAY_S = 20.0
-
-
-def is_transient(exc: BaseException, protocol: str | Sequence[str]) -> bool:
-    """Whether retrying the operation that raised ``exc`` on a store of ``protocol`` (an
-    fsspec protocol name or its aliases) can succeed: the protocol's backend decides."""
-    return backend_for(protocol).is_transient(exc)
 
 
 @dataclass(frozen=True)
@@ -71,10 +64,12 @@ class RetryPolicy:
         return ceiling * _JITTER.uniform(0.5, 1.0) if self.jitter else ceiling
 
     def run(self, fn: Callable[[], T], *, op: str, where: str,
-            protocol: str | Sequence[str]) -> tuple[T, int]:
+            transient: Callable[[BaseException], bool],
+            error_code: Callable[[BaseException], str | None]) -> tuple[T, int]:
         """Call a storage operation ``fn`` until it succeeds, fails with a fault that is
-        not transient on ``protocol``, or has failed ``max_consecutive_failures`` times;
-        return (result, retries). Each retry logs ``storage.retry``.
+        not ``transient``, or has failed ``max_consecutive_failures`` times; return
+        (result, retries). Each retry logs ``storage.retry`` (with ``error_code``'s
+        reading of the fault).
 
         Raises:
             The last exception, untranslated, with ``retries_used`` set on it.
@@ -85,12 +80,12 @@ class RetryPolicy:
                 return fn(), failures
             except Exception as exc:
                 failures += 1
-                if failures >= self.max_consecutive_failures or not is_transient(exc, protocol):
+                if failures >= self.max_consecutive_failures or not transient(exc):
                     exc.retries_used = failures - 1  # type: ignore[attr-defined]
                     raise
                 delay = self.delay_s(failures)
                 log.warning("storage.retry", op=op, path=where, attempt=failures,
                             retries=self.retries, delay_s=round(delay, 3),
                             error_type=type(exc).__name__,
-                            error_code=backend_for(protocol).error_code(exc))
+                            error_code=error_code(exc))
                 time.sleep(delay)

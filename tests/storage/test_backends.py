@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from elastictrain.storage import FsspecStore
-from elastictrain.storage.backends import backend_for
+from elastictrain.storage.backends import backend_for, is_transient
 from elastictrain.storage.generic import Backend, MemoryBackend
 from elastictrain.storage.local import LocalBackend
-from elastictrain.storage.retry import RetryPolicy, is_transient
+from elastictrain.storage.retry import RetryPolicy
 from elastictrain.storage.s3 import S3Backend
 
 
@@ -37,6 +37,10 @@ def test_the_backend_is_picked_by_protocol(protocol: str | tuple[str, ...],
                                            backend: type[Backend]) -> None:
     assert backend_for(protocol) is backend
 
+
+# The memory backend's reading of faults, as a store of it hands them to the policy.
+MEMORY = {"transient": backend_for("memory").is_transient,
+          "error_code": backend_for("memory").error_code}
 
 def test_a_store_uses_its_protocols_backend(tmp_path: Path) -> None:
     local = FsspecStore(str(tmp_path))
@@ -83,7 +87,7 @@ def test_run_stops_at_a_permanent_fault_and_after_the_last_retry() -> None:
             raise TimeoutError("slow")
         return "ok"
 
-    assert policy.run(flaky, op="read", where="x", protocol="memory") == ("ok", 2)
+    assert policy.run(flaky, op="read", where="x", **MEMORY) == ("ok", 2)
 
     def denied() -> None:
         calls.append(1)
@@ -91,7 +95,7 @@ def test_run_stops_at_a_permanent_fault_and_after_the_last_retry() -> None:
 
     calls.clear()
     with pytest.raises(PermissionError) as info:
-        policy.run(denied, op="read", where="x", protocol="memory")
+        policy.run(denied, op="read", where="x", **MEMORY)
     assert len(calls) == 1 and info.value.retries_used == 0  # type: ignore[attr-defined]
 
     def down() -> None:
@@ -100,5 +104,5 @@ def test_run_stops_at_a_permanent_fault_and_after_the_last_retry() -> None:
 
     calls.clear()
     with pytest.raises(ConnectionResetError) as info_down:
-        policy.run(down, op="read", where="x", protocol="memory")
+        policy.run(down, op="read", where="x", **MEMORY)
     assert len(calls) == 3 and info_down.value.retries_used == 2  # type: ignore[attr-defined]
