@@ -35,7 +35,6 @@ sharded/save.py), copy behind (copy_fence.py), the memory tier (node_memory.py),
 rescue (rescuer.py), and the final save on a preemption notice (preempt_exit.py).
 """
 
-
 from __future__ import annotations
 
 import time
