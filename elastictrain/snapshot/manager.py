@@ -127,10 +127,10 @@ class SnapshotManager:
         self.config, self.ctx, self.store = setup.config, setup.ctx, setup.store
         self.run_id = setup.run_id
         self.sharded = has_dtensor_params(unwrap(model)) if sharded is None else sharded
+        durable = SaverSettings.for_durable(self.config)
         self._saver: SnapshotSaver = (
-            ShardedSaver(self.store, SaverSettings.for_durable(self.config), self.ctx,
-                         unwrap(model), optimizer)
-            if self.sharded else Saver(self.store, SaverSettings.for_durable(self.config)))
+            ShardedSaver(self.store, durable, self.ctx, unwrap(model), optimizer)
+            if self.sharded else Saver(self.store, durable))
         self._train = TrainingState(model, optimizer, scheduler, scaler, sampler, ctx=self.ctx,
                                     run_id=self.run_id, checksum=self.config.checksum,
                                     saver_holds_model=self._saver.saves_model_and_optimizer)
