@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from bench_recovery import _poll, _start, _stop
 from bench_snapshot import SyncTorchSave, Trainer, evict
-from benchlib import fmt, load_average, noisy, ratio_spread, spread, write_json
+from benchlib import CallTimer, fmt, load_average, noisy, ratio_spread, spread, write_json
 
 from elastictrain import log as et_log
 from elastictrain.snapshot import layout
@@ -70,15 +70,16 @@ def memory_blocking(trainer: Trainer, root: Path, mem: Path, saves: int,
     snap.step()  # warm-up: staging slabs and the persister thread
     snap.wait()
     assert snap._memory is not None
+    fence = CallTimer(snap._fence, "wait")  # the optimizer's step pre-hook calls it
     blocked = []
     for _ in range(saves):
         trainer.step()
         started = time.perf_counter()
         snap.step()
         step_s = time.perf_counter() - started
-        fenced = snap._memory.copy_wait_s
+        fenced = fence.total_s
         trainer.step()  # its optimizer step waits for the copy behind, if any is left
-        blocked.append(step_s + snap._memory.copy_wait_s - fenced)
+        blocked.append(step_s + fence.total_s - fenced)
         snap.wait()  # the next measured snapshot finds no persist in flight
     snap.close()
     return blocked

@@ -80,7 +80,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
-from benchlib import busy_loop_ratio, fmt, load_average, noisy, plot_curve, spread, write_json
+from benchlib import (
+    CallTimer,
+    busy_loop_ratio,
+    fmt,
+    load_average,
+    noisy,
+    plot_curve,
+    spread,
+    write_json,
+)
 
 from elastictrain import log as et_log
 from elastictrain.config import SnapshotConfig
@@ -219,6 +228,11 @@ class ElasticTrainAsync:
                                        persister=persister,
                                        overlap_copy=False if copy_at_once else "auto")
         self._fenced = 0.0
+        # The optimizer's step pre-hook calls the fence: timed around that call.
+        self._fence = CallTimer(self.manager._fence, "wait")
+        # The persist of a copy behind is handed over once its copy is done: the
+        # persister's submit, timed from the first save on (it starts with that one).
+        self._submit: CallTimer | None = None
 
     def ready(self) -> None:
         """The user's first ``manager.step()`` after an optimizer step: it allocates the
@@ -227,15 +241,24 @@ class ElasticTrainAsync:
 
     def save(self, step: int) -> Pending:
         self.manager.step_count = step
+        submits = self._submit.calls if self._submit is not None else 0
         handle = self.manager.save()
-        behind = self.manager._saver._behind
-        return Pending(handle.done, lambda: handle.finished_at, lambda: _wait(handle),
-                       lambda: None if behind is None else behind.copied_at)
+        finished: list[float] = []
+        handle.add_done_callback(lambda _: finished.append(time.perf_counter()))
+        submit = self._submit
+        if submit is None:
+            self._submit = CallTimer(self.manager._saver.persister, "submit")
+
+        def staged_at() -> float | None:
+            return submit.last_started if submit is not None and submit.calls > submits else None
+
+        return Pending(handle.done, lambda: finished[0] if finished else None,
+                       lambda: _wait(handle), staged_at)
 
     def fence_wait_s(self) -> float:
-        """Seconds the optimizer's steps waited for copies behind since the last call:
-        blocking that happens after save() returned (0 when copying at once)."""
-        total = self.manager._saver.copy_wait_s
+        """Seconds the optimizer's steps waited at the fence for copies behind since the
+        last call: blocking that happens after save() returned."""
+        total = self._fence.total_s
         waited, self._fenced = total - self._fenced, total
         return waited
 

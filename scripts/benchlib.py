@@ -113,3 +113,27 @@ def plot_curve(path: str, title: str, sizes_mb: Sequence[float],
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+class CallTimer:
+    """Times every call of one method of one object, from the benchmark's side: the
+    method is replaced on that instance by a wrapper (callers that look it up at call
+    time, as hooks do, go through it). ``total_s`` sums the calls' durations; ``calls``
+    counts them and ``last_started`` is when the latest one began (perf_counter)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.total_s = 0.0
+        self.calls = 0
+        self.last_started: float | None = None
+        inner = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            self.calls += 1
+            self.last_started = started
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.total_s += time.perf_counter() - started
+
+        setattr(owner, name, timed)

@@ -65,20 +65,17 @@ class PersistOutcome:
 
 
 class SaveHandle:
-    """The result of one ``save()``: ``wait()`` blocks until durable, re-raising failures.
-
-    Attributes:
-        finished_at: ``time.perf_counter()`` when the outcome reached this process
-            (the durable-commit time, for benchmarks); None while pending.
-    """
+    """The result of one ``save()``: ``wait()`` blocks until durable, re-raising failures;
+    ``add_done_callback`` is told the moment the outcome reaches this process."""
 
     def __init__(self, step: int) -> None:
         self.step = step
         self.state = SaveState.PENDING
         self.manifest: Manifest | None = None
         self.error: BaseException | None = None
-        self.finished_at: float | None = None
         self._done = threading.Event()
+        self._callbacks: list[Callable[[SaveHandle], None]] = []
+        self._callbacks_lock = threading.Lock()  # a finish and an add may race
         # A copy behind's verdict (saver.py), taken by whoever waits first: the outcome
         # depends on it, so a wait must never start before it (it would never end).
         self._settle: Callable[[], object] | None = None
@@ -86,8 +83,11 @@ class SaveHandle:
     def _finish(self, state: SaveState, manifest: Manifest | None = None,
                 error: BaseException | None = None) -> None:
         self.state, self.manifest, self.error = state, manifest, error
-        self.finished_at = time.perf_counter()
-        self._done.set()
+        with self._callbacks_lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
 
     def _finish_with(self, outcome: PersistOutcome) -> None:
         manifest = (Manifest.from_json(outcome.manifest_json, f"step {self.step}")
@@ -97,6 +97,15 @@ class SaveHandle:
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def add_done_callback(self, callback: Callable[[SaveHandle], None]) -> None:
+        """Call ``callback(handle)`` once the save finished either way: on the thread
+        that finishes it, or at once if it already has. It must not block."""
+        with self._callbacks_lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
 
     def join(self, timeout: float | None = None) -> bool:
         """Block until the save finished either way (never raises); False on timeout."""

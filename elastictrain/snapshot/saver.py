@@ -50,7 +50,6 @@ import torch
 from structlog.contextvars import bound_contextvars
 
 from elastictrain import watchdog
-from elastictrain.config import SnapshotConfig
 from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import get_logger
 from elastictrain.snapshot.commit import SnapshotMeta
@@ -63,23 +62,25 @@ from elastictrain.snapshot.persister import (
     SaveState,
     SyncPersister,
 )
+from elastictrain.snapshot.restore import LoadedSnapshot, load_newest
+from elastictrain.snapshot.saver_interface import LoadRequest, SaverSettings
 from elastictrain.snapshot.staging import StagingBuffers
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
 
 
-def choose_persister(config: SnapshotConfig, store: Store) -> str:
-    """``sync``, ``thread`` or ``process`` for this config and store.
+def choose_persister(settings: SaverSettings, store: Store) -> str:
+    """``sync``, ``thread`` or ``process`` for these settings and store.
 
     A helper process cannot reach a ``memory://`` store (it lives in this
     process's memory), so that falls back to a thread.
     """
-    if config.mode == "sync":
+    if settings.mode == "sync":
         return "sync"
-    if config.persister == "process" and store.url.startswith("memory://"):
+    if settings.persister == "process" and store.url.startswith("memory://"):
         return "thread"
-    return config.persister
+    return settings.persister
 
 
 class InFlightSave:
@@ -145,19 +146,21 @@ class Saver(InFlightSave):
     """Stages state and hands it to a background persister, one save at a time.
 
     The durable tier and the node-memory tier are two Savers on two Stores; their
-    events carry ``tier``."""
+    events carry ``tier``. The manager holds the model and optimizer state in the
+    state it hands over (``saves_model_and_optimizer`` is False)."""
 
-    def __init__(self, store: Store, config: SnapshotConfig, tier: str = "durable") -> None:
+    saves_model_and_optimizer = False
+
+    def __init__(self, store: Store, settings: SaverSettings, tier: str = "durable") -> None:
         self.store = store
-        self.kind = choose_persister(config, store)
+        self.kind = choose_persister(settings, store)
         self.staging = StagingBuffers(share_memory=self.kind == "process")
         super().__init__(store, tier)
-        self._keep = config.keep
-        self._policy = RetryPolicy(config.max_consecutive_failures, config.retry_backoff_s)
+        self._keep = settings.keep
+        self._policy = RetryPolicy(settings.max_consecutive_failures, settings.retry_backoff_s)
         self._persister: Persister | None = None
         self._behind: _CopyBehind | None = None
         self._copier = _CopyThread()
-        self.copy_wait_s = 0.0  # all fence waits so far (benchmarks count them as blocking)
         self.copy_behind = True  # until a copy behind races a change of its source
 
     def warm_up(self) -> None:
@@ -222,7 +225,6 @@ class Saver(InFlightSave):
             started = time.perf_counter()
             behind.copied.wait()
             waited = time.perf_counter() - started
-            self.copy_wait_s += waited
             log.info("snapshot.copy_wait", snapshot_step=behind.handle.step, tier=self.tier,
                      wait_s=round(waited, 4))
         changed = behind.settle()
@@ -253,6 +255,12 @@ class Saver(InFlightSave):
         if not self.staging.prepared:
             self.staging.prepare_async(make_state())
 
+    def load_newest(self, request: LoadRequest) -> LoadedSnapshot | None:
+        """The newest verified snapshot of this saver's store (or, newer, of the memory
+        tier's) as a payload that holds the model and optimizer state too."""
+        return load_newest(self.store, request.ctx, request.restore_mode,
+                           request.memory_store, request.in_place)
+
     def close(self) -> None:
         """Wait for the save in flight and stop the persister; raise a failure not yet raised."""
         try:
@@ -279,8 +287,8 @@ class Saver(InFlightSave):
 
 class _CopyThread:
     """The one thread that runs a saver's copies behind, one save after another (saves
-    never overlap: ``wait_in_flight``). A thread per save cost the loop about a
-    millisecond on a busy machine: ``Thread.start`` waits until the new thread runs.
+    never overlap: ``wait_in_flight``). One long-lived thread, not one per save:
+    ``Thread.start`` waits until the new thread runs, which the loop would wait for.
     A daemon, like the persisters' threads: a hung persist never holds up exit."""
 
     def __init__(self) -> None:
@@ -320,7 +328,6 @@ class _CopyBehind:
                  run: Callable[[Callable[[], None]], None]) -> None:
         self.handle = SaveHandle(step)
         self.copied = threading.Event()
-        self.copied_at: float | None = None  # perf_counter once copied (benchmarks)
         # In-place changes bump a tensor's version; the save's values are these versions'.
         self._copies = [(buffer, source, source._version) for buffer, source in copies]
         self._submit = submit
@@ -357,7 +364,6 @@ class _CopyBehind:
                         break
                     buffer.copy_(source)  # releases the GIL: the loop runs meanwhile
             finally:
-                self.copied_at = time.perf_counter()
                 self.copied.set()
             if changed:  # versions only grow: the verdict can only drop it, write nothing
                 self.handle._finish(SaveState.SKIPPED)

@@ -70,9 +70,10 @@ class StagingBuffers:
         """Allocate the buffers ``state`` needs on a background thread, without copying.
 
         Staging is the same afterwards; only the first ``stage`` gets cheaper: it
-        finds its slabs allocated and their pages already mapped (a fresh 1 GiB slab
-        costs about a second in page faults or in creating its shared memory). The
-        next ``stage`` waits for this to finish. A state that would not load back is
+        finds its slabs allocated and their pages already mapped (the page faults of a
+        fresh slab, or creating its shared memory, would otherwise block the first
+        save most of its time: docs/performance.md#the-first-save). The next
+        ``stage`` waits for this to finish. A state that would not load back is
         left alone: the save reports it, as always.
         """
         if self.prepared:

@@ -33,7 +33,7 @@ def main() -> None:
     snap = et.SnapshotManager(root, model=model, optimizer=opt, ctx=rt.ctx, every_steps=100,
                               memory_every=1)
     info = snap.restore()
-    tier = getattr(snap, "_memory_dir", None)
+    tier = snap._node_memory.tier
     say(tier=info.tier, from_step=info.from_step,
         memory_dir=None if tier is None else str(tier.path))
     while snap.step_count < steps:

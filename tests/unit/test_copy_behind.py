@@ -186,12 +186,12 @@ def test_auto_copies_behind_where_it_applies_and_quietly_not_elsewhere(
     model = torch.nn.Linear(2, 2)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     on = SnapshotManager(str(tmp_path / "on"), model=model, optimizer=sgd)
-    assert on.config.overlap_copy == "auto" and on._fence_hook is not None
+    assert on.config.overlap_copy == "auto" and on._fence.active
     on.close()
     for kw in ({}, {"mode": "sync", "optimizer": sgd}, {"overlap_copy": False,
                                                          "optimizer": sgd}):
         off = SnapshotManager(str(tmp_path / "off"), model=model, **kw)
-        assert off._fence_hook is None and off._deferred() == frozenset()
+        assert not off._fence.active and off._fence.deferred() == frozenset()
         off.close()
 
 

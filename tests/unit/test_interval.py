@@ -331,9 +331,9 @@ def test_durable_interval_counts_only_failures_that_lost_the_memory_tier(
         snap.restore()
     resume = next(e for e in logs if e["event"] == "resume")
     assert resume["memory_kept"] is node_kept_memory
-    assert snap._auto is not None and snap._memory_policy is not None
-    assert snap._memory_policy.history.failures == 1
-    assert snap._auto.history.failures == (0 if node_kept_memory else 1)
-    assert snap._auto.mtbf_s() == pytest.approx(
+    assert snap._schedule.durable_policy is not None and snap._schedule.memory_policy is not None
+    assert snap._schedule.memory_policy.history.failures == 1
+    assert snap._schedule.durable_policy.history.failures == (0 if node_kept_memory else 1)
+    assert snap._schedule.durable_policy.mtbf_s() == pytest.approx(
         estimate_mtbf_s(50.0, 0, 3600.0) if node_kept_memory else 50.0)
     snap.close()

@@ -26,6 +26,7 @@ import io
 import time
 import uuid
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from typing import Any
 
@@ -37,7 +38,6 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
-from elastictrain.config import SnapshotConfig
 from elastictrain.dist import DistContext
 from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import get_logger
@@ -45,8 +45,10 @@ from elastictrain.snapshot import layout
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.persister import SaveHandle, SaveState
+from elastictrain.snapshot.restore import LoadedSnapshot
 from elastictrain.snapshot.retention import prune
 from elastictrain.snapshot.saver import InFlightSave
+from elastictrain.snapshot.saver_interface import LoadRequest, SaverSettings
 from elastictrain.snapshot.sharded.commit import commit_sharded
 from elastictrain.snapshot.sharded.dcp_io import (
     RankPart,
@@ -54,6 +56,7 @@ from elastictrain.snapshot.sharded.dcp_io import (
     describe_failure,
     dump_metadata,
 )
+from elastictrain.snapshot.sharded.restore import load_newest_sharded
 from elastictrain.snapshot.sharded.state import current_state
 from elastictrain.storage.api import Store
 
@@ -71,8 +74,8 @@ class _ReusedStaging:
     (the next save waits for the previous one, so they are free again).
 
     Buffers are allocated empty, shard by shard: torch's own helper
-    (``_create_cpu_state_dict``) deep-copies each CPU DTensor first, which
-    doubled the first save's memory in ``scripts/bench_sharded.py``.
+    (``_create_cpu_state_dict``) deep-copies each CPU DTensor first, so the first
+    save would hold the state twice.
     """
 
     _synchronize_after_execute = False
@@ -140,14 +143,18 @@ def _local_bytes(state: Any) -> int:
 class ShardedSaver(InFlightSave):
     """Saves model + optimizer shards from every rank through DCP; rank 0 commits.
 
-    The same interface as ``Saver`` (``save``, ``failed_step``, ``take_failure``,
-    ``wait_in_flight``, ``wait``, ``close``, ``warm_up``), called on every rank.
+    The saver interface (saver_interface.py), called on every rank. It takes model
+    and optimizer state itself, and loads them itself; it never copies behind (every
+    rank stages at once).
     """
 
-    def __init__(self, store: Store, config: SnapshotConfig, ctx: DistContext,
+    saves_model_and_optimizer = True
+    copy_behind = False
+
+    def __init__(self, store: Store, settings: SaverSettings, ctx: DistContext,
                  model: nn.Module, optimizer: Any | None) -> None:
         self.store = store
-        self._config = config
+        self._settings = settings
         self._ctx = ctx
         self._model, self._optimizer = model, optimizer
         self._group = background_group(ctx)
@@ -156,20 +163,27 @@ class ShardedSaver(InFlightSave):
         self._peer_waits = 0
         super().__init__(store)
 
-    @property
-    def group(self) -> Any | None:
-        """The dedicated gloo group (restore uses it too)."""
-        return self._group
-
     def warm_up(self) -> None:
         return None
 
+    def fence(self) -> float:
+        """Nothing is copied behind: nothing to wait for."""
+        return 0.0
+
+    def load_newest(self, request: LoadRequest) -> LoadedSnapshot | None:
+        """Load the newest sharded snapshot into the model and optimizer on every rank
+        (through the background group); its training state is the payload."""
+        return load_newest_sharded(self.store, request.ctx, self._group, self._model,
+                                   self._optimizer)
+
     def save(self, train_state: dict[str, Any], meta: SnapshotMeta,
-             started: float | None = None) -> SaveHandle:
+             started: float | None = None,
+             defer: AbstractSet[int] = frozenset()) -> SaveHandle:
         """Stage this rank's shards and persist them; returns at once in async mode.
 
         Args:
             train_state: the replicated rest (step, sampler, RNG, …); rank 0 writes it.
+            defer: ignored (``copy_behind`` is False): every rank stages at once.
 
         Raises:
             SnapshotWriteFailed: the previous save failed (on every rank alike).
@@ -201,7 +215,7 @@ class ShardedSaver(InFlightSave):
         kwargs: dict[str, Any] = {"storage_writer": writer, "planner": DefaultSavePlanner(),
                                   "process_group": self._group,
                                   "no_dist": not self._ctx.initialized}
-        if self._config.mode == "sync":
+        if self._settings.mode == "sync":
             # Training waits for the write, so the live tensors are written without a copy.
             future: Future[Any] = Future()
             timing["persist_started"] = time.perf_counter()
@@ -227,7 +241,7 @@ class ShardedSaver(InFlightSave):
                  duration_s=duration, attempts=1, ranks=meta.world_size,
                  throughput_mb_s=round(manifest.total_bytes / max(duration, 1e-9) / 1e6, 1))
         try:
-            prune(self.counted_store, self._config.keep, meta.step)
+            prune(self.counted_store, self._settings.keep, meta.step)
         except Exception as exc:  # the save is durable; retention retries next time
             log.warning("snapshot.prune_failed", snapshot_step=meta.step, error=str(exc),
                         error_type=type(exc).__name__)

@@ -1,0 +1,80 @@
+"""Where a ``SnapshotManager`` gets its settings and context, once, when it is built:
+what the caller passed, else what ``elastictrain.init()`` set up, else the settings
+file, ``ELASTICTRAIN_*`` and the environment. Nothing else in the snapshot package
+reads the process-wide runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from elastictrain import preempt, runtime
+from elastictrain.config import SnapshotConfig, StorageConfig, load_settings, validated
+from elastictrain.dist import DistContext, find_context
+from elastictrain.env import WorkerEnv
+from elastictrain.storage import Store, open_store
+
+
+@dataclass(frozen=True)
+class ManagerSetup:
+    """Everything a manager takes from its surroundings.
+
+    Attributes:
+        config: the snapshot settings, the keyword overrides applied.
+        ctx: the process group.
+        store: the durable storage, opened.
+        run_id: recorded in manifests.
+        events_dir: this worker's events directory (its earlier attempts feed the
+            automatic interval; the progress file goes beside it), or None.
+        restart_count: torchrun's restart count of this attempt.
+        preemption: the preemption watcher of this process, if one was installed.
+    """
+
+    config: SnapshotConfig
+    ctx: DistContext
+    store: Store
+    run_id: str
+    events_dir: str | None
+    restart_count: int
+    preemption: preempt.PreemptionWatcher | None
+
+    @classmethod
+    def find(cls, storage: str | StorageConfig | Store, *, config: SnapshotConfig | None,
+             ctx: DistContext | None, run_id: str | None,
+             storage_options: dict[str, Any] | None,
+             overrides: dict[str, Any]) -> ManagerSetup:
+        """The manager's arguments completed from ``elastictrain.init()``'s runtime or,
+        without one, the loaded settings and the environment.
+
+        Also moves this worker's events beside these snapshots unless
+        ``log.events_dir`` says where (the rule: elastictrain.runtime), so status and
+        goodput read what was passed.
+        """
+        rt = runtime.current()
+        settings = rt.settings if rt is not None else load_settings()
+        base = (config or settings.snapshot).model_dump()
+        snapshot_config = validated(SnapshotConfig, **{**base, **overrides})
+        env = rt.env if rt is not None else WorkerEnv.from_environ()
+        found_ctx = ctx or (rt.ctx if rt is not None else find_context(env))
+        if isinstance(storage, str):
+            storage = _storage_config(storage, settings.storage)
+        store = (open_store(storage, storage_options)
+                 if isinstance(storage, StorageConfig) else storage)
+        runtime.events_beside(storage if isinstance(storage, StorageConfig) else
+                              settings.storage.model_copy(update={"url": store.url}))
+        # Read after events_beside: it may have moved the directory.
+        events_dir = rt.events_dir if rt is not None else settings.log.events_dir
+        return cls(snapshot_config, found_ctx, store, run_id or settings.run_id or env.run_id,
+                   events_dir, env.restart_count, preempt.current())
+
+
+def _storage_config(url: str, configured: StorageConfig) -> StorageConfig:
+    """``url`` with the configured storage settings; the configured storage options
+    only for the same kind of storage (S3 credentials mean nothing to a local path)."""
+    same_kind = _scheme(url) == _scheme(configured.url)
+    return configured.model_copy(update={
+        "url": url, "storage_options": configured.storage_options if same_kind else {}})
+
+
+def _scheme(url: str) -> str:
+    return url.split("://", 1)[0] if "://" in url else "file"

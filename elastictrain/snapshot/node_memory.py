@@ -1,0 +1,117 @@
+"""The node-memory tier as the manager runs it (``snapshot.memory_every``): this node's
+memory directory (snapshot/memory.py) and, on the node's local rank 0, the saver that
+writes it; what a restore learns from it; its removal when the run finished.
+
+A memory snapshot that fails is logged, never raised: durable storage is the truth,
+and training goes on with durable snapshots (``memory.Health`` says so once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+from elastictrain.config import SnapshotConfig
+from elastictrain.dist import DistContext
+from elastictrain.errors import ConfigError, SnapshotWriteFailed
+from elastictrain.log import get_logger
+from elastictrain.snapshot import memory, rescue
+from elastictrain.snapshot.commit import SnapshotMeta
+from elastictrain.snapshot.saver import Saver
+from elastictrain.snapshot.saver_interface import SaverSettings
+from elastictrain.storage import Store
+
+log = get_logger("elastictrain.snapshot")
+
+
+class NodeMemory:
+    """Opens this node's memory directory when ``memory_every`` is set.
+
+    Attributes:
+        tier: the directory, held; None without the tier or when the node's tmpfs
+            refused it (full): the run goes on with durable snapshots.
+        store: the tier's store (every rank reads it on restore), or None.
+        saver: its saver, on the node's local rank 0 only; else None.
+        taken_step: the step of the last memory snapshot this attempt took, or -1.
+
+    Raises:
+        ConfigError: ``memory_every`` is set for a sharded model (replicated state only).
+    """
+
+    def __init__(self, config: SnapshotConfig, run_id: str, durable: Store,
+                 ctx: DistContext, sharded: bool) -> None:
+        self._config, self._durable, self._ctx = config, durable, ctx
+        self.health = memory.Health()
+        self.tier: memory.MemoryTier | None = None
+        self.store: Store | None = None
+        self.saver: Saver | None = None
+        self.taken_step = -1
+        self._saved = False  # a memory save was started this attempt
+        self._open(run_id, sharded)
+
+    def _open(self, run_id: str, sharded: bool) -> None:
+        every = self._config.memory_every
+        if every is None:
+            return
+        if sharded:
+            raise ConfigError(
+                f"snapshot.memory_every={every}: the memory tier holds replicated (DDP) state "
+                "and this model is sharded; fix: unset snapshot.memory_every")
+        try:
+            self.tier = memory.open_memory_tier(self._config, run_id, self._durable,
+                                                sweep_idle=self._ctx.local_rank == 0)
+        except OSError as exc:  # the node's tmpfs is full: run on durable snapshots
+            self.health.failed("memory directory", exc)
+            return
+        self.store = self.tier.store
+        if self._ctx.local_rank == 0:
+            self.saver = Saver(self.tier.store, SaverSettings.for_memory(self._config),
+                               tier="memory")
+
+    def save(self, state: dict[str, Any], meta: SnapshotMeta, started: float,
+             defer: AbstractSet[int]) -> None:
+        """(local rank 0) Report how the last memory save ended, then start this one."""
+        if self.saver is None:
+            return
+        failure = self.saver.take_failure()
+        if failure is not None:
+            log.warning("snapshot.memory_failed", error=str(failure), tier="memory")
+            self.health.failed("memory snapshot", failure)
+        elif self._saved:  # the last one is done (the caller waited for it)
+            self.health.ok("memory snapshot")
+        self._saved = True
+        self.saver.save(state, meta, started, defer=defer)
+
+    def drop_newer(self, step: int | None) -> None:
+        """After every rank loaded ``step``: drop the newer memory snapshots."""
+        if self.saver is not None:
+            memory.drop_newer(self.saver.store, step)
+
+    def agree_outcome(self, loaded_memory_step: int | None) -> tuple[bool, bool] | None:
+        """Whether every node kept its memory tier since the last attempt, and whether
+        this restore resumes a rescue (None without a memory tier): what the failures
+        since then were (every rank calls it together)."""
+        if self.tier is None:
+            return None
+        marks = self.tier.boundary
+        rescued = (loaded_memory_step is not None
+                   and rescue.was_rescued(marks, loaded_memory_step))
+        lost = self._ctx.all_reduce_max([int(not self.tier.kept), int(not rescued)])
+        if self.saver is not None:  # every rank has read its node's mark
+            rescue.clear_marks(marks)
+        return not lost[0], not lost[1]
+
+    def close(self) -> None:
+        """The run finished: remove this node's memory snapshots (only here: after a
+        failure the restart needs them)."""
+        if self.saver is not None:
+            try:
+                self.saver.close()
+            except SnapshotWriteFailed as exc:  # durable storage holds the run's result
+                log.warning("snapshot.memory_failed", error=str(exc), tier="memory")
+            assert self.tier is not None
+            memory.remove_all(self.tier)
+        elif self.tier is not None:
+            self.tier.release()
+        elif "memory directory" in self.health.degraded and self._ctx.local_rank == 0:
+            memory.remove_if_ours(self._config, self._durable.url)

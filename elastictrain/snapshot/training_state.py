@@ -1,0 +1,171 @@
+"""The training loop's objects and position, as a snapshot holds them: what a save
+takes (``payload``, ``meta``) and what a restore applies (``apply``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastictrain.config import ChecksumAlgorithm
+from elastictrain.data import ElasticSampler, check_dataset_len
+from elastictrain.dist import DistContext
+from elastictrain.errors import ConfigError
+from elastictrain.snapshot.commit import SnapshotMeta
+from elastictrain.snapshot.onepass import InPlace
+from elastictrain.snapshot.rng import reseed_for_new_world, restore_rng
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module inside DDP / FSDP-style wrappers and ``torch.compile``."""
+    while True:
+        if hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+class TrainingState:
+    """Model, optimizer, scheduler, scaler and sampler, with the position: step, epoch
+    and the user's ``extras``.
+
+    Args:
+        ctx: this attempt's process group (its world size goes into every snapshot).
+        run_id, checksum: recorded in every snapshot's manifest.
+        saver_holds_model: the saver takes (and loads) model and optimizer state
+            itself; the payload holds the rest only.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any | None, scheduler: Any | None,
+                 scaler: Any | None, sampler: ElasticSampler | None, *, ctx: DistContext,
+                 run_id: str, checksum: ChecksumAlgorithm, saver_holds_model: bool) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.scheduler, self.scaler = scheduler, scaler
+        self.sampler = sampler
+        self.step = 0
+        self.extras: dict[str, Any] = {}
+        self._epoch = 0
+        self._ctx = ctx
+        self._run_id, self._checksum = run_id, checksum
+        self._saver_holds_model = saver_holds_model
+
+    @property
+    def epoch(self) -> int:
+        """The sampler owns the epoch when there is one (it orders the epoch's samples)."""
+        return self.sampler.epoch if self.sampler is not None else self._epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if self.sampler is not None:
+            self.sampler.set_epoch(value)
+        else:
+            self._epoch = value
+
+    # -- what a save takes ---------------------------------------------------------------
+    def payload(self, rng: list[dict[str, Any]]) -> dict[str, Any]:
+        """Everything to save (``rng``: every rank's RNG state), but model and optimizer
+        when the saver takes those itself."""
+        common = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "world_size": self._ctx.world_size,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "rng": rng,
+            "extras": dict(self.extras),
+        }
+        if self._saver_holds_model:
+            return {"format": 2, **common}
+        return {
+            "format": 1,
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            **common,
+        }
+
+    def meta(self) -> SnapshotMeta:
+        return SnapshotMeta(
+            run_id=self._run_id,
+            step=self.step,
+            epoch=self.epoch,
+            world_size=self._ctx.world_size,
+            checksum_algorithm=self._checksum,
+            dataset_len=self.sampler.dataset_len if self.sampler is not None else None,
+            global_batch_size=(self.sampler.global_batch if self.sampler is not None
+                               else None),
+        )
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's state tensors (none before its first step)."""
+        return [v for state in getattr(self.optimizer, "state", {}).values()
+                for v in state.values() if isinstance(v, torch.Tensor)]
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a snapshot holds (their version counters tell a rescue whether
+        the failed step changed any)."""
+        model = list(unwrap(self.model).state_dict(keep_vars=True).values())
+        return model + self.optimizer_tensors()
+
+    def step_changed_ptrs(self) -> frozenset[int]:
+        """``data_ptr()`` of what only the optimizer's step changes: parameters and
+        optimizer state (what a save may copy behind)."""
+        ptrs = {p.data_ptr() for p in unwrap(self.model).parameters()}
+        ptrs.update(t.data_ptr() for t in self.optimizer_tensors())
+        return frozenset(ptrs)
+
+    # -- what a restore applies ----------------------------------------------------------
+    def check_dataset(self, saved_state: dict[str, Any]) -> None:
+        """Refuse a snapshot of another dataset (ResumeMismatchError) before anything
+        is applied or trained."""
+        if self.sampler is not None:
+            saved = saved_state.get("sampler") or {}
+            check_dataset_len(self.sampler.dataset_len, saved.get("dataset_len"))
+
+    def in_place(self) -> InPlace:
+        """The model's tensors as targets a local restore reads straight into (the copy
+        ``load_state_dict`` would make, and fresh memory for it, saved); checks that
+        would refuse the snapshot run first, on its structure, so a refused resume
+        leaves the model as it was (docs/restore.md)."""
+        targets = {("model", key): tensor
+                   for key, tensor in unwrap(self.model).state_dict().items()}
+        return InPlace(targets, self.check_dataset)
+
+    def apply(self, payload: dict[str, Any]) -> str:
+        """Load ``payload`` into every object and take its position; returns the RNG
+        rule: ``restored`` (same world size) or ``reseeded``."""
+        names = ["scheduler", "scaler"]
+        if not self._saver_holds_model:
+            unwrap(self.model).load_state_dict(payload["model"])
+            names.insert(0, "optimizer")
+        for name in names:
+            target = getattr(self, name)
+            if target is not None and payload.get(name) is not None:
+                target.load_state_dict(payload[name])
+        if self.sampler is not None:
+            if payload.get("sampler") is None:
+                raise ConfigError("the snapshot has no sampler state but a sampler was given; "
+                                  "fix: resume with the same training script")
+            self.sampler.load_state_dict(payload["sampler"])
+            self.sampler.set_world(self._ctx.rank, self._ctx.world_size)
+        else:
+            self._epoch = int(payload["epoch"])
+        self.step = int(payload["step"])
+        self.extras = dict(payload.get("extras") or {})
+        rng_states = payload["rng"]
+        # RNG last: building the model and loading state may consume random numbers.
+        if len(rng_states) == self._ctx.world_size:
+            restore_rng(rng_states[self._ctx.rank])
+            return "restored"
+        reseed_for_new_world(rng_states[0], self.step, self._ctx.rank)
+        return "reseeded"
+
+    def resume_fields(self, payload: dict[str, Any], rng_rule: str) -> dict[str, Any]:
+        """Batch policy and RNG rule of a resume, for the ``resume`` event."""
+        fields: dict[str, Any] = {"rng": rng_rule}
+        if self.sampler is not None:
+            fields.update(self.sampler.resume_fields(payload["sampler"]))
+        return fields
