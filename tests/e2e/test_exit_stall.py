@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, events, pid_alive, started
+from tests.helpers import REPO, TRAIN_JOB, events, pid_alive, started
 
 pytestmark = pytest.mark.distributed
 
-JOB = str(REPO / "tests" / "e2e" / "exit_stall_job.py")
+JOB = str(TRAIN_JOB)
 EXIT_TIMEOUT_S = 4.0
 
 
@@ -28,7 +28,7 @@ def run_job(tmp_path: Path, mode: str, busy_s: float) -> tuple[int, Path, str]:
     ev = tmp_path / "ev"
     cmd = [sys.executable, "-m", "elastictrain.cli", "run", "--nproc-per-node=2",
            "--max-restarts=2", f"--log-dir={tmp_path / 'logs'}", JOB, str(tmp_path / "s"),
-           "10", mode, str(busy_s)]
+           "10", "--every=5", f"--exit-stall={mode}", f"--busy-s={busy_s}"]
     try:
         with started(cmd, tmp_path, "launcher.log", ELASTICTRAIN_LOG__EVENTS_DIR=str(ev),
                      ELASTICTRAIN_LAUNCH__EXIT_TIMEOUT_S=str(EXIT_TIMEOUT_S),

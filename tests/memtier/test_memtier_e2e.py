@@ -36,11 +36,13 @@ import pytest
 from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
-from tests.helpers import REPO, events, free_port, kill_session, pid_alive, wait_for
+from tests.helpers import REPO, TRAIN_JOB, events, free_port, kill_session, pid_alive, wait_for
 
 pytestmark = pytest.mark.distributed
 
-JOB = REPO / "tests" / "memtier" / "memtier_job.py"
+JOB = TRAIN_JOB
+# Its model and batch here; each step bit-exact from the step and the rank (--exact).
+JOB_OPTIONS = ("--model=mlp", "--width=32", "--batch=16", "--optimizer=adamw", "--exact")
 STEPS, EVERY, PARK = 30, 20, 25
 
 
@@ -54,13 +56,13 @@ class Agents:
 
     def start(self, name: str, root: Path, mem: Path, *, nproc: int = 1, nnodes: str = "1",
               endpoint: str = "127.0.0.1:0", is_host: int = 1, park: int = 0,
-              gates: Path | None = None, extra: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+              gates: Path | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
         ev = self.tmp_path / "ev" / name
         ev.mkdir(parents=True)
         spec = LaunchSpec(nproc_per_node=nproc, script=str(JOB), nnodes=nnodes, max_restarts=3,
-                          script_args=[str(root), str(STEPS), str(EVERY), str(park),
-                                       str(gates or self.tmp_path / "gates"),
-                                       *map(str, extra)],
+                          script_args=[str(root), str(STEPS), f"--every={EVERY}", f"--park={park}",
+                                       f"--gates={gates or self.tmp_path / 'gates'}",
+                                       "--memory-every=1", *JOB_OPTIONS, *extra],
                           rdzv_endpoint=endpoint, rdzv_id=f"memtier-{self.tmp_path.name}",
                           rdzv_conf=f"{DEFAULT_RDZV_CONF},is_host={is_host}",
                           log_dir=str(ev / "torchelastic"), events_dir=str(ev))
@@ -189,10 +191,11 @@ def test_lost_node_restores_from_durable(tmp_path: Path, agents: Agents) -> None
 @pytest.mark.timeout(600)
 def test_survivor_rescues_the_last_step_of_a_killed_worker(tmp_path: Path,
                                                            agents: Agents) -> None:
-    ref = agents.start("ref", tmp_path / "ref", tmp_path / "mem-ref", nproc=2, extra=(1000,))
+    ref = agents.start("ref", tmp_path / "ref", tmp_path / "mem-ref", nproc=2,
+                       extra=("--memory-every=1000",))
     assert ref.wait(timeout=300) == 0, _log(agents)
     run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2,
-                       extra=(1000, PARK + 1))
+                       extra=("--memory-every=1000", f"--die-in={PARK + 1}"))
     assert run.wait(timeout=300) == 0, _log(agents)
 
     ev = tmp_path / "ev" / "run"
@@ -210,7 +213,8 @@ def test_survivor_rescues_the_last_step_of_a_killed_worker(tmp_path: Path,
 @pytest.mark.timeout(600)
 def test_agent_waits_for_a_rescue_in_progress(tmp_path: Path, agents: Agents) -> None:
     run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2,
-                       extra=(1000, PARK + 1, 256))
+                       extra=("--memory-every=1000", f"--die-in={PARK + 1}",
+                              "--frozen-mb=256"))
     assert run.wait(timeout=300) == 0, _log(agents)
 
     _assert_rescue_waited_for(tmp_path / "ev" / "run")
@@ -222,7 +226,8 @@ def test_agent_waits_for_a_survivor_that_has_not_met_its_error(tmp_path: Path,
     """Rank 0 starts the backward that fails on its dead peer only once the agent has
     seen the death: without the armed mark, the agent stops it before it can rescue."""
     run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2,
-                       extra=(1000, PARK + 1, 0, 1))
+                       extra=("--memory-every=1000", f"--die-in={PARK + 1}",
+                              "--late-survivor"))
     assert run.wait(timeout=300) == 0, _log(agents)
     _assert_rescue_waited_for(tmp_path / "ev" / "run")
 
