@@ -101,6 +101,21 @@ def agents(tmp_path: Path) -> Iterator[Agents]:
         started.stop_all()
 
 
+@pytest.fixture(scope="module")
+def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The final parameters' digest of an uninterrupted two-worker run, shared by the
+    bit-exact checks: a run's parameters do not depend on its snapshot policy (this run
+    takes a memory snapshot every step, the rescue runs one every 1000 steps)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    agents = Agents(tmp)
+    try:
+        ref = agents.start("ref", tmp / "ref", tmp / "mem-ref", nproc=2)
+        assert ref.wait(timeout=300) == 0, _log(agents)
+        yield _digest(tmp / "ev" / "ref")
+    finally:
+        agents.stop_all()
+
+
 def _log(agents: Agents) -> str:
     return "\n".join((d / "launcher.log").read_text(errors="replace")[-3000:]
                      for d in agents.event_dirs)
@@ -123,9 +138,8 @@ def _wait_parked(gates: Path, ranks: int) -> dict[int, int]:
 
 
 @pytest.mark.timeout(600)
-def test_worker_kill_restores_from_memory_bit_exact(tmp_path: Path, agents: Agents) -> None:
-    ref = agents.start("ref", tmp_path / "ref", tmp_path / "mem-ref", nproc=2)
-    assert ref.wait(timeout=300) == 0, _log(agents)
+def test_worker_kill_restores_from_memory_bit_exact(tmp_path: Path, agents: Agents,
+                                                   reference_digest: str) -> None:
     gates = tmp_path / "gates"
     run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2, park=PARK,
                        gates=gates)
@@ -146,7 +160,7 @@ def test_worker_kill_restores_from_memory_bit_exact(tmp_path: Path, agents: Agen
         [(0, PARK, "memory"), (1, PARK, "memory")]
     loaded = [e for e in events(ev, "snapshot.loaded") if e["restart_count"] == 1]
     assert {e["tier"] for e in loaded} == {"memory"} and len(loaded) == 2
-    assert _digest(ev) == _digest(tmp_path / "ev" / "ref")  # bit-exact
+    assert _digest(ev) == reference_digest  # bit-exact
     assert not (tmp_path / "mem").exists()  # removed when the run finished
 
 
@@ -189,11 +203,8 @@ def test_lost_node_restores_from_durable(tmp_path: Path, agents: Agents) -> None
 
 
 @pytest.mark.timeout(600)
-def test_survivor_rescues_the_last_step_of_a_killed_worker(tmp_path: Path,
-                                                           agents: Agents) -> None:
-    ref = agents.start("ref", tmp_path / "ref", tmp_path / "mem-ref", nproc=2,
-                       extra=("--memory-every=1000",))
-    assert ref.wait(timeout=300) == 0, _log(agents)
+def test_survivor_rescues_the_last_step_of_a_killed_worker(tmp_path: Path, agents: Agents,
+                                                           reference_digest: str) -> None:
     run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2,
                        extra=("--memory-every=1000", f"--die-in={PARK + 1}"))
     assert run.wait(timeout=300) == 0, _log(agents)
@@ -206,7 +217,7 @@ def test_survivor_rescues_the_last_step_of_a_killed_worker(tmp_path: Path,
     assert sorted((e["rank"], e["from_step"], e["tier"]) for e in resumes) == \
         [(0, PARK, "memory"), (1, PARK, "memory")]  # not durable step 20
     assert {e["rescued"] for e in resumes} == {True}
-    assert _digest(ev) == _digest(tmp_path / "ev" / "ref")  # bit-exact
+    assert _digest(ev) == reference_digest  # bit-exact
     assert not (tmp_path / "mem").exists()  # removed when the run finished
 
 
