@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import run_cli
+
+pytestmark = pytest.mark.distributed  # the demo under elastictrain run
 
 
 def processes_mentioning(path: Path) -> list[int]:

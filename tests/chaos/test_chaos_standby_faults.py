@@ -27,6 +27,7 @@ def test_standby_kinds_parse_and_leave_the_default_draws_alone() -> None:
     assert drawn == {"standby_stop", "standby_kill"}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["standby_stop", "standby_kill"])
 def test_the_fault_leaves_the_next_spawn_to_popen_and_no_worker_behind(
         tmp_path: Path, kind: str) -> None:

@@ -132,6 +132,7 @@ def _requeued(tmp_path: Path, job: str, env: dict[str, str], exit_code: int) -> 
 
 
 @pytest.mark.parametrize("signal_to", ["step", "batch"])
+@pytest.mark.distributed  # sbatch, srun, elastictrain run
 def test_usr1_gives_final_snapshot_exit_75_requeue_and_resume_without_loss(
         tmp_path: Path, slurm: dict[str, str], signal_to: str) -> None:
     env = _env(tmp_path, slurm)
@@ -166,6 +167,7 @@ def test_usr1_gives_final_snapshot_exit_75_requeue_and_resume_without_loss(
     assert report.pending_s > 0
 
 
+@pytest.mark.distributed  # sbatch, srun, elastictrain run
 def test_notice_while_the_store_fails_exits_76_is_requeued_and_resumes_from_the_last_commit(
         tmp_path: Path, slurm: dict[str, str]) -> None:
     switch = tmp_path / "fail-switch"  # tests/train_job.py: writes fail while it exists
@@ -198,6 +200,7 @@ def test_notice_while_the_store_fails_exits_76_is_requeued_and_resumes_from_the_
     assert resumes[1]["from_step"] == newest  # the snapshot before the failed one
 
 
+@pytest.mark.distributed  # sbatch, srun, elastictrain run
 def test_config_error_exits_78_and_is_not_requeued(tmp_path: Path, slurm: dict[str, str]) -> None:
     env = _env(tmp_path, slurm, ELASTICTRAIN_SNAPSHOT__KEEP="0")
     job = _submit(tmp_path, env, *_demo_args(tmp_path))
