@@ -19,6 +19,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# The training job of the end-to-end tests (one loop, options per test).
+TRAIN_JOB = REPO / "tests" / "train_job.py"
+# It as docs/faults.md runs it: a 1024-wide layer, storage faults switched by environment
+# (FAULTS_JOB_*), a final snapshot; the snapshot policy from ELASTICTRAIN_*.
+FAULTS_JOB_OPTIONS = ("--width=1024", "--store=faults", "--final-save")
 
 
 def free_port() -> int:

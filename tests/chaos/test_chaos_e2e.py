@@ -7,7 +7,11 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import run_cli
+
+pytestmark = pytest.mark.distributed  # the demo under elastictrain run
 
 
 def processes_mentioning(path: Path) -> list[int]:

@@ -34,6 +34,7 @@ def test_standby_kinds_parse_and_leave_the_default_draws_alone() -> None:
     assert drawn == {"standby_stop", "standby_kill"}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["standby_stop", "standby_kill"])
 def test_the_fault_leaves_the_next_spawn_to_popen_and_no_worker_behind(
         tmp_path: Path, kind: str) -> None:
@@ -70,6 +71,7 @@ def test_pid_recycling_is_arranged_only_in_a_pid_namespace_of_its_own() -> None:
     assert recycle_pid(os.getpid()).startswith("pid recycling not arranged")
 
 
+@pytest.mark.processes
 def test_a_pid_namespace_of_our_own_is_recognised_with_its_own_proc(tmp_path: Path) -> None:
     if in_child_pid_namespace():
         pytest.skip("already in a PID namespace")

@@ -94,6 +94,7 @@ def test_nothing_may_be_lost_after_a_preemption_exit() -> None:
     assert checks.check_lost_steps(events, 10, [1, 0], [0.0, 10.0]) is None  # not a notice
 
 
+@pytest.mark.processes
 def test_a_process_left_behind_is_found_by_its_marker(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],

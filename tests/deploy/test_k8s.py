@@ -148,6 +148,7 @@ def test_dockerfile_builds_the_image_the_recipes_name() -> None:
     assert os.access(ENTRYPOINT, os.X_OK)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("code", "expected"), [(75, 138), (76, 138), (78, 78), (1, 1),
                                                 (0, 0)])
 def test_entrypoint_maps_both_preempted_codes_and_passes_the_rest(code: int,
@@ -178,6 +179,7 @@ def _local_command(container: dict[str, Any], storage: Path) -> list[str]:
     return [*out, "--snapshot-every=10"]
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
                     reason="needs unshare and root for a PID namespace")
 @pytest.mark.parametrize(("manifest", "expected"), [("pytorchjob", 138), ("jobset", 75)])

@@ -19,7 +19,15 @@ from typing import Any
 import pytest
 
 from elastictrain.goodput import compute_goodput
-from tests.helpers import REPO, child_env, events, free_port, wait_for
+from tests.helpers import (
+    FAULTS_JOB_OPTIONS,
+    REPO,
+    TRAIN_JOB,
+    child_env,
+    events,
+    free_port,
+    wait_for,
+)
 
 SLURM_BINARIES = ("sbatch", "scontrol", "slurmctld", "slurmd", "munged")
 _MISSING = [b for b in SLURM_BINARIES if shutil.which(b) is None]
@@ -124,6 +132,7 @@ def _requeued(tmp_path: Path, job: str, env: dict[str, str], exit_code: int) -> 
 
 
 @pytest.mark.parametrize("signal_to", ["step", "batch"])
+@pytest.mark.distributed  # sbatch, srun, elastictrain run
 def test_usr1_gives_final_snapshot_exit_75_requeue_and_resume_without_loss(
         tmp_path: Path, slurm: dict[str, str], signal_to: str) -> None:
     env = _env(tmp_path, slurm)
@@ -158,14 +167,15 @@ def test_usr1_gives_final_snapshot_exit_75_requeue_and_resume_without_loss(
     assert report.pending_s > 0
 
 
+@pytest.mark.distributed  # sbatch, srun, elastictrain run
 def test_notice_while_the_store_fails_exits_76_is_requeued_and_resumes_from_the_last_commit(
         tmp_path: Path, slurm: dict[str, str]) -> None:
-    switch = tmp_path / "fail-switch"  # tests/e2e/faults_job.py: writes fail while it exists
+    switch = tmp_path / "fail-switch"  # tests/train_job.py: writes fail while it exists
     env = _env(tmp_path, slurm, FAULTS_JOB_FAIL_WHILE=str(switch), FAULTS_JOB_STEP_S="0.02",
                ELASTICTRAIN_SNAPSHOT__EVERY_STEPS="20",
                ELASTICTRAIN_SNAPSHOT__RETRY_BACKOFF_S="0.5")
-    job = _submit(tmp_path, env, str(REPO / "tests" / "e2e" / "faults_job.py"),
-                  str(tmp_path / "run"), "300")
+    job = _submit(tmp_path, env, str(TRAIN_JOB), str(tmp_path / "run"),
+                  "300", *FAULTS_JOB_OPTIONS)
 
     def committed() -> list[int]:
         return [e["snapshot_step"] for e in _events(tmp_path, job, "snapshot.committed")
@@ -190,6 +200,7 @@ def test_notice_while_the_store_fails_exits_76_is_requeued_and_resumes_from_the_
     assert resumes[1]["from_step"] == newest  # the snapshot before the failed one
 
 
+@pytest.mark.distributed  # sbatch, srun, elastictrain run
 def test_config_error_exits_78_and_is_not_requeued(tmp_path: Path, slurm: dict[str, str]) -> None:
     env = _env(tmp_path, slurm, ELASTICTRAIN_SNAPSHOT__KEEP="0")
     job = _submit(tmp_path, env, *_demo_args(tmp_path))

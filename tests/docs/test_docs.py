@@ -104,6 +104,7 @@ def test_ci_runs_the_readme_commands_read_from_the_readme() -> None:
     assert "elastictrain demo" in commands[0] and "python -m pytest" in commands[1]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("args", [["--help"], ["status", "--help"], ["demo", "--help"]])
 def test_help_runs_and_has_no_internal_markup(args: list[str], tmp_path: Path) -> None:
     result = run_cli(args, tmp_path, timeout=60)
@@ -112,6 +113,7 @@ def test_help_runs_and_has_no_internal_markup(args: list[str], tmp_path: Path) -
     assert "``" not in result.stdout
 
 
+@pytest.mark.processes
 def test_snapshots_list_and_status_run_on_an_empty_run(tmp_path: Path) -> None:
     listed = run_cli(["snapshots", "list", str(tmp_path), "--json"], tmp_path, timeout=60)
     assert listed.returncode == 0, listed.stderr

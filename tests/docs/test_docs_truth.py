@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import re
 import types
 import typing
@@ -206,7 +207,8 @@ DYNAMIC_EVENTS = {
 }
 
 
-def emitted_events() -> set[str]:
+@functools.cache  # the package's sources do not change during a test session
+def emitted_events() -> frozenset[str]:
     """Every event name the package logs: literal first arguments of log calls (both
     branches of a conditional), and the names given to ``dist.deadline``."""
     names: set[str] = set()
@@ -229,7 +231,7 @@ def emitted_events() -> set[str]:
                     key = (path.name, ast.unparse(option))
                     assert key in DYNAMIC_EVENTS, \
                         f"{path}:{node.lineno} logs a computed event name: teach this test"
-    return names
+    return frozenset(names)
 
 
 def test_events_are_found() -> None:

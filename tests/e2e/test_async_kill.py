@@ -19,7 +19,7 @@ from elastictrain.snapshot import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
 from tests.fault_stores import read_journal
-from tests.helpers import REPO, events, pid_alive, started, wait_for
+from tests.helpers import REPO, TRAIN_JOB, events, pid_alive, started, wait_for
 
 pytestmark = pytest.mark.distributed
 
@@ -36,7 +36,9 @@ def test_kill_during_background_persist_commits_nothing(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            "--max-restarts=1", "--monitor-interval=0.1", "--rdzv-backend=c10d",
            "--rdzv-endpoint=127.0.0.1:0", f"--log-dir={tmp_path / 'logs'}",
-           str(REPO / "tests" / "e2e" / "async_kill_job.py"), str(root), str(journal), str(gate)]
+           str(TRAIN_JOB), str(root), "30", "--every=10",
+           "--persister=process", "--width=32", "--batch=8", "--optimizer=adamw",
+           "--store", "gated", str(journal), str(gate)]
     with started(cmd, tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                  ELASTICTRAIN_LOG__EVENTS_DIR=str(ev), PYTHONPATH=str(REPO)) as proc:
         wait_for(lambda: [e for e in events(ev, "snapshot.staged") if e["snapshot_step"] == 20],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,12 +39,12 @@ def test_kill_resumes_from_last_committed_step(tmp_path: Path) -> None:
     assert goodput["lost_work_s"] == goodput["split"]["seconds"]["lost_work"] > 0
 
 
-def test_kills_do_not_change_the_result(tmp_path: Path) -> None:
+def test_kills_do_not_change_the_result(tmp_path: Path, two_kills_demo: dict[str, Any]
+                                        ) -> None:
     """Two kills (one of the writer), across an epoch boundary (~73 steps/epoch),
     give bit-identical parameters to an uninterrupted run."""
     clean = run_demo_json(tmp_path, f"--storage={tmp_path / 'a'}", "--steps=100", "--seed=3")
-    killed = run_demo_json(tmp_path, f"--storage={tmp_path / 'b'}", "--steps=100", "--seed=3",
-                           "--kill-at=40", "--kill-at=80")
+    killed = two_kills_demo
     assert killed["restarts"] == 2 and killed["resumed_from"] == [None, 25, 75]
     assert killed["param_digest"] == clean["param_digest"]
     assert killed["final_loss"] == clean["final_loss"]

@@ -25,9 +25,11 @@ def job_env(tmp_path: Path) -> dict[str, str]:
     return {"ELASTICTRAIN_LOG__EVENTS_DIR": str(tmp_path / "ev"), "PYTHONPATH": str(REPO)}
 
 
-@pytest.mark.parametrize("error", ["ConfigError", "ResumeMismatchError",
-                                   "StoragePermissionError"])
-def test_fatal_worker_error_stops_the_run_with_78(tmp_path: Path, error: str) -> None:
+def test_fatal_worker_error_stops_the_run_with_78(tmp_path: Path) -> None:
+    """One fatal error class end to end: that every fatal class (ConfigError,
+    ResumeMismatchError, StoragePermissionError) exits 78 with its worker.error event is
+    tests/unit/test_exit_hook.py's; here the agent stops the run on that 78."""
+    error = "StoragePermissionError"
     result = run_cli(["run", "--nproc-per-node=2", "--max-restarts=3",
                       f"--log-dir={tmp_path / 'logs'}", JOB, str(tmp_path / "s"), error],
                      tmp_path, timeout=240, **job_env(tmp_path))

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, events, pid_alive, started, wait_for
+from tests.helpers import REPO, TRAIN_JOB, events, pid_alive, started, wait_for
 
 pytestmark = pytest.mark.distributed
 
-JOB = str(REPO / "tests" / "e2e" / "exit_stall_job.py")
+JOB = str(TRAIN_JOB)
 EXIT_TIMEOUT_S = 4.0
 
 
@@ -30,7 +30,7 @@ def run_job(tmp_path: Path, mode: str, busy_s: float) -> tuple[int, Path, str]:
     ev = tmp_path / "ev"
     cmd = [sys.executable, "-m", "elastictrain.cli", "run", "--nproc-per-node=2",
            "--max-restarts=2", f"--log-dir={tmp_path / 'logs'}", JOB, str(tmp_path / "s"),
-           "10", mode, str(busy_s)]
+           "10", "--every=5", f"--exit-stall={mode}", f"--busy-s={busy_s}"]
     try:
         with started(cmd, tmp_path, "launcher.log", ELASTICTRAIN_LOG__EVENTS_DIR=str(ev),
                      ELASTICTRAIN_LAUNCH__EXIT_TIMEOUT_S=str(EXIT_TIMEOUT_S),
@@ -75,7 +75,7 @@ def test_a_notice_after_the_agreed_end_leaves_a_finished_run(tmp_path: Path) -> 
     ev = tmp_path / "ev"
     cmd = [sys.executable, "-m", "elastictrain.cli", "run", "--nproc-per-node=2",
            "--max-restarts=2", f"--log-dir={tmp_path / 'logs'}", JOB, str(tmp_path / "s"),
-           "10", "busy", "600"]
+           "10", "--every=5", "--exit-stall=busy", "--busy-s=600"]
     try:
         with started(cmd, tmp_path, "launcher.log", ELASTICTRAIN_LOG__EVENTS_DIR=str(ev),
                      PYTHONPATH=str(REPO)) as launcher:

@@ -14,21 +14,21 @@ import pytest
 
 from elastictrain.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
 from tests.e2e.test_preemption import LAUNCH_TIMEOUT, Job, assert_preempted_unsaved
-from tests.helpers import REPO, wait_for
+from tests.helpers import FAULTS_JOB_OPTIONS, TRAIN_JOB, wait_for
 
 pytestmark = pytest.mark.distributed
 
-JOB = REPO / "tests" / "e2e" / "faults_job.py"
+JOB = TRAIN_JOB
 
 
 class FaultsJob(Job):
-    """tests/e2e/faults_job.py under `elastictrain run`, configured by environment only."""
+    """tests/train_job.py under `elastictrain run`, configured by environment only."""
 
     entrypoint = JOB.name
 
     def argv(self, steps: int, *extra: str) -> list[str]:
         return ["--nproc-per-node=2", "--max-restarts=0", f"--log-dir={self.tmp / 'logs'}",
-                str(JOB), str(self.storage), str(steps), *extra]
+                str(JOB), str(self.storage), str(steps), *FAULTS_JOB_OPTIONS, *extra]
 
     def resumed_from(self) -> int:
         resume = [e for e in self.of("resume", rank=0) if e.get("from_step") is not None]

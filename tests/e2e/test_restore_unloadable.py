@@ -16,7 +16,7 @@ import pytest
 from elastictrain.errors import EXIT_FATAL
 from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
-from tests.helpers import REPO, events, started
+from tests.helpers import REPO, TRAIN_JOB, events, started
 from tests.planted import plant_snapshot
 
 pytestmark = pytest.mark.distributed
@@ -26,7 +26,7 @@ def torchrun(tmp_path: Path, name: str, *args: str) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            "--max-restarts=0", "--monitor-interval=0.1", "--rdzv-backend=c10d",
            "--rdzv-endpoint=127.0.0.1:0", f"--log-dir={tmp_path / name}",
-           str(REPO / "tests" / "e2e" / "restore_job.py"), *args]
+           str(TRAIN_JOB), *args, "--every=5"]
     with started(cmd, tmp_path, f"{name}.log", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                  ELASTICTRAIN_LOG__EVENTS_DIR=str(tmp_path / name / "ev"),
                  PYTHONPATH=str(REPO)) as proc:

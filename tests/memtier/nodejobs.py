@@ -1,4 +1,4 @@
-"""Real one-process jobs (tests/memtier/node_job.py) for the node-memory tier's tests:
+"""Real one-process jobs (tests/train_job.py --say --stdin) for the node-memory tier's tests:
 started in their own session, talked to through pipes (no sleeps), stopped by PID."""
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, child_env, kill_session
+from tests.helpers import REPO, TRAIN_JOB, child_env, kill_session
 
-JOB = REPO / "tests" / "memtier" / "node_job.py"
+JOB = TRAIN_JOB
+# One process, its own model per storage, memory every step, durable every 100; it says
+# where it restored from and parks on stdin.
+JOB_OPTIONS = ("--seed=root", "--lr=0.1", "--every=100", "--memory-every=1", "--say", "--stdin")
 LINE_TIMEOUT_S = 120.0
 
 
@@ -89,7 +92,7 @@ class Jobs:
 
     def start(self, root: Path, steps: int, park: int = 0, user: str | None = None,
               cwd: Path | None = None, **env: str) -> Job:
-        cmd = [sys.executable, str(JOB), str(root), str(steps), str(park)]
+        cmd = [sys.executable, str(JOB), str(root), str(steps), f"--park={park}", *JOB_OPTIONS]
         if user is not None:
             cmd = as_user_seeing(user, [Path(sys.executable), Path(sys.prefix), REPO], cmd)
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

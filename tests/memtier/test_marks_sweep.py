@@ -38,6 +38,7 @@ def _launcher_holding_marks(shm: Path) -> tuple[subprocess.Popen[str], Path]:
     return proc, Path(proc.stdout.readline().strip())
 
 
+@pytest.mark.processes
 def test_marks_of_a_killed_launcher_go_with_the_next_launch(shm: Path) -> None:
     killed, left = _launcher_holding_marks(shm)
     running, kept = _launcher_holding_marks(shm)

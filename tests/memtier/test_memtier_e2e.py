@@ -36,11 +36,13 @@ import pytest
 from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
-from tests.helpers import REPO, events, free_port, kill_session, pid_alive, wait_for
+from tests.helpers import REPO, TRAIN_JOB, events, free_port, kill_session, pid_alive, wait_for
 
 pytestmark = pytest.mark.distributed
 
-JOB = REPO / "tests" / "memtier" / "memtier_job.py"
+JOB = TRAIN_JOB
+# Its model and batch here; each step bit-exact from the step and the rank (--exact).
+JOB_OPTIONS = ("--model=mlp", "--width=32", "--batch=16", "--optimizer=adamw", "--exact")
 STEPS, EVERY, PARK = 30, 20, 25
 
 
@@ -54,13 +56,13 @@ class Agents:
 
     def start(self, name: str, root: Path, mem: Path, *, nproc: int = 1, nnodes: str = "1",
               endpoint: str = "127.0.0.1:0", is_host: int = 1, park: int = 0,
-              gates: Path | None = None, extra: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+              gates: Path | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
         ev = self.tmp_path / "ev" / name
         ev.mkdir(parents=True)
         spec = LaunchSpec(nproc_per_node=nproc, script=str(JOB), nnodes=nnodes, max_restarts=3,
-                          script_args=[str(root), str(STEPS), str(EVERY), str(park),
-                                       str(gates or self.tmp_path / "gates"),
-                                       *map(str, extra)],
+                          script_args=[str(root), str(STEPS), f"--every={EVERY}", f"--park={park}",
+                                       f"--gates={gates or self.tmp_path / 'gates'}",
+                                       "--memory-every=1", *JOB_OPTIONS, *extra],
                           rdzv_endpoint=endpoint, rdzv_id=f"memtier-{self.tmp_path.name}",
                           rdzv_conf=f"{DEFAULT_RDZV_CONF},is_host={is_host}",
                           log_dir=str(ev / "torchelastic"), events_dir=str(ev))
@@ -99,6 +101,21 @@ def agents(tmp_path: Path) -> Iterator[Agents]:
         started.stop_all()
 
 
+@pytest.fixture(scope="module")
+def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The final parameters' digest of an uninterrupted two-worker run, shared by the
+    bit-exact checks: a run's parameters do not depend on its snapshot policy (this run
+    takes a memory snapshot every step, the rescue runs one every 1000 steps)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    agents = Agents(tmp)
+    try:
+        ref = agents.start("ref", tmp / "ref", tmp / "mem-ref", nproc=2)
+        assert ref.wait(timeout=300) == 0, _log(agents)
+        yield _digest(tmp / "ev" / "ref")
+    finally:
+        agents.stop_all()
+
+
 def _log(agents: Agents) -> str:
     return "\n".join((d / "launcher.log").read_text(errors="replace")[-3000:]
                      for d in agents.event_dirs)
@@ -121,9 +138,8 @@ def _wait_parked(gates: Path, ranks: int) -> dict[int, int]:
 
 
 @pytest.mark.timeout(600)
-def test_worker_kill_restores_from_memory_bit_exact(tmp_path: Path, agents: Agents) -> None:
-    ref = agents.start("ref", tmp_path / "ref", tmp_path / "mem-ref", nproc=2)
-    assert ref.wait(timeout=300) == 0, _log(agents)
+def test_worker_kill_restores_from_memory_bit_exact(tmp_path: Path, agents: Agents,
+                                                   reference_digest: str) -> None:
     gates = tmp_path / "gates"
     run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2, park=PARK,
                        gates=gates)
@@ -144,7 +160,7 @@ def test_worker_kill_restores_from_memory_bit_exact(tmp_path: Path, agents: Agen
         [(0, PARK, "memory"), (1, PARK, "memory")]
     loaded = [e for e in events(ev, "snapshot.loaded") if e["restart_count"] == 1]
     assert {e["tier"] for e in loaded} == {"memory"} and len(loaded) == 2
-    assert _digest(ev) == _digest(tmp_path / "ev" / "ref")  # bit-exact
+    assert _digest(ev) == reference_digest  # bit-exact
     assert not (tmp_path / "mem").exists()  # removed when the run finished
 
 
@@ -187,12 +203,10 @@ def test_lost_node_restores_from_durable(tmp_path: Path, agents: Agents) -> None
 
 
 @pytest.mark.timeout(600)
-def test_survivor_rescues_the_last_step_of_a_killed_worker(tmp_path: Path,
-                                                           agents: Agents) -> None:
-    ref = agents.start("ref", tmp_path / "ref", tmp_path / "mem-ref", nproc=2, extra=(1000,))
-    assert ref.wait(timeout=300) == 0, _log(agents)
+def test_survivor_rescues_the_last_step_of_a_killed_worker(tmp_path: Path, agents: Agents,
+                                                           reference_digest: str) -> None:
     run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2,
-                       extra=(1000, PARK + 1))
+                       extra=("--memory-every=1000", f"--die-in={PARK + 1}"))
     assert run.wait(timeout=300) == 0, _log(agents)
 
     ev = tmp_path / "ev" / "run"
@@ -203,14 +217,15 @@ def test_survivor_rescues_the_last_step_of_a_killed_worker(tmp_path: Path,
     assert sorted((e["rank"], e["from_step"], e["tier"]) for e in resumes) == \
         [(0, PARK, "memory"), (1, PARK, "memory")]  # not durable step 20
     assert {e["rescued"] for e in resumes} == {True}
-    assert _digest(ev) == _digest(tmp_path / "ev" / "ref")  # bit-exact
+    assert _digest(ev) == reference_digest  # bit-exact
     assert not (tmp_path / "mem").exists()  # removed when the run finished
 
 
 @pytest.mark.timeout(600)
 def test_agent_waits_for_a_rescue_in_progress(tmp_path: Path, agents: Agents) -> None:
     run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2,
-                       extra=(1000, PARK + 1, 256))
+                       extra=("--memory-every=1000", f"--die-in={PARK + 1}",
+                              "--frozen-mb=256"))
     assert run.wait(timeout=300) == 0, _log(agents)
 
     _assert_rescue_waited_for(tmp_path / "ev" / "run")
@@ -222,7 +237,8 @@ def test_agent_waits_for_a_survivor_that_has_not_met_its_error(tmp_path: Path,
     """Rank 0 starts the backward that fails on its dead peer only once the agent has
     seen the death: without the armed mark, the agent stops it before it can rescue."""
     run = agents.start("run", tmp_path / "run", tmp_path / "mem", nproc=2,
-                       extra=(1000, PARK + 1, 0, 1))
+                       extra=("--memory-every=1000", f"--die-in={PARK + 1}",
+                              "--late-survivor"))
     assert run.wait(timeout=300) == 0, _log(agents)
     _assert_rescue_waited_for(tmp_path / "ev" / "run")
 

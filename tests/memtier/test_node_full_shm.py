@@ -44,6 +44,7 @@ def fill(path: Path) -> None:
                 assert exc.errno == errno.ENOSPC
 
 
+@pytest.mark.processes
 def test_full_memory_dir_degrades_and_recovers(tmp_path: Path, small_tmpfs: Path,
                                                request: pytest.FixtureRequest) -> None:
     parts = build(str(tmp_path / "run"), memory_every=1, memory_dir=str(small_tmpfs / "mem"))

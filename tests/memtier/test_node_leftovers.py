@@ -13,9 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from elastictrain.shm import LOCK
 from tests.helpers import kill_session
 from tests.memtier.nodejobs import Jobs, jobs, shm
+
+pytestmark = pytest.mark.processes
 
 __all__ = ["jobs", "shm"]
 

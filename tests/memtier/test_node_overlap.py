@@ -10,6 +10,8 @@ import pytest
 
 from tests.memtier.nodejobs import Jobs, jobs, shm
 
+pytestmark = pytest.mark.processes
+
 __all__ = ["jobs", "shm"]
 
 

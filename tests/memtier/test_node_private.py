@@ -34,6 +34,7 @@ def as_other(*cmd: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(["runuser", "-u", OTHER, "--", *cmd], capture_output=True)
 
 
+@pytest.mark.processes
 def test_memory_files_are_private_to_the_user(tmp_path: Path, jobs: Jobs) -> None:
     memory_dir = jobs.shm / "mine"
     job = jobs.start(tmp_path / "run", steps=4, park=3,
@@ -53,6 +54,7 @@ def test_memory_files_are_private_to_the_user(tmp_path: Path, jobs: Jobs) -> Non
     assert job.finish() == 0
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("plant", ["symlink", "others_dir"])
 def test_a_planted_memory_dir_is_refused(tmp_path: Path, jobs: Jobs, plant: str) -> None:
     victim = tmp_path / "victim"  # say, another run's durable root
@@ -71,6 +73,7 @@ def test_a_planted_memory_dir_is_refused(tmp_path: Path, jobs: Jobs, plant: str)
         assert os.listdir(memory_dir) == []
 
 
+@pytest.mark.processes
 def test_another_users_planted_root_is_refused(tmp_path: Path,
                                                                 jobs: Jobs) -> None:
     # The other user planted this user's default root: refused, nothing written there.
@@ -82,6 +85,7 @@ def test_another_users_planted_root_is_refused(tmp_path: Path,
     assert os.listdir(planted) == []
 
 
+@pytest.mark.processes
 def test_one_users_memory_root_never_blocks_anothers(tmp_path: Path, jobs: Jobs) -> None:
     mine = jobs.start(tmp_path / "run", steps=3, park=2)
     assert mine.line()["memory_dir"].startswith(str(jobs.shm / f"elastictrain-{os.geteuid()}"))

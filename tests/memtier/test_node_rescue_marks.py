@@ -15,6 +15,8 @@ from elastictrain.rescue_marks import rescuing_pids
 from elastictrain.snapshot import rescue
 from tests.helpers import REPO, child_env, kill_session
 
+pytestmark = pytest.mark.processes
+
 JOB = REPO / "tests" / "memtier" / "rescue_wait_job.py"
 ATTEMPT = (1, 0, -1)  # one process, first attempt, fresh start
 

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from elastictrain.snapshot import layout
 from tests.memtier.nodejobs import Jobs, jobs, shm
+
+pytestmark = pytest.mark.processes
 
 __all__ = ["jobs", "shm"]
 

@@ -144,6 +144,7 @@ def probe(s3: S3Bucket, tmp_path: Path, how: str) -> dict[str, int]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
+@pytest.mark.processes
 def test_restore_holds_about_one_copy_of_the_state(s3: S3Bucket, tmp_path: Path) -> None:
     """48 MB on S3: restore's peak RSS growth is at most 1.2x the state plus a bounded
     buffer (reads of 8 MiB through a 1 MiB read-ahead: about 24 MB at any size);

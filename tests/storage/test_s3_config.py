@@ -67,6 +67,7 @@ def _committed_snapshot(s3: S3Bucket) -> None:
     persist_snapshot(store, {"w": torch.ones(8)}, meta)
 
 
+@pytest.mark.processes
 @pytest.mark.s3
 @pytest.mark.parametrize("route", ["elastictrain env", "FSSPEC_S3 json", "FSSPEC_S3_* vars",
                                    "--storage-options"])
@@ -94,6 +95,7 @@ def test_cli_reaches_s3_by_every_configuration_route(s3: S3Bucket, tmp_path: Pat
     assert [(r["step"], r["status"]) for r in json.loads(verified.stdout)] == [(7, "ok")]
 
 
+@pytest.mark.processes
 @pytest.mark.s3
 def test_no_credentials_anywhere_is_a_clear_error(s3: S3Bucket, tmp_path: Path) -> None:
     nowhere = str(tmp_path / "none")

@@ -146,6 +146,7 @@ def _memory_probe(s3: S3Bucket, tmp_path: Path, state_mb: int, part_mb: int,
     return out
 
 
+@pytest.mark.processes
 def test_memory_holds_a_few_parts_not_a_second_copy(s3: S3Bucket, tmp_path: Path) -> None:
     """Persisting a 48 MB state as a multipart upload holds at most concurrency + 1 parts
     of Python memory (each part in flight, the part being filled): the HTTP client
@@ -158,6 +159,7 @@ def test_memory_holds_a_few_parts_not_a_second_copy(s3: S3Bucket, tmp_path: Path
     assert out["etag"].endswith(f'-{-(-out["state_bytes"] // (part_mb * MIB))}"')
 
 
+@pytest.mark.processes
 def test_one_put_holds_the_serialised_state_once(s3: S3Bucket, tmp_path: Path) -> None:
     """A state below the multipart threshold goes up in one PUT from the one buffer it
     was serialised into: no second copy by the HTTP client (peak <= 1.1x the state)."""

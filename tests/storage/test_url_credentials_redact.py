@@ -36,6 +36,7 @@ def test_store_refuses_credentials_in_url_without_echoing_them(url: str) -> None
     assert "\n" not in message and url in message and "storage_options" in message
 
 
+@pytest.mark.processes
 @pytest.mark.s3
 @pytest.mark.parametrize(("command", "code"), [
     (["snapshots", "list"], EXIT_USAGE),

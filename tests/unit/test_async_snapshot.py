@@ -62,6 +62,7 @@ def named(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [e for e in logs if e["event"] == name]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("persister", ["sync", *ASYNC])
 def test_resume_is_bit_exact_with_every_persister(tmp_path: Path, persister: str) -> None:
     *ref, ref_snap = make(str(tmp_path / "ref"), persister, every_steps=5)
@@ -79,6 +80,7 @@ def test_resume_is_bit_exact_with_every_persister(tmp_path: Path, persister: str
         assert torch.equal(a, b)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("persister", ASYNC)
 def test_failed_persist_is_retried_and_later_saves_succeed(tmp_path: Path,
                                                            persister: str) -> None:
@@ -97,6 +99,7 @@ def test_failed_persist_is_retried_and_later_saves_succeed(tmp_path: Path,
     assert list_snapshot_dirs(store) == [9, 6, 3]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("persister", ASYNC)
 def test_consecutive_failures_raise_at_the_next_save_once(tmp_path: Path,
                                                           persister: str) -> None:
@@ -129,6 +132,7 @@ def _stack_of(thread: threading.Thread) -> str:
     return "".join(traceback.format_stack(frame)) if frame is not None else ""
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("persister", ASYNC)
 def test_backpressure_keeps_one_save_in_flight(tmp_path: Path, persister: str) -> None:
     journal, gate = tmp_path / "journal", tmp_path / "gate"
@@ -153,6 +157,7 @@ def test_backpressure_keeps_one_save_in_flight(tmp_path: Path, persister: str) -
     assert order.index(("snapshot.committed", 2)) < order.index(("snapshot.staged", 4))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("persister", ASYNC)
 def test_close_waits_for_the_save_in_flight(tmp_path: Path, persister: str) -> None:
     journal, gate = tmp_path / "journal", tmp_path / "gate"
@@ -309,6 +314,7 @@ snap.step().wait()  # stalls mid-payload until the gate opens, which never happe
 """
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
 def test_persister_process_dies_with_its_worker(tmp_path: Path) -> None:
     root, journal, gate = tmp_path / "run", tmp_path / "journal", tmp_path / "gate"
@@ -330,6 +336,7 @@ def test_persister_process_dies_with_its_worker(tmp_path: Path) -> None:
         kill_session(proc)
 
 
+@pytest.mark.processes
 def test_closing_the_process_persister_never_takes_its_exit_for_a_hang(tmp_path: Path) -> None:
     """close() and the pipe's reader thread both joined the helper; the join that lost
     the race for waitpid saw a live process, so close() logged persister_killed ("did

@@ -92,6 +92,7 @@ def test_run_help_shows_every_torchrun_option_with_a_text_of_ours() -> None:
     assert "see torchrun --help" not in text  # each has a summary of ours
 
 
+@pytest.mark.processes
 def test_run_help_shows_the_defaults_in_effect(tmp_path: Path) -> None:
     result = run_cli(["run", "--help"], tmp_path, timeout=120,
                      ELASTICTRAIN_LAUNCH__SHUTDOWN_TIMEOUT_S="120")
@@ -99,6 +100,7 @@ def test_run_help_shows_the_defaults_in_effect(tmp_path: Path) -> None:
     assert "default, elastictrain: 120;" in " ".join(result.stdout.split())
 
 
+@pytest.mark.processes
 def test_run_with_a_script_that_does_not_exist_is_one_line_before_any_worker(
         tmp_path: Path) -> None:
     result = run_cli(["run", "--nproc-per-node=2", "missing.py", "--lr=1"], tmp_path,
@@ -111,6 +113,7 @@ def test_run_with_a_script_that_does_not_exist_is_one_line_before_any_worker(
     assert list(tmp_path.iterdir()) == [] and result.stdout == ""
 
 
+@pytest.mark.processes
 def test_chaos_refuses_a_command_without_the_storage_placeholder(tmp_path: Path) -> None:
     script = str(REPO / "examples" / "ddp_resumable.py")
     with pytest.raises(ConfigError, match=r"no \{storage\}.*fix: write \{storage\}"):
@@ -132,6 +135,7 @@ def test_chaos_help_explains_the_storage_placeholder() -> None:
     assert "A command line without {storage} is refused" in text
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("args", [
     ["snapshots", "list", "a-file"],
     ["snapshots", "verify", "s3//bucket"],

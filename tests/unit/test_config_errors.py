@@ -105,6 +105,7 @@ def test_invalid_value_names_where_to_set_it(monkeypatch: pytest.MonkeyPatch) ->
 
 
 # -- the command line: exit code and one line, before any worker starts -------------------
+@pytest.mark.processes
 @pytest.mark.parametrize(("args", "env", "code", "line"), [
     (["demo", "--keep=0"], {}, 2, "--keep=0: must be >= 1"),
     (["demo"], {"ELASTICTRAIN_SNAPSHOTS__KEEP": "5"}, 2,

@@ -118,6 +118,7 @@ def test_notice_during_the_wait_for_a_failing_save_still_takes_the_final_snapsho
 
 
 # -- case 3: the watchdog while waiting for a persist --------------------------------------
+@pytest.mark.processes
 @pytest.mark.parametrize("persister", ["thread", "process"])
 def test_a_slow_persist_that_keeps_moving_is_not_a_hang(
         tmp_path: Path, dog: Callable[[], list[int]], persister: str) -> None:

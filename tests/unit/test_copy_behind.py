@@ -72,6 +72,7 @@ def one_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("persister", PERSISTERS)
 def test_the_snapshot_holds_its_own_step_while_the_loop_runs_ahead(
         tmp_path: Path, persister: str, monkeypatch: pytest.MonkeyPatch) -> None:

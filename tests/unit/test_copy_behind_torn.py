@@ -23,6 +23,8 @@ from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
 
+pytestmark = pytest.mark.processes
+
 
 class HeldAdd(TorchDispatchMode):
     """``add_`` writes the first half of its tensor, says so, waits for ``release``,

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from elastictrain.storage import open_store
 from tests.helpers import run_cli
 from tests.planted import plant_snapshot
+
+pytestmark = pytest.mark.processes
 
 
 def test_verify_and_list_say_when_there_are_no_snapshots(tmp_path: Path) -> None:

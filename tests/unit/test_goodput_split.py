@@ -107,6 +107,7 @@ def test_plot_without_matplotlib_says_how_to_install(run_dir: Path, tmp_path: Pa
     assert not (tmp_path / "split.png").exists()
 
 
+@pytest.mark.processes
 def test_cli_json_and_plot(run_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "cli.png"
@@ -152,6 +153,7 @@ def test_work_lost_before_an_attempt_that_died_in_start_up_is_counted(tmp_path: 
     assert sum(split.seconds.values()) == pytest.approx(split.wall_s)
 
 
+@pytest.mark.processes
 def test_a_storage_root_stands_for_its_newest_run(tmp_path: Path) -> None:
     from elastictrain.goodput import run_events_location
 

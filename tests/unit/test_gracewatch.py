@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import REPO, wait_for
 
-pytestmark = pytest.mark.distributed  # starts processes
+pytestmark = pytest.mark.processes
 
 # The main thread sits in a call that resumes after every signal, as torchrun's agent does
 # in a C++ store wait: its handler runs (or not) but nothing ends the wait.

@@ -272,6 +272,7 @@ def test_manager_interval_grows_to_the_bound_with_a_long_mtbf(tmp_path: Path) ->
     assert reasons == ["no_cost_yet", "max_bound"]
 
 
+@pytest.mark.processes
 def test_simulation_auto_within_five_percent_of_the_best_fixed_interval() -> None:
     """scripts/simulate_interval.py, small and seeded: the manager's own policy against
     a grid of fixed intervals chosen in hindsight on the same failure traces."""

@@ -59,6 +59,7 @@ def test_multi_node_needs_an_endpoint() -> None:
     assert o["--rdzv-conf"] == DEFAULTS.rdzv_conf
 
 
+@pytest.mark.processes
 def test_usage_errors_exit_2_with_one_clear_line(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("")
     result = run_cli(["run", "--nnodes=1:2", "train.py"], tmp_path, timeout=120)
@@ -69,6 +70,7 @@ def test_usage_errors_exit_2_with_one_clear_line(tmp_path: Path) -> None:
     assert result.returncode == 2 and "elastictrain run" in result.stderr
 
 
+@pytest.mark.processes
 def test_bad_settings_are_fatal_78(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("")
     result = run_cli(["run", "train.py"], tmp_path, timeout=120,

@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO, child_env
+
+pytestmark = pytest.mark.processes
 
 WRITERS = 8
 EVENTS = 2000

@@ -49,6 +49,7 @@ def test_prepare_leaves_an_unsafe_state_to_the_save() -> None:
         buffers.stage(state)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("persister", ASYNC)
 def test_first_save_finds_its_slabs_allocated_after_the_first_step(tmp_path: Path,
                                                                     persister: str) -> None:

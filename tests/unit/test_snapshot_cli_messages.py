@@ -32,6 +32,7 @@ def _run_root(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.mark.processes
 def test_a_missing_step_lists_the_steps_there_for_inspect_and_verify(tmp_path: Path) -> None:
     root = _run_root(tmp_path)
     expected = (f"elastictrain: error: no snapshot of step 7 under {root}; steps there, "
@@ -67,6 +68,7 @@ def test_a_missing_step_in_an_empty_run_says_there_are_none(tmp_path: Path) -> N
         ops.inspect_snapshot(open_store(str(tmp_path / "run")), 3)
 
 
+@pytest.mark.processes
 def test_a_directory_without_manifest_is_partial_in_list_and_verify(tmp_path: Path) -> None:
     root = _run_root(tmp_path)
     listed = run_cli(["snapshots", "list", str(root), "--json"], tmp_path)
@@ -82,6 +84,7 @@ def test_a_directory_without_manifest_is_partial_in_list_and_verify(tmp_path: Pa
     assert len(reasons) == 1 and "never committed" in reasons.pop()
 
 
+@pytest.mark.processes
 def test_verify_of_only_a_partial_step_fails(tmp_path: Path) -> None:
     root = _run_root(tmp_path)
     result = run_cli(["snapshots", "verify", str(root), "--step", str(PARTIAL_STEP)],
@@ -100,6 +103,7 @@ def test_an_invalid_manifest_is_corrupt_not_partial(tmp_path: Path) -> None:
         (15, "partial"), (10, "corrupt"), (5, "ok")]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("given", "expected"), [
     ("a-file", "elastictrain: error: storage root a-file: not a directory; fix: pass a "
      "directory (the --storage of demo or run, which holds snapshots/ and events/)"),
@@ -117,6 +121,7 @@ def test_list_refuses_a_file_or_a_mistyped_url_in_one_line(
     assert "Errno" not in result.stderr
 
 
+@pytest.mark.processes
 def test_a_directory_named_like_a_url_is_still_a_directory(tmp_path: Path) -> None:
     (tmp_path / "s3" / "bucket").mkdir(parents=True)
     ops.check_location(str(tmp_path / "s3" / "bucket"))
@@ -130,6 +135,7 @@ def test_a_mistyped_url_never_shows_a_credential() -> None:
     assert "hunter2" not in str(info.value) and "s3://bucket/run" in str(info.value)
 
 
+@pytest.mark.processes
 def test_inspect_prints_fields_not_python_reprs(tmp_path: Path) -> None:
     root = _run_root(tmp_path)
     result = run_cli(["snapshots", "inspect", str(root), "--step", "10"], tmp_path)

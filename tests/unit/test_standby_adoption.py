@@ -25,6 +25,8 @@ import pytest
 from elastictrain.standby.client import Standby, StandbyUnavailable
 from tests.helpers import pid_alive, wait_for
 
+pytestmark = pytest.mark.processes
+
 PRELOAD = ("json",)
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from structlog.testing import capture_logs
 
 from elastictrain import watchdog
@@ -107,6 +108,7 @@ def run_child(tmp_path: Path, block: str) -> tuple[int, str]:
     return proc.returncode, proc.stderr
 
 
+@pytest.mark.processes
 def test_child_exits_71_and_logs_where_it_hung(tmp_path: Path) -> None:
     code, stderr = run_child(tmp_path, "threading.Event().wait()")
     assert code == EXIT_HANG, stderr[-2000:]
@@ -114,6 +116,7 @@ def test_child_exits_71_and_logs_where_it_hung(tmp_path: Path) -> None:
     assert '"watchdog.fired"' in fired and "blocked_forever" in fired
 
 
+@pytest.mark.processes
 def test_backstop_exits_when_the_gil_is_held(tmp_path: Path) -> None:
     # The regex engine holds the GIL for (practically) ever: the watchdog thread
     # cannot run, faulthandler's C timer still dumps the stacks and exits.

@@ -41,6 +41,7 @@ def test_workers_output_goes_to_files_unless_the_user_chose(
     assert worker_log_args(given, log_dir, Path("EV")) == (added, logs)
 
 
+@pytest.mark.processes
 def test_output_to_a_file_takes_children_too_and_gives_the_terminal_back(
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "launcher.log"
@@ -132,6 +133,7 @@ def test_every_exit_code_has_a_meaning(code: int, says: str) -> None:
     assert says in exit_meaning(code)
 
 
+@pytest.mark.processes
 def test_no_view_is_in_the_help() -> None:
     result = subprocess.run([sys.executable, "-m", "elastictrain.cli", "run", "--help"],
                             capture_output=True, text=True, check=False,

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import REPO, child_env
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.bench, pytest.mark.distributed, pytest.mark.timeout(150)]
 
 
 def test_tiny_goodput_bench_reports_every_field(tmp_path: Path) -> None:

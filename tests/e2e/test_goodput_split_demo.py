@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.helpers import run_cli, run_demo_json
+from tests.helpers import run_cli
 
 pytestmark = pytest.mark.distributed
 
 
-def test_split_of_a_run_with_two_kills(tmp_path: Path) -> None:
-    out = run_demo_json(tmp_path, f"--storage={tmp_path / 's'}", "--steps=100",
-                        "--snapshot-every=25", "--kill-at=40", "--kill-at=80")
+def test_split_of_a_run_with_two_kills(tmp_path: Path, two_kills_demo: dict[str, Any]) -> None:
+    out = two_kills_demo
     assert out["restarts"] == 2 and out["resumed_from"] == [None, 25, 75]
     png = tmp_path / "run.png"
     result = run_cli(["goodput", out["events_dir"], "--json", f"--plot={png}"], tmp_path)

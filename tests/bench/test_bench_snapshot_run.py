@@ -11,16 +11,17 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.bench
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "scripts" / "bench_snapshot.py"
 
 
 def _bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(BENCH), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600, check=False)
+                          text=True, timeout=240, check=False)
 
 
-@pytest.mark.timeout(900)
 def test_a_tiny_run_reports_every_figure_and_replays_from_json(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     done = _bench("--sizes", "4", "--saves", "1", "--restore-reps", "1", "--staging-saves", "2",

@@ -62,6 +62,7 @@ def test_argv_torchrun_gives_python_is_what_the_standby_runs() -> None:
     assert python_argv(py, ("-u", "-c", "print(1)")) is None
 
 
+@pytest.mark.processes
 def test_ready_reports_what_it_imported_and_what_failed(standby: Standby) -> None:
     assert standby.ready()
     assert standby.info["preload_s"] >= 0
@@ -71,6 +72,7 @@ def test_ready_reports_what_it_imported_and_what_failed(standby: Standby) -> Non
     assert "ModuleNotFoundError" in standby.info["failed"]["json.no_such_submodule"]
 
 
+@pytest.mark.processes
 def test_a_worker_sees_what_a_fresh_interpreter_would(standby: Standby, tmp_path: Path) -> None:
     (tmp_path / "sibling.py").write_text("VALUE = 'from the script dir'\n")
     job = script(tmp_path, """
@@ -99,12 +101,14 @@ def test_a_worker_sees_what_a_fresh_interpreter_would(standby: Standby, tmp_path
     assert lines[4] == "True"
 
 
+@pytest.mark.processes
 def test_a_module_runs_as_main(standby: Standby, tmp_path: Path) -> None:
     result = spawn(standby, tmp_path, "-m", "json.tool", "--help")
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout and "json.tool" in result.stdout
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("body", "code"), [
     ("import sys; sys.exit(75)", 75),
     ("import sys; sys.exit()", 0),
@@ -126,6 +130,7 @@ def test_exit_codes_are_the_interpreters(standby: Standby, tmp_path: Path, body:
         assert result.stderr.strip() == "bad config"
 
 
+@pytest.mark.processes
 def test_exit_waits_for_threads_and_runs_atexit(standby: Standby, tmp_path: Path) -> None:
     marker = tmp_path / "marker"
     job = script(tmp_path, f"""
@@ -142,6 +147,7 @@ def test_exit_waits_for_threads_and_runs_atexit(standby: Standby, tmp_path: Path
     assert marker.read_text() == "thread atexit"  # thread joined first, as at exit
 
 
+@pytest.mark.processes
 def test_forked_workers_do_not_share_random_state(standby: Standby, tmp_path: Path) -> None:
     job = script(tmp_path, "import random; print(random.getrandbits(64))")
     first = spawn(standby, tmp_path, str(job)).stdout
@@ -162,6 +168,7 @@ def start_a_sleeper(standby: Standby, tmp_path: Path) -> tuple[Path, StandbyProc
     return job, proc
 
 
+@pytest.mark.processes
 def test_a_worker_killed_by_the_agent_reports_the_signal(standby: Standby,
                                                          tmp_path: Path) -> None:
     _, proc = start_a_sleeper(standby, tmp_path)
@@ -172,6 +179,7 @@ def test_a_worker_killed_by_the_agent_reports_the_signal(standby: Standby,
     assert proc.wait(timeout=30) == -signal.SIGKILL
 
 
+@pytest.mark.processes
 def test_standby_lost_while_a_worker_runs(standby: Standby, tmp_path: Path) -> None:
     """Killed under a running worker: the worker goes on, its end is still seen (with
     its true code: it re-parented to us, the subreaper), and new workers are refused
@@ -187,6 +195,7 @@ def test_standby_lost_while_a_worker_runs(standby: Standby, tmp_path: Path) -> N
     assert proc.wait(timeout=30) == -signal.SIGKILL
 
 
+@pytest.mark.processes
 def test_a_standby_that_dies_in_its_imports_is_not_ready(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "dies_on_import.py").write_text("import os\nos._exit(3)\n")
@@ -202,6 +211,7 @@ def test_a_standby_that_dies_in_its_imports_is_not_ready(
         server.close()
 
 
+@pytest.mark.processes
 def test_notices_to_the_whole_job_leave_the_standby_serving(standby: Standby,
                                                             tmp_path: Path) -> None:
     """Slurm signals every process of a step: the standby ignores notices, its workers
@@ -221,6 +231,7 @@ def test_notices_to_the_whole_job_leave_the_standby_serving(standby: Standby,
     assert pid_alive(standby.pid)
 
 
+@pytest.mark.processes
 def test_torch_threads_follow_the_workers_environment(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch read OMP_NUM_THREADS when the standby imported it; a worker launched with
@@ -240,6 +251,7 @@ def test_torch_threads_follow_the_workers_environment(
         server.close()
 
 
+@pytest.mark.processes
 def test_an_excepthook_that_exits_sets_the_code(standby: Standby, tmp_path: Path) -> None:
     """elastictrain's own hook turns a fatal error into exit 78 by raising SystemExit."""
     body = """
@@ -258,6 +270,7 @@ def test_an_excepthook_that_exits_sets_the_code(standby: Standby, tmp_path: Path
     assert result.stderr == fresh.stderr == "hook saw planted\n"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("ending", ["", "raise RuntimeError('planted')"])
 def test_the_scripts_objects_live_until_the_interpreter_finalizes(
         standby: Standby, tmp_path: Path, ending: str) -> None:

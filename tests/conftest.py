@@ -1,0 +1,73 @@
+"""The test tiers (tests/README.md): a test that starts a process is marked ``processes``,
+directly or through ``distributed`` or ``bench``, which imply it; the fast tier is
+``python -m pytest -m "not processes"``. An unmarked test that starts one fails."""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+# Markers that start processes by definition.
+IMPLY_PROCESSES = ("distributed", "bench")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(name) for name in IMPLY_PROCESSES):
+            item.add_marker(pytest.mark.processes)
+
+
+def _noting(original: Callable[..., Any], what: str, seen: list[str]) -> Callable[..., Any]:
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        seen.append(what(*args) if callable(what) else what)
+        return original(*args, **kwargs)
+
+    return noted
+
+
+def _popen_name(_self: object, args: Any = None, *_: Any) -> str:
+    first = args[0] if isinstance(args, (list, tuple)) and args else args
+    return f"subprocess.Popen({str(first)[-60:]!r}, ...)"
+
+
+@contextmanager
+def _watching_spawns(seen: list[str]) -> Iterator[None]:
+    """Note every process started meanwhile (in ``seen``): a Popen, a fork, a
+    multiprocessing start or os.posix_spawn. (Not os.system: a test pickles it by name.)"""
+    patches: list[tuple[Any, str, Any]] = [
+        (subprocess.Popen, "__init__", _popen_name),
+        (os, "fork", "os.fork()"),
+        (os, "posix_spawn", "os.posix_spawn()"),
+        (os, "posix_spawnp", "os.posix_spawnp()"),
+        (multiprocessing.process.BaseProcess, "start", "multiprocessing Process.start()"),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for (owner, name, what), (_, _, original) in zip(patches, originals, strict=True):
+            setattr(owner, name, _noting(original, what, seen))
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test not marked ``processes`` fails if it starts a process: the fast tier
+    (``-m "not processes"``) stays free of them."""
+    if request.node.get_closest_marker("processes") is not None:
+        yield
+        return
+    seen: list[str] = []
+    with _watching_spawns(seen):
+        yield
+    if seen:
+        pytest.fail(f"{request.node.nodeid} starts a process ({seen[0]}) but is not marked "
+                    "processes (tests/README.md)", pytrace=False)

@@ -1,0 +1,226 @@
+"""The training job of the end-to-end tests (run as a real process: under torchrun,
+``elastictrain run``, ``srun`` or alone; never imported by pytest).
+
+    python tests/train_job.py ROOT STEPS [options]
+
+It restores from ROOT, trains a small model to STEPS with a snapshot policy the test
+chooses, and closes (``params.digest``); one loop for every test, which picks the model,
+the optimizer, the batch, the storage faults and where the job stops for the test:
+
+* ``--every``, ``--memory-every``, ``--memory-dir``, ``--persister``: the snapshot
+  policy; what is not given comes from ``ELASTICTRAIN_*`` (the manager is built without
+  ``ctx`` or ``config``, as a user script would).
+* ``--store faults``: payload writes fail while ``FAULTS_JOB_FAIL_WHILE`` exists, and
+  ``FAULTS_JOB_TRICKLE=CHUNK_BYTES:DELAY_S`` makes a slow upload that keeps moving;
+  ``--store gated JOURNAL GATE``: in the first attempt rank 0's payload write of
+  ``--stall-step`` stalls mid-file, forever (tests/fault_stores.py).
+* ``--step-s``: each step's compute time; ``FAULTS_JOB_STEP_S`` sets it too.
+* ``--exact``: each step's batch is a function of the step and the rank only, and every
+  step also draws from the global python, torch and numpy RNGs (seeded per rank), so a
+  resume with any rank's RNG state wrong is not bit-exact.
+* ``--park N --gates DIR``: in the first attempt every rank stops after step N, writes
+  ``DIR/rank<r>.json`` with its PID and waits for ``DIR/go`` (the test kills what it must
+  meanwhile). ``--park N --stdin``: after step N the job prints ``{"parked": N}`` and
+  reads a line from stdin (synchronised by the pipe).
+* ``--die-in N``: rank 1 of the first attempt SIGKILLs itself in the middle of step N,
+  between its forward and its backward; ``--late-survivor``: rank 0 meets that death
+  only after the agent saw it (it starts its backward once ``agent.failure_detected`` is
+  in the run's event log).
+* ``--exit-stall stop|busy``: after the run finished (closed, shut down), rank 0 of the
+  first attempt stalls in its exit: it stops itself (SIGSTOP, as a chaos ``stop`` landing
+  after the run finished) or keeps a core busy for ``--busy-s`` seconds (a long but live
+  exit) while rank 1 exits 0.
+* ``--say``: one JSON line ``{"tier", "from_step", "memory_dir"}`` after the restore and
+  ``{"done": STEP}`` at the end (the one-process node tests read them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import elastictrain as et
+from elastictrain.launch import EVENTS_DIR_VAR
+from elastictrain.storage import Store, open_store
+from tests.fault_stores import GatedStore, SwitchedStore, TricklingStore
+
+PARK_TIMEOUT_S = 300.0
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("root")
+    p.add_argument("steps", type=int)
+    p.add_argument("--every", type=int, help="durable snapshot every N steps")
+    p.add_argument("--memory-every", type=int)
+    p.add_argument("--memory-dir")
+    p.add_argument("--persister")
+    p.add_argument("--model", choices=["linear", "mlp"], default="linear")
+    p.add_argument("--width", type=int, default=8, help="features of the linear model")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--seed", default="0", help="torch's seed; 'root': the length of ROOT "
+                   "(another storage, another model)")
+    p.add_argument("--frozen-mb", type=int, default=0,
+                   help="a frozen parameter of that size (no compute, in every snapshot)")
+    p.add_argument("--store", nargs="+", default=["plain"], metavar="KIND",
+                   help="plain (ROOT given as a URL), open (open_store(ROOT)), faults, "
+                        "or gated JOURNAL GATE")
+    p.add_argument("--stall-step", type=int, default=20)
+    p.add_argument("--step-s", type=float,
+                   default=float(os.environ.get("FAULTS_JOB_STEP_S", "0")))
+    p.add_argument("--exact", action="store_true")
+    p.add_argument("--park", type=int, default=0)
+    p.add_argument("--gates", type=Path)
+    p.add_argument("--stdin", action="store_true", help="park on stdin, not on gates")
+    p.add_argument("--die-in", type=int, default=0)
+    p.add_argument("--late-survivor", action="store_true")
+    p.add_argument("--final-save", action="store_true", help="a snapshot after the last step")
+    p.add_argument("--exit-stall", choices=["stop", "busy"])
+    p.add_argument("--busy-s", type=float, default=0.0)
+    p.add_argument("--say", action="store_true")
+    return p.parse_args(argv)
+
+
+def say(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def storage(args: argparse.Namespace, first_attempt: bool) -> str | Store:
+    kind, *rest = args.store
+    if kind == "plain":
+        return str(args.root)
+    store: Store = open_store(args.root)
+    if kind == "faults":
+        if os.environ.get("FAULTS_JOB_FAIL_WHILE"):
+            store = SwitchedStore(store, os.environ["FAULTS_JOB_FAIL_WHILE"])  # type: ignore[assignment]
+        if os.environ.get("FAULTS_JOB_TRICKLE"):
+            chunk, delay = os.environ["FAULTS_JOB_TRICKLE"].split(":")
+            store = TricklingStore(store, int(chunk), float(delay))  # type: ignore[assignment]
+    elif kind == "gated" and first_attempt:
+        journal, gate = rest
+        store = GatedStore(store, journal, gate,  # type: ignore[assignment]
+                           stall_steps={args.stall_step})
+    return store
+
+
+def model_of(args: argparse.Namespace) -> torch.nn.Module:
+    net: torch.nn.Module
+    if args.model == "mlp":
+        net = torch.nn.Sequential(torch.nn.Linear(args.width, 64), torch.nn.Tanh(),
+                                  torch.nn.Linear(64, 8))
+    else:
+        net = torch.nn.Linear(args.width, args.width)
+    if args.frozen_mb:
+        net.frozen = torch.nn.Parameter(torch.ones(args.frozen_mb * 2**18), requires_grad=False)
+    return net
+
+
+def park_on_gates(gates: Path, rank: int) -> None:
+    """Tell the test where we are, then wait for it (a condition with a deadline)."""
+    gates.mkdir(parents=True, exist_ok=True)
+    (gates / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "rank": rank}))
+    deadline = time.monotonic() + PARK_TIMEOUT_S
+    while not (gates / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def await_event(events_dir: Path, name: str) -> None:
+    """Wait until an event ``name`` is in a file under ``events_dir`` (with a deadline)."""
+    deadline = time.monotonic() + PARK_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for file in events_dir.rglob("*.jsonl"):
+            for line in file.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    if json.loads(line).get("event") == name:
+                        return
+        time.sleep(0.02)
+
+
+def main() -> None:
+    args = parse(sys.argv[1:])
+    rt = et.init()
+    try:
+        train(args, rt)
+    finally:
+        et.shutdown()
+    if args.exit_stall and rt.ctx.rank == 0 and rt.env.restart_count == 0:
+        if args.exit_stall == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            until = time.monotonic() + args.busy_s
+            while time.monotonic() < until:
+                pass
+
+
+def train(args: argparse.Namespace, rt: Any) -> None:
+    rank = rt.ctx.rank
+    first_attempt = rt.env.restart_count == 0
+    torch.manual_seed(len(args.root) if args.seed == "root" else int(args.seed))
+    if args.exact:
+        random.seed(rank)  # a stream of its own per rank (restored, not re-seeded)
+        np.random.seed(rank)
+    net = model_of(args)
+    model = DistributedDataParallel(net) if rt.ctx.initialized else net
+    opt: torch.optim.Optimizer = (torch.optim.AdamW if args.optimizer == "adamw"
+                                  else torch.optim.SGD)(model.parameters(), lr=args.lr)
+    policy = {name: value for name, value in (
+        ("every_steps", args.every), ("memory_every", args.memory_every),
+        ("memory_dir", args.memory_dir), ("persister", args.persister)) if value is not None}
+    snap = et.SnapshotManager(storage(args, first_attempt), model=model, optimizer=opt,
+                              **policy)
+    info = snap.restore()
+    if args.say:
+        tier = snap._node_memory.tier
+        say(tier=info.tier, from_step=info.from_step,
+            memory_dir=None if tier is None else str(tier.path))
+    while snap.step_count < args.steps:
+        if args.exact:
+            data = torch.Generator().manual_seed(1000 * snap.step_count + rank)
+            noise = torch.rand(args.batch, args.width) * random.random() * float(
+                np.random.rand())
+            x = torch.randn(args.batch, args.width, generator=data) + noise
+        else:
+            x = torch.randn(args.batch, args.width)
+        loss = model(x).pow(2).mean()
+        if first_attempt and rank == 1 and snap.step_count + 1 == args.die_in:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if first_attempt and args.late_survivor and snap.step_count + 1 == args.die_in:
+            await_event(Path(os.environ[EVENTS_DIR_VAR]), "agent.failure_detected")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(args.step_s)  # the job's compute time per step (a workload, not a wait)
+        snap.step()
+        if args.park and snap.step_count == args.park:
+            if args.stdin:
+                snap.wait()
+                say(parked=args.park)
+                sys.stdin.readline()
+            elif first_attempt and not (args.gates / "go").exists():
+                # A copy behind commits once the training thread judged it (at the next
+                # step's fence, or here): a parked rank takes no next step.
+                snap.wait()
+                park_on_gates(args.gates, rank)
+    if args.final_save:
+        snap.save()
+    snap.close()  # logs params.digest and run.finished (final_step) on rank 0
+    if args.say:
+        say(done=snap.step_count)
+
+
+if __name__ == "__main__":
+    main()
