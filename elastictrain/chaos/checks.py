@@ -72,17 +72,14 @@ def check_lost_steps(events: Sequence[dict[str, Any]], interval: int,
     first resume after a preemption exit (75) loses nothing."""
     committed = [(float(e["ts"]), int(e["snapshot_step"]), str(e.get("tier")))
                  for e in _rank0(events, "snapshot.committed")]
-    # A memory copy found bad at restore (a memory_corrupt fault) is set aside: then the
-    # restore rightly goes back to durable storage.
-    set_aside = [(float(e["ts"]), int(e["snapshot_step"])) for e in events
-                 if e.get("event") == "snapshot.memory_set_aside"]
+    gone = _memory_copies_gone(events)
     staged = [(float(e["ts"]), int(e["snapshot_step"]))
               for e in _rank0(events, "snapshot.staged")]
     seen_launches: set[int] = set()
     for resume in _rank0(events, "resume"):
         ts, start = float(resume["ts"]), int(resume.get("from_step") or 0)
         newest = max((s for t, s, tier in committed if t < ts and not (
-            tier == "memory" and any(a <= ts and step == s for a, step in set_aside))),
+            tier == "memory" and any(t < g <= ts and step in (s, None) for g, step in gone))),
             default=0)
         if start < newest:
             return f"resumed from step {start} although step {newest} was committed"
@@ -101,6 +98,23 @@ def check_lost_steps(events: Sequence[dict[str, Any]], interval: int,
         if lost > allowed:
             return f"lost {lost} steps resuming from step {start} (allowed {allowed})"
     return None
+
+
+def _memory_copies_gone(events: Sequence[dict[str, Any]]) -> list[tuple[float, int | None]]:
+    """When a node-memory copy went, and of which step (None: all of them): pruned (the
+    memory tier keeps one), set aside at a restore (found bad: a memory_corrupt fault),
+    or removed with the memory directory at the end of a finished run. A resume after
+    that rightly goes back to durable storage."""
+    gone: list[tuple[float, int | None]] = []
+    for e in events:
+        name = e.get("event")
+        step = e.get("snapshot_step")
+        if ((name == "snapshot.pruned" and e.get("tier") == "memory")
+                or name == "snapshot.memory_set_aside") and isinstance(step, int):
+            gone.append((float(e["ts"]), step))
+        elif name == "snapshot.memory_removed":
+            gone.append((float(e["ts"]), None))
+    return gone
 
 
 def check_leftovers(pids: Sequence[int]) -> str | None:

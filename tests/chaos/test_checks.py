@@ -81,6 +81,20 @@ def test_a_memory_copy_set_aside_at_restore_is_no_newer_commit() -> None:
     ignored = [*base, ev("resume", 5, from_step=10, lost_steps=5)]  # memory 14 was good
     assert "although step 14 was committed" in str(
         checks.check_lost_steps(ignored, 10, [0], [0.0]))
+    # 13 was pruned when 14 committed (the memory tier keeps one), then 14 set aside.
+    pruned = [*base[:2], ev("snapshot.committed", 2.5, snapshot_step=13, tier="memory"),
+              base[2], ev("snapshot.pruned", 3.1, snapshot_step=13, tier="memory"),
+              ev("snapshot.memory_set_aside", 4.5, snapshot_step=14),
+              ev("resume", 5, from_step=10, lost_steps=5)]
+    assert checks.check_lost_steps(pruned, 10, [0], [0.0]) is None
+    # A finished run removes its memory directory; a relaunch then resumes from durable.
+    finished = [*base, ev("snapshot.memory_removed", 4, reason="finished"),
+                ev("resume", 5, from_step=10, lost_steps=4)]
+    assert checks.check_lost_steps(finished, 10, [0], [0.0]) is None
+    # A copy committed again after it went counts again.
+    again = [*finished[:-1], ev("snapshot.committed", 4.5, snapshot_step=14, tier="memory"),
+             ev("resume", 5, from_step=10, lost_steps=4)]
+    assert "although step 14" in str(checks.check_lost_steps(again, 10, [0], [0.0]))
 
 
 def test_nothing_may_be_lost_after_a_preemption_exit() -> None:
