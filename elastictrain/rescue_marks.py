@@ -19,9 +19,9 @@ from pathlib import Path
 
 from elastictrain.env import RESCUE_MARKS_VAR
 from elastictrain.errors import ConfigError
-from elastictrain.localfiles import check_private_dir, private_dir
+from elastictrain.localfiles import private_dir
 from elastictrain.log import get_logger
-from elastictrain.shm import exclusive, hold, user_root
+from elastictrain.shm import exclusive, hold, user_dirs, user_root
 
 log = get_logger("elastictrain.snapshot")
 
@@ -81,17 +81,8 @@ def launch_marks() -> Iterator[Path | None]:
 def sweep_marks() -> list[Path]:
     """Remove every launcher's marks directory under this user's root that no launcher
     holds: the marks serve only the launcher that made them, whatever their age."""
-    root = user_root()
-    try:
-        check_private_dir(root, "the memory tier's root")
-        entries = list(os.scandir(root))
-    except (OSError, ConfigError):
-        return []
     removed = []
-    for entry in entries:
-        path = Path(entry.path)
-        if not entry.is_dir(follow_symlinks=False) or not entry.name.startswith(MARKS_PREFIX):
-            continue
+    for path in user_dirs(MARKS_PREFIX):
         with exclusive(path) as free:
             if free:
                 shutil.rmtree(path, ignore_errors=True)

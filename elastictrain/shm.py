@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from elastictrain.env import SHM_VAR
-from elastictrain.localfiles import open_private, private_dir, user_dir_name
+from elastictrain.errors import ConfigError
+from elastictrain.localfiles import check_private_dir, open_private, private_dir, user_dir_name
 
 LOCK = "LOCK"
 
@@ -64,3 +65,16 @@ def exclusive(path: Path) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)
+
+
+def user_dirs(prefix: str) -> list[Path]:
+    """This user's directories in the node's shared memory whose names start with
+    ``prefix`` (none when the user's root is missing or not the user's own)."""
+    root = user_root()
+    try:
+        check_private_dir(root, "the memory tier's root")
+        entries = list(os.scandir(root))
+    except (OSError, ConfigError):
+        return []
+    return [Path(e.path) for e in entries
+            if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)]

@@ -31,10 +31,10 @@ from pathlib import Path
 
 from elastictrain.config import SnapshotConfig
 from elastictrain.errors import ConfigError
-from elastictrain.localfiles import check_private_dir, open_private, private_dir
+from elastictrain.localfiles import open_private, private_dir
 from elastictrain.log import get_logger
 from elastictrain.rescue_marks import sweep_marks
-from elastictrain.shm import LOCK, exclusive, hold, user_root
+from elastictrain.shm import LOCK, exclusive, hold, user_dirs, user_root
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.snapshot.rescue import BOUNDARY_DIR
@@ -205,17 +205,9 @@ def sweep(max_idle_s: float, keep: Path | None = None) -> list[Path]:
     ``max_idle_s`` (no run can use them any more without having touched them since),
     and launchers' rescue marks that no launcher holds (``rescue_marks.sweep_marks``).
     Returns what was removed."""
-    root = user_root()
-    try:
-        check_private_dir(root, "the memory tier's root")
-        entries = list(os.scandir(root))
-    except (OSError, ConfigError):
-        return []
     removed = sweep_marks()
-    for entry in entries:
-        path = Path(entry.path)
-        if (path == keep or not entry.is_dir(follow_symlinks=False)
-                or not entry.name.startswith(RUN_PREFIX)):
+    for path in user_dirs(RUN_PREFIX):
+        if path == keep:
             continue
         # (FileNotFoundError: another sweep removed it meanwhile.)
         with exclusive(path) as free, contextlib.suppress(FileNotFoundError):
