@@ -241,14 +241,12 @@ class ElasticTrainAgent(LocalElasticAgent):
             self.standby.close()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
+        # A worker killed stuck in its exit may have passed the agreed end: check after.
+        self._kill_stuck_at_exit()
         after_end = self._failed_after_the_end(worker_group)
         if after_end is not None:
             return after_end
         self._kill_survivors_of_a_failure()
-        if self._kill_stuck_at_exit():  # one that had marked the run's end: finished
-            after_end = self._failed_after_the_end(worker_group)
-            if after_end is not None:
-                return after_end
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and result.failures:
             self._on_failures(result.failures)
@@ -401,7 +399,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             log.info("agent.rescue_waited", waited_s=waited,
                      unstarted=sorted(unstarted))
 
-    def _kill_stuck_at_exit(self) -> bool:
+    def _kill_stuck_at_exit(self) -> None:
         """SIGKILL a worker stuck in its exit (see the module docstring).
 
         Its own watchdog ended with its script and its peers are gone, so only the agent
@@ -409,12 +407,12 @@ class ElasticTrainAgent(LocalElasticAgent):
         final snapshot (in a thread or a persist process) after its peers exited."""
         now = time.monotonic()
         if now - self._exit_checked < 1.0:  # one /proc walk a second is plenty
-            return False
+            return
         self._exit_checked = now
         codes = self._worker_codes()
         live = [pid for pid, code in codes.items() if code is None]
         if 0 not in codes.values() or not live or self._pcontext is None:
-            return False
+            return
         stuck = []
         for pid, ticks in tree_cpu_ticks(live).items():
             seen = self._exit_watch.get(pid)
@@ -428,7 +426,6 @@ class ElasticTrainAgent(LocalElasticAgent):
                         exit_codes={str(pid): code for pid, code in codes.items()})
             self._killed.update(stuck)
             self._pcontext.close(death_sig=signal.SIGKILL, timeout=30)
-        return bool(stuck)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._restart_stop = True
