@@ -150,6 +150,7 @@ class SnapshotManager:
         self._preempt = setup.preemption
         self._rescuer = Rescuer(self.config.rescue and not self.sharded, self.config,
                                 self.ctx, self._node_memory, self._train, setup.restart_count)
+        self._stepped = False  # staging is prepared again at the first step (see step())
 
     # -- the training loop's objects and position -----------------------------------------
     @property
@@ -227,7 +228,17 @@ class SnapshotManager:
             # The restored step is the last save: intervals count from it, not from
             # step 0 (with every_steps="auto" the steps since 0 made a wrong step time).
             self._schedule.durable_taken(self.step_count)
+        # Staging (pinned for CUDA state: slow to allocate) for what exists now, in the
+        # background, so the first save finds it ready (docs/performance.md#the-first-save).
+        self._prepare_staging(durable=True, memory=True)
         return info
+
+    def _prepare_staging(self, durable: bool, memory: bool) -> None:
+        for saver, wanted in ((self._saver if self.ctx.is_writer else None, durable),
+                              (self._memory, memory)):
+            if saver is not None and wanted:
+                saver.prepare_ahead(
+                    lambda: self._train.payload([capture_rng()] * self.ctx.world_size))
 
     # -- the training loop's side ----------------------------------------------------
     def step(self, loss: Any = None) -> SaveHandle | None:
@@ -253,11 +264,9 @@ class SnapshotManager:
         watchdog.beat(self.step_count)
         self._report.step(loss)
         decision = self._schedule.decide(self.step_count, self._failed_step, self._preempt)
-        for saver, busy in ((self._saver if self.ctx.is_writer else None, decision.durable),
-                            (self._memory, decision.memory)):
-            if saver is not None and not busy:
-                saver.prepare_ahead(
-                    lambda: self._train.payload([capture_rng()] * self.ctx.world_size))
+        if not self._stepped:  # once more: an optimizer's state appears at its first step
+            self._stepped = True
+            self._prepare_staging(not decision.durable, not decision.memory)
         if decision.stop is not None:
             self._stop_preempted(decision.stop)
         if decision.failed_step:

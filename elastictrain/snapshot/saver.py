@@ -250,9 +250,10 @@ class Saver(InFlightSave):
                     "snapshot.overlap_copy=false")
 
     def prepare_ahead(self, make_state: Callable[[], Any]) -> None:
-        """Allocate the staging slabs off the training loop, once, so the first save
-        blocks only as long as the later ones (``make_state`` is called only then)."""
-        if not self.staging.prepared:
+        """Allocate the staging slabs the state needs off the training loop, so the first
+        save blocks only as long as the later ones (``make_state`` is called only until
+        the first save: it allocates whatever is still missing itself)."""
+        if not self.staging.staged:
             self.staging.prepare_async(make_state())
 
     def load_newest(self, request: LoadRequest) -> LoadedSnapshot | None:

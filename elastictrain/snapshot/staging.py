@@ -56,7 +56,7 @@ class StagingBuffers:
         self.share_memory = share_memory
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self.allocations = 0
-        self.prepared = False
+        self.staged = False  # True from the first stage on
         self._preparing: threading.Thread | None = None
 
     @property
@@ -71,22 +71,30 @@ class StagingBuffers:
 
         Staging is the same afterwards; only the first ``stage`` gets cheaper: it
         finds its slabs allocated and their pages already mapped (the page faults of a
-        fresh slab, or creating its shared memory, would otherwise block the first
-        save most of its time: docs/performance.md#the-first-save). The next
-        ``stage`` waits for this to finish. A state that would not load back is
-        left alone: the save reports it, as always.
+        fresh slab, pinning it, or creating its shared memory, would otherwise block the
+        first save most of its time: docs/performance.md#the-first-save). May be called
+        again before the first ``stage`` (at ``restore()``, then once the optimizer's
+        state exists): each call allocates only what is still missing, after the one
+        before it. The next ``stage`` waits for them. A state that would not load back
+        is left alone: the save reports it, as always.
         """
-        if self.prepared:
-            return
-        self.prepared = True
+        if self.staged:
+            return  # staging allocates what is missing itself from here on
         leaves: dict[tuple[Any, ...], torch.Tensor] = {}
         try:
             _collect(state, (), leaves, registered_types())  # on the caller's thread
         except UnsafeStateError:
             return
-        self._preparing = threading.Thread(target=self._allocate_missing, args=(leaves, True),
+        self._preparing = threading.Thread(target=self._prepare_after,
+                                           args=(self._preparing, leaves),
                                            name="et-staging-prepare", daemon=True)
         self._preparing.start()
+
+    def _prepare_after(self, previous: threading.Thread | None,
+                       leaves: dict[tuple[Any, ...], torch.Tensor]) -> None:
+        if previous is not None:
+            previous.join()  # one allocator at a time: both would fill the same paths
+        self._allocate_missing(leaves, touch=True)
 
     def stage(self, state: Any) -> Any:
         """Return ``state`` with every tensor replaced by its staged CPU copy
@@ -114,7 +122,7 @@ class StagingBuffers:
         if self._preparing is not None:
             self._preparing.join()
             self._preparing = None
-        self.prepared = True
+        self.staged = True
         leaves: dict[tuple[Any, ...], torch.Tensor] = {}
         _collect(state, (), leaves, registered_types())
         for path in set(self._buffers) - set(leaves):

@@ -56,7 +56,6 @@ def test_first_save_finds_its_slabs_allocated_after_the_first_step(tmp_path: Pat
     model, opt, snap = make(str(tmp_path / "run"), persister, every_steps=3)
     staging = snap._saver.staging
     train(model, opt, snap, until=1)  # AdamW's state exists from here on
-    assert staging.prepared
     _wait_prepared(staging)
     before_save = staging.allocations
     assert before_save > 0
@@ -70,3 +69,45 @@ def test_first_save_finds_its_slabs_allocated_after_the_first_step(tmp_path: Pat
     again.close()
     for name, value in model2.state_dict().items():
         assert torch.equal(value, expected[name])
+
+
+def test_a_second_prepare_allocates_only_what_is_new() -> None:
+    model_only = {"model": {"w": torch.randn(64, 32)}, "optimizer": {"state": {}}}
+    buffers = StagingBuffers()
+    buffers.prepare_async(model_only)
+    first = buffers._preparing
+    with_optimizer = {"model": model_only["model"],
+                      "optimizer": {"state": {0: {"exp_avg": torch.randn(64, 32)}}}}
+    buffers.prepare_async(with_optimizer)  # chained after the first, not beside it
+    _wait_prepared(buffers)
+    assert first is not None and not first.is_alive()
+    assert buffers.allocations == 2  # the model's slab once, then the optimizer's
+    buffers.stage(with_optimizer)
+    assert buffers.allocations == 2
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_restore_prepares_staging_before_the_loop_starts(tmp_path: Path,
+                                                         resumed: bool) -> None:
+    """The order a first save relies on (pinned slabs for CUDA state take seconds):
+    ``restore()`` starts allocating the model's (and a resumed optimizer's) slabs, the
+    first step the rest, and the first save allocates nothing."""
+    if resumed:
+        model, opt, snap = make(str(tmp_path / "run"), every_steps=2)
+        train(model, opt, snap, until=2)
+        snap.close()
+    model, opt, snap = make(str(tmp_path / "run"), every_steps=2 if resumed else 3, seed=1)
+    staging = snap._saver.staging
+    snap.restore()
+    _wait_prepared(staging)
+    at_restore = staging.allocations
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert at_restore > 0 and staging.nbytes >= model_bytes * (3 if resumed else 1)
+    train(model, opt, snap, until=snap.step_count + 1)
+    _wait_prepared(staging)
+    before_save = staging.allocations
+    assert staging.nbytes >= model_bytes * 3  # the parameters and both AdamW moments
+    train(model, opt, snap, until=snap.step_count + 2)  # the first save of this attempt
+    snap.wait()
+    assert staging.allocations == before_save
+    snap.close()
