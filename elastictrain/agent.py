@@ -133,6 +133,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     rescue_timeout_s: float = 30.0
     rescue_start_timeout_s: float = 5.0
     end_dir: Path | None = None  # where workers mark the run's agreed end (runend.py)
+    shutdown_timeout_s: float | None = None  # the notice grace; None: torchrun's
     crash_loop_failures: int = 2  # set by installed() from launch.crash_loop_failures
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -446,6 +447,9 @@ class ElasticTrainAgent(LocalElasticAgent):
             log.warning("agent.signal_forwarded", signal=death_sig.name, received=received.name,
                         pids=live, grace_s=timeout)
         notice = forwarding and death_sig in NOTICE_SIGNALS
+        if notice and self.shutdown_timeout_s is not None:
+            # Ours, not torchrun's 30 s: a torch without --shutdown-timeout passes 30.
+            timeout = int(self.shutdown_timeout_s)
         with _ignoring(NOTICE_SIGNALS) if notice else nullcontext():
             super()._shutdown(death_sig, timeout)
         if forwarding:
@@ -492,7 +496,8 @@ def _ignoring(signals: Sequence[signal.Signals]) -> Iterator[None]:
 
 @contextmanager
 def installed(launch: LaunchDefaults | None = None, rescue_dir: Path | None = None,
-              end_dir: Path | None = None) -> Iterator[type[ElasticTrainAgent]]:
+              end_dir: Path | None = None, shutdown_timeout_s: float | None = None
+              ) -> Iterator[type[ElasticTrainAgent]]:
     """Make torchrun's ``launch_agent`` build :class:`ElasticTrainAgent` (this process),
     ending workers stuck in their exit after ``launch.exit_timeout_s`` without CPU use
     and starting workers from a standby when ``launch.standby``."""
@@ -507,6 +512,7 @@ def installed(launch: LaunchDefaults | None = None, rescue_dir: Path | None = No
     ElasticTrainAgent.exit_timeout_s = launch.exit_timeout_s
     ElasticTrainAgent.rescue_dir = rescue_dir
     ElasticTrainAgent.end_dir = end_dir
+    ElasticTrainAgent.shutdown_timeout_s = shutdown_timeout_s
     ElasticTrainAgent.rescue_timeout_s = launch.rescue_timeout_s
     ElasticTrainAgent.rescue_start_timeout_s = launch.rescue_start_timeout_s
     ElasticTrainAgent.crash_loop_failures = launch.crash_loop_failures
@@ -519,5 +525,6 @@ def installed(launch: LaunchDefaults | None = None, rescue_dir: Path | None = No
         ElasticTrainAgent.standby_preload = None
         ElasticTrainAgent.rescue_dir = None
         ElasticTrainAgent.end_dir = None
+        ElasticTrainAgent.shutdown_timeout_s = None
         if ElasticTrainAgent.latest is not None:
             ElasticTrainAgent.latest.close_standby()

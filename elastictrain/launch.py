@@ -367,7 +367,7 @@ def torchrun_argv(argv: Sequence[str], defaults: LaunchDefaults,
 
     add("max_restarts", "--max-restarts", defaults.max_restarts)
     add("monitor_interval", "--monitor-interval", defaults.monitor_interval_s)
-    if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in environ:
+    if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in environ and torchrun_knows("--shutdown-timeout"):
         add("shutdown_timeout", "--shutdown-timeout", defaults.shutdown_timeout_s)
     add("signals_to_handle", "--signals-to-handle", defaults.signals_to_handle)
     if not args.standalone:  # --standalone picks its own c10d rendezvous
@@ -385,6 +385,24 @@ def torchrun_argv(argv: Sequence[str], defaults: LaunchDefaults,
         if run_id or single_node:
             add("rdzv_id", "--rdzv-id", run_id or _generated_run_id())
     return added + list(argv)
+
+
+def torchrun_knows(option: str) -> bool:
+    """Whether this torch's torchrun has ``option`` (``--shutdown-timeout`` came after
+    torch 2.11: without it the agent applies ``launch.shutdown_timeout_s`` itself)."""
+    from torch.distributed.run import get_args_parser
+
+    return any(option in action.option_strings for action in get_args_parser()._actions)
+
+
+def shutdown_timeout_s(args: argparse.Namespace, launch: LaunchDefaults,
+                       environ: Mapping[str, str]) -> float:
+    """The workers' SIGTERM -> SIGKILL grace: torchrun's ``--shutdown-timeout`` where it
+    has one, else ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` or ``launch.shutdown_timeout_s``."""
+    given = getattr(args, "shutdown_timeout", None)
+    if given is not None:
+        return float(given)
+    return float(environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", launch.shutdown_timeout_s))
 
 
 def _max_nodes(nnodes: str) -> int:
@@ -418,7 +436,7 @@ def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
     from elastictrain.agent import ElasticTrainAgent, WorkersFatal, installed, on_grace_expired
 
     with tempfile.TemporaryDirectory(prefix="elastictrain-end-") as end_dir, \
-            installed(launch, rescue_dir, Path(end_dir)), \
+            installed(launch, rescue_dir, Path(end_dir), shutdown_timeout_s), \
             gracewatch.watching(shutdown_timeout_s + GRACE_MARGIN_S, notices,
                                 on_grace_expired):
         os.environ[END_DIR_VAR] = end_dir  # the workers inherit it
@@ -535,10 +553,11 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
     _configure_agent_log(settings, run_id)
     log = get_logger("elastictrain.agent")
     started = time.monotonic()
+    grace_s = shutdown_timeout_s(args, settings.launch, os.environ)
     log.info("agent.start", pid=os.getpid(), nnodes=args.nnodes,
              nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
              monitor_interval_s=args.monitor_interval, rdzv_backend=args.rdzv_backend,
-             rdzv_endpoint=args.rdzv_endpoint, shutdown_timeout_s=args.shutdown_timeout,
+             rdzv_endpoint=args.rdzv_endpoint, shutdown_timeout_s=grace_s,
              signals_to_handle=args.signals_to_handle, entrypoint=args.training_script)
     from elastictrain.agent import ElasticTrainAgent
     from elastictrain.rescue_marks import launch_marks
@@ -547,7 +566,7 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
                         for name in str(args.signals_to_handle).split(",") if name.strip())
     with launch_marks() as marks:  # where survivors mark a rescue (agent waits)
         code = run_torchrun(full, settings.launch, marks,
-                            shutdown_timeout_s=float(args.shutdown_timeout), notices=notices)
+                            shutdown_timeout_s=grace_s, notices=notices)
     agent = ElasticTrainAgent.latest
     crash_loop = agent is not None and agent.outcome == "crash_loop" and code == EXIT_FATAL
     log.info("agent.finished", exit_code=code,

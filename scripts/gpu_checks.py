@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # elastictrain from this checkout, installed or not
 JOB = REPO / "scripts" / "gpu_job.py"
 EXIT_PREEMPTED = 75
 

@@ -3,10 +3,12 @@ usage errors, the exit-code meanings, and the agent hook into torchrun."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
+from elastictrain import launch
 from elastictrain.config import LaunchDefaults
 from elastictrain.errors import ConfigError
 from elastictrain.launch import torchrun_argv
@@ -90,3 +92,17 @@ def test_agent_hook_is_installed_only_while_running() -> None:
     assert launcher_api.LocalElasticAgent is LocalElasticAgent
     assert [describe_exit(c) for c in (75, 76, 78, 71, -9, 1)] == \
         ["preempted", "preempted_unsaved", "fatal", "hang", "signal", "error"]
+
+
+def test_a_torch_without_shutdown_timeout_gets_the_grace_from_the_agent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's torchrun has no --shutdown-timeout: elastictrain must not pass it
+    (torchrun would refuse the command line), and its agent applies the grace itself."""
+    monkeypatch.setattr(launch, "torchrun_knows", lambda option: False)
+    assert "--shutdown-timeout" not in added(["train.py"])
+    bare = argparse.Namespace()
+    assert launch.shutdown_timeout_s(bare, DEFAULTS, {}) == DEFAULTS.shutdown_timeout_s
+    assert launch.shutdown_timeout_s(bare, DEFAULTS,
+                                     {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"}) == 45
+    assert launch.shutdown_timeout_s(argparse.Namespace(shutdown_timeout=7), DEFAULTS,
+                                     {}) == 7
