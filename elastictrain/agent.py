@@ -51,6 +51,7 @@ the run (torchrun has no hook for the agent class).
 
 from __future__ import annotations
 
+import inspect
 import signal
 import time
 from collections.abc import Iterator, Sequence
@@ -84,6 +85,8 @@ from elastictrain.standby.context import starting_from
 log = get_logger("elastictrain.agent")
 
 NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# torch >= 2.12 passes torchrun's --shutdown-timeout to _shutdown; 2.11 has neither.
+_SHUTDOWN_TAKES_TIMEOUT = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
 PREEMPTED = (EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED)  # the group agreed to stop: no restart
 
 
@@ -451,7 +454,12 @@ class ElasticTrainAgent(LocalElasticAgent):
             # Ours, not torchrun's 30 s: a torch without --shutdown-timeout passes 30.
             timeout = int(self.shutdown_timeout_s)
         with _ignoring(NOTICE_SIGNALS) if notice else nullcontext():
-            super()._shutdown(death_sig, timeout)
+            if _SHUTDOWN_TAKES_TIMEOUT:
+                super()._shutdown(death_sig, timeout)
+            else:  # torch 2.11: its _shutdown waits 30 s; the grace is applied here
+                if self._pcontext is not None:
+                    self._pcontext.close(death_sig, timeout)
+                super()._shutdown(death_sig)  # the rest of its teardown; closing is idempotent
         if forwarding:
             self.worker_exit_codes = self._worker_codes()
             self.outcome = preempted_outcome(self.worker_exit_codes.values()) or self.outcome
