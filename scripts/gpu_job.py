@@ -5,7 +5,8 @@
     python scripts/gpu_job.py ROOT --steps N [--fsdp] [--kill-at S] [--stall-at S]
                               [--notice-at S] [--width W] [--layers L]
 
-In the first attempt only: ``--kill-at`` SIGKILLs this worker after step S,
+In the first attempt only: ``--kill-at`` SIGKILLs this worker after step S (once
+the last snapshot is durable),
 ``--stall-at`` launches a CUDA kernel that spins for an hour after step S and waits
 for it (on CPU: sleeps), ``--notice-at`` sends this worker SIGTERM (a preemption
 notice) right after the save of step S returned, while it persists. At the end rank 0
@@ -102,6 +103,7 @@ def main() -> None:
         handle = snap.step()
         step = snap.step_count
         if first_attempt and step == args.kill_at:
+            snap.wait()  # the last snapshot committed: the resume step is known
             os.kill(os.getpid(), signal.SIGKILL)
         if first_attempt and step == args.stall_at:
             stall(device)
