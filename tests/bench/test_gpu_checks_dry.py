@@ -1,0 +1,33 @@
+"""``scripts/gpu_checks.py --dry``: the GPU checks' own logic, on CPU with gloo, so the
+command stays correct where CI has no GPU (its GPU figures: docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+pytestmark = [pytest.mark.bench, pytest.mark.distributed]
+
+
+def test_every_gpu_check_passes_in_dry_mode(tmp_path: Path) -> None:
+    out = tmp_path / "checks.json"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_checks.py"), "--dry",
+                    f"--out={out}"], cwd=tmp_path, capture_output=True, timeout=600,
+                   check=False)
+    report = json.loads(out.read_text())
+    assert report["dry"] is True and report["device"] == "cpu"
+    checks = report["checks"]
+    assert set(checks) == {"snapshot", "ddp_restart", "fsdp2_restart", "notice_during_save",
+                           "cuda_stall"}
+    failed = {name: c for name, c in checks.items() if not c["ok"]}
+    assert not failed, failed
+    assert checks["snapshot"]["first_save_as_later"]
+    assert checks["ddp_restart"]["attempts_started_by"] == ["standby", "standby"]
+    assert 71 in checks["cuda_stall"]["worker_exit_codes"]  # the agent may stop the other first
+    assert checks["notice_during_save"]["save_in_flight_at_notice"] is True
