@@ -117,7 +117,7 @@ def check_snapshot(checks: Checks) -> dict[str, Any]:
     from elastictrain.snapshot.manager import SnapshotManager
 
     device = torch.device("cpu" if checks.dry else "cuda")
-    width = 8192 if not checks.dry else 512
+    width, batch = (512, 64) if checks.dry else (8192, 1024)
     layers = max(1, checks.snapshot_mb * 2**20 // (width * width * 4))
 
     def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -127,7 +127,7 @@ def check_snapshot(checks: Checks) -> dict[str, Any]:
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-        model(torch.randn(1024, width, device=device)).pow(2).mean().backward()
+        model(torch.randn(batch, width, device=device)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -240,7 +240,7 @@ def check_fsdp2_restart(checks: Checks) -> dict[str, Any]:
 
 
 def check_cuda_stall(checks: Checks) -> dict[str, Any]:
-    timeout_s = 10
+    timeout_s = 5 if checks.dry else 10
     clean = checks.clean_digest("cuda_stall", [])
     t0 = time.perf_counter()
     code, root, ev = checks.launch(
@@ -291,7 +291,7 @@ def main() -> int:
     args = parser.parse_args()
     dry = args.dry or not torch.cuda.is_available()
     workdir = Path(tempfile.mkdtemp(prefix="et-gpu-checks-"))
-    checks = Checks(dry, workdir, 16 if dry else args.snapshot_mb)
+    checks = Checks(dry, workdir, 4 if dry else args.snapshot_mb)
     report: dict[str, Any] = {
         "dry": dry, "torch": torch.__version__, "workdir": str(workdir),
         "device": "cpu" if dry else torch.cuda.get_device_name(0),
