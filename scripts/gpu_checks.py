@@ -191,7 +191,8 @@ def check_snapshot(checks: Checks) -> dict[str, Any]:
     later = statistics.median(blocking[1:])
     first_ok = blocking[0] <= max(2 * later, later + 0.02)
     return {
-        "ok": bool(first_ok and params_equal and opt_equal and on_device
+        # A timing is part of the verdict only on a GPU: on a busy CPU (CI) it is noise.
+        "ok": bool((first_ok or checks.dry) and params_equal and opt_equal and on_device
                    and info.from_step == every * 4),
         "state_mb": round(state_mb), "every_steps": every,
         "step_s_median": round(statistics.median(step_s), 4),
