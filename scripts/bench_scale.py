@@ -152,9 +152,10 @@ def serve_moto(port: int) -> None:
 @contextlib.contextmanager
 def moto_server(work: Path) -> Iterator[str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--moto", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=open(work / "moto.log", "wb"),
-                            start_new_session=True)
+    with open(work / "moto.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--moto",
+                                 str(port)], stdout=subprocess.DEVNULL, stderr=log,
+                                start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     try:
         _poll(lambda: _reachable(endpoint), 60, "the moto server")
@@ -196,7 +197,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    out, rank, world = Path(args.out), rt.rank, rt.ctx.world_size
+    out, rank = Path(args.out), rt.rank
     # After the kill, the agent whose worker died counts a restart and the other sees a
     # membership change (its workers' restart count stays 0): the harness's mark decides.
     attempt = 1 if (out / "killed").exists() else 0

@@ -272,12 +272,16 @@ def _discover(store: Store, ctx: DistContext) -> list[Manifest]:
 
 def _check_same_view(store: Store, ctx: DistContext, newest: int) -> None:
     """Every rank must see rank 0's newest manifest: with node-local storage on several
-    nodes the others would otherwise skip it as missing and start elsewhere."""
-    if not ctx.initialized or ctx.world_size == 1:
+    nodes the others would otherwise skip it as missing and start elsewhere.
+
+    A file system is what a node's ranks share, so one rank per node looks (local rank
+    0), not every rank: N requests on one object would be N² over N restores. An object
+    store is one namespace for every node, so nobody looks there."""
+    if not ctx.initialized or ctx.world_size == 1 or store.local_path(layout.SNAPSHOTS) is None:
         return
     error: Exception | None = None
     seen = True
-    if not ctx.is_writer:
+    if not ctx.is_writer and ctx.local_rank == 0:
         try:
             seen = store.exists(f"{layout.step_dir(newest)}/{layout.MANIFEST}")
         except Exception as exc:

@@ -143,11 +143,15 @@ def _object_collectives(rank: int, root: str, port: int) -> None:
     told = ctx.broadcast_object({"from": rank, "steps": list(range(100))} if rank == 1
                                 else None, src=1)
     assert ctx.all_reduce_max([rank, 7 - rank]) == [1, 7]
+    # To rank 1 only, with an agreement carried along: rank 0 receives nothing.
+    to_one, agreed = ctx.gather_object(mine, dst=1, agree=[rank, 7 - rank])
     et_dist.destroy_process_group()  # quiesce, then tear down
     assert len(et_dist._handed) == 0  # the backend let go of every tensor it was given
     Path(root, f"rank{rank}.json").write_text(json.dumps({
         "ranks": [g["rank"] for g in gathered], "blobs": [len(g["blob"]) for g in gathered],
-        "t": [g["t"].tolist() for g in gathered], "told": told}))
+        "t": [g["t"].tolist() for g in gathered], "told": told,
+        "to_one": None if to_one is None else [len(g["blob"]) for g in to_one],
+        "agreed": agreed}))
 
 
 def test_object_collectives_round_trip_and_release_their_tensors(tmp_path: Path) -> None:
@@ -157,4 +161,5 @@ def test_object_collectives_round_trip_and_release_their_tensors(tmp_path: Path)
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got == {"ranks": [0, 1], "blobs": [10, 5010], "t": [[0, 1, 2], [1, 2, 3]],
-                       "told": {"from": 1, "steps": list(range(100))}}
+                       "told": {"from": 1, "steps": list(range(100))},
+                       "to_one": [10, 5010] if rank == 1 else None, "agreed": [1, 7]}

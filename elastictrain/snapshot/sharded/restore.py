@@ -4,8 +4,11 @@ Call order and roles::
 
     (rank 0) list snapshot directories, newest first → broadcast
     for each step, newest first:
-        (rank 0) manifest (format 2) → every part exists with its size →
-                 read + verify the DCP metadata and the training state → broadcast
+        (rank 0) manifest (format 2) → read + verify the DCP metadata and the
+                 training state → broadcast
+        (all)    every part exists with its size: each rank asks for its share of
+                 the parts (about one: rank 0 alone would ask N times in a row), and
+                 one all-reduce agrees on the outcome
         (all)    get_state_dict at the current world size → DCP load through
                  StoreReader (each item verified before it is copied) →
                  set_state_dict
@@ -66,6 +69,11 @@ def load_newest_sharded(store: Store, ctx: DistContext, group: Any | None, model
             continue
         manifest = Manifest.from_json(header[0], f"{store.url}/{layout.step_dir(step)}")
         where = f"{store.url}/{layout.step_dir(step)}"
+        missing = _parts_missing(store, ctx, manifest)
+        if missing is not None:
+            log.warning("snapshot.corrupt", snapshot_step=step, reason=missing,
+                        action="skipped, trying the previous snapshot")
+            continue
         metadata = parse_metadata(header[1], where)
         state = current_state(model, optimizer)
         reader = StoreReader(store, layout.step_dir(step), metadata, manifest.checksum_algorithm)
@@ -99,7 +107,6 @@ def _header(store: Store, step: int) -> tuple[_Header | None, str | None, Except
         if manifest.format_version != SHARDED_FORMAT_VERSION:
             raise SnapshotCorrupt(f"{where}: a replicated (format {manifest.format_version}) "
                                   "snapshot; a sharded model restores sharded snapshots only")
-        check_parts(store, manifest)
         metadata = read_object(store, manifest, object_of(manifest, "dcp-", where))
         parse_metadata(metadata, where)  # here, where a failure skips the step on every rank
         train = read_object(store, manifest, object_of(manifest, "train-", where))
@@ -109,6 +116,30 @@ def _header(store: Store, step: int) -> tuple[_Header | None, str | None, Except
     except (StorageError, SnapshotUnloadable) as exc:
         return None, None, exc
     return (manifest.to_json(), metadata, train), None, None
+
+
+def _parts_missing(store: Store, ctx: DistContext, manifest: Manifest) -> str | None:
+    """Why the snapshot is corrupt when a part is missing or has another size on any
+    rank's share, else None; a read error on any rank fails every rank."""
+    error: Exception | None = None
+    status = 0  # 0 fine, 1 corrupt, 2 read error
+    try:
+        check_parts(store, manifest, manifest.objects[ctx.rank::ctx.world_size])
+    except SnapshotCorrupt as exc:
+        status, error = 1, exc
+    except Exception as exc:  # every rank must learn of it, or the others hang
+        status, error = 2, exc
+    worst, lowest = ctx.all_reduce_max([status, ctx.world_size - ctx.rank if status else 0])
+    if worst == 2:
+        if status == 2 and error is not None:
+            raise error
+        raise StorageError(f"{store.url}/{layout.step_dir(manifest.step)}: another rank "
+                           "could not read a part's size (its log says why); no rank "
+                           "resumes alone, torchrun retries the attempt")
+    if worst == 0:
+        return None
+    # Every rank logs the first failing rank's reason (sent only when there is one).
+    return str(ctx.broadcast_object(str(error), src=ctx.world_size - lowest))
 
 
 def _corruption(exc: CheckpointException) -> str:
