@@ -127,6 +127,28 @@ class DistContext:
         lengths = [int(o[:8].cpu().view(torch.int64).item()) for o in out]
         return [_unpickled(o[8:8 + n]) for o, n in zip(out, lengths, strict=True)], agreed
 
+    def scatter_object(self, objs: list[Any] | None, src: int = 0) -> Any:
+        """``objs[r]`` (a list on rank ``src``, one object per rank) on each rank ``r``:
+        what each rank needs of its own, where a broadcast would send every rank all N."""
+        if not self.initialized:
+            assert objs is not None
+            return objs[0]
+        pickled = ([_pickled(o, torch.device("cpu")) for o in objs]
+                   if self.rank == src and objs is not None else [])
+        longest = self.all_reduce_max([max((p.numel() for p in pickled), default=0)])[0]
+        out = _kept(torch.empty(longest + 8, dtype=torch.uint8, device=self._comm_device))
+        parts = None
+        if pickled:
+            parts = []
+            for data in pickled:  # [its length as 8 bytes | its bytes | padding]
+                padded = torch.zeros(longest + 8, dtype=torch.uint8)
+                padded[:8] = torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8)
+                padded[8:8 + data.numel()] = data
+                parts.append(_kept(padded.to(self._comm_device)))
+        torch_dist.scatter(out, parts, src=src)
+        length = int(out[:8].cpu().view(torch.int64).item())
+        return _unpickled(out[8:8 + length])
+
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0,
                          chunk_bytes: int = 256 << 20) -> None:
         """Overwrite a contiguous CPU ``tensor`` on every rank with rank ``src``'s, in
