@@ -263,10 +263,11 @@ def _count_gathered(ctx: Any) -> _Gathered:
         if inner is None:
             continue
 
-        def wrapped(*a: Any, _inner: Any = inner, **k: Any) -> Any:
+        def wrapped(*a: Any, _inner: Any = inner, _name: str = name, **k: Any) -> Any:
             result = _inner(*a, **k)
-            if result is not None:
-                counter.bytes += sum(len(pickle.dumps(o)) for i, o in enumerate(result)
+            objs = result[0] if _name == "gather_object" else result  # (objects, agreed)
+            if objs is not None:
+                counter.bytes += sum(len(pickle.dumps(o)) for i, o in enumerate(objs)
                                      if i != ctx.rank)
             return result
         setattr(ctx, name, wrapped)
@@ -325,9 +326,10 @@ def _measure(args: argparse.Namespace, rt: Any, snap: Any, ddp: Any, opt: Any,
             blocking = time.perf_counter() - started
             handle.wait()
             durable = time.perf_counter() - started
-            if i == 2 and name.startswith("replicated"):
+            if name.startswith("replicated"):
                 # Retention runs after the commit, on the persister's thread: its
-                # operations belong to this save (a sharded save prunes before it is done).
+                # operations belong to this save, not to the next one's window (a
+                # sharded save prunes before it is done). The next save starts another.
                 manager._saver.close()
             if i == 2:
                 rec[f"save_{name}"] = {"blocking_s": blocking, "durable_s": durable,
@@ -510,6 +512,7 @@ def _drive(world: int, agents: list[Any], out: Path, ev: Path, storage: Path,
     ops_local = read_local_ops(out / "ops")  # again: the final snapshot's are in it now
     return {
         "exit_codes": codes,
+        "objects": _objects(storage),
         "step": _steps(records0),
         "saves": {p["phase"]: _phase(p, records0, ops_local, ops_s3, world)
                   for p in phases},
@@ -518,6 +521,21 @@ def _drive(world: int, agents: list[Any], out: Path, ev: Path, storage: Path,
         "events_per_attempt": _event_counts(evs, t_kill),
         "memory": _memory_totals(records0),
     }
+
+
+def _objects(storage: Path) -> dict[str, Any]:
+    """Sizes of the newest snapshot of each kind on local disk: manifest, objects."""
+    found = {}
+    for kind, root in (("replicated", storage / "replicated"), ("sharded", storage / "sharded")):
+        newest = sorted((root / "snapshots").glob("step_*"))[-1]
+        manifest = json.loads((newest / "MANIFEST.json").read_text())
+        found[kind] = {"manifest_bytes": (newest / "MANIFEST.json").stat().st_size,
+                       "objects": len(manifest["objects"]),
+                       "bytes": sum(o["size_bytes"] for o in manifest["objects"]),
+                       "training_state_bytes": sum(
+                           o["size_bytes"] for o in manifest["objects"]
+                           if o["name"].startswith(("train-", "state")))}
+    return found
 
 
 def _steps(records: list[dict[str, Any]]) -> dict[str, Any]:
