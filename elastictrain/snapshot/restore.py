@@ -319,7 +319,7 @@ def _load_here(store: Store, manifest: Manifest, in_place: InPlace | None = None
 
 def _load_broadcast(store: Store, ctx: DistContext, manifest: Manifest) -> _Outcome:
     """Rank 0 loads and verifies; the others receive its storages (few: one per slab),
-    and each rank its own RNG state (``_scatter_rng``)."""
+    and each rank its own RNG state (``scatter_rng``)."""
     index = StorageIndex()
     header: tuple[_Status, str | None, Any, list[int]] = (_Status.OK, None, None, [])
     outcome = _Outcome(_Status.OK)
@@ -347,12 +347,12 @@ def _load_broadcast(store: Store, ctx: DistContext, manifest: Manifest) -> _Outc
     for tensor in storages:
         ctx.broadcast_tensor(tensor)
     payload = from_views(skeleton, dict(enumerate(storages)))
-    shared = _scatter_rng(ctx, rng)
+    shared = scatter_rng(ctx, rng)
     payload["rng"] = rng if rng is not None else shared
     return _Outcome(_Status.OK, LoadedSnapshot(manifest.step, payload, manifest.total_bytes))
 
 
-def _scatter_rng(ctx: DistContext, rng: list[Any] | None) -> list[Any]:
+def scatter_rng(ctx: DistContext, rng: list[Any] | None) -> list[Any]:
     """Each rank's view of the saved RNG states (one per saving rank): rank 0's, which
     seeds every rank when the world size changed, and its own; the others None. A
     broadcast would send every rank all N states (N² in all) to use one or two."""
