@@ -80,4 +80,3 @@ def _agreed_failure(ctx: DistContext, reason: str | None) -> list[str]:
     if not lowest:
         return []
     return [ctx.broadcast_object(reason, src=ctx.world_size - lowest)]
-

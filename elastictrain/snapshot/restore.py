@@ -358,12 +358,13 @@ def scatter_rng(ctx: DistContext, rng: list[Any] | None) -> list[Any]:
     broadcast would send every rank all N states (N² in all) to use one or two."""
     shares = None
     if rng is not None:
-        first = _detached(rng[0])
+        first = _detached(rng[0]) if rng else None
         shares = [(len(rng), first, _detached(rng[r]) if 0 < r < len(rng) else None)
                   for r in range(ctx.world_size)]
     saved, first, own = ctx.scatter_object(shares)
     states: list[Any] = [None] * saved
-    states[0] = first
+    if saved:
+        states[0] = first
     if 0 < ctx.rank < saved:
         states[ctx.rank] = own
     return states

@@ -110,8 +110,9 @@ def finished_digest(root: Path) -> tuple[int, str]:
 def test_eight_ranks_survive_a_kill_and_a_preemption_bit_exactly(
         tmp_path: Path, launches: list[Launch]) -> None:
     clean_root, root, gates = tmp_path / "clean", tmp_path / "faulty", tmp_path / "gates"
-    launches.append(Launch(tmp_path, clean_root, "clean", []))
-    assert launches[-1].wait(timeout=240) == [0] * AGENTS, launches[-1].tail()
+    # The reference, an uninterrupted run, alongside (its own rendezvous and storage).
+    clean = Launch(tmp_path, clean_root, "clean", [])
+    launches.append(clean)
 
     # 1. Every rank parks after step 10 (its snapshot committed); rank 6 is SIGKILLed.
     first = Launch(tmp_path, root, "first", ["--park", str(PARK), "--gates", str(gates),
@@ -149,5 +150,6 @@ def test_eight_ranks_survive_a_kill_and_a_preemption_bit_exactly(
     # From the step of the final snapshot: the last step any rank took, nothing lost.
     last = [e for e in worker_events(root, "resume") if e.get("from_step") == final]
     assert sorted(e["rank"] for e in last) == list(range(WORLD))
+    assert clean.wait(timeout=240) == [0] * AGENTS, clean.tail()
     assert finished_digest(root) == finished_digest(clean_root)
     assert finished_digest(root)[0] == STEPS
