@@ -16,6 +16,7 @@ import pickle
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -99,6 +100,54 @@ class DistContext:
         out = [_kept(torch.empty_like(padded)) for _ in range(self.world_size)]
         torch_dist.all_gather(out, padded)
         return [_unpickled(o[:int(n.item())]) for o, n in zip(out, sizes, strict=True)]
+
+    def gather_object(self, obj: Any, dst: int = 0, agree: Sequence[int] = ()
+                      ) -> tuple[list[Any] | None, list[int]]:
+        """Every rank's object, in rank order, on rank ``dst`` only (None elsewhere),
+        and the element-wise max of ``agree`` on every rank.
+
+        What only one rank needs (the RNG states the writer saves): each other rank
+        sends its object and receives nothing, where ``all_gather_object`` hands every
+        rank all N objects (N² in all). One all-reduce sizes the gather and carries
+        ``agree`` (a decision every rank must share), so it costs no collective more.
+        """
+        if not self.initialized:
+            return [obj], list(agree)
+        data = _pickled(obj, self._comm_device)
+        longest, *agreed = self.all_reduce_max([data.numel(), *agree])
+        # Each object travels as [its length as 8 bytes | its bytes | padding].
+        padded = _kept(torch.zeros(longest + 8, dtype=torch.uint8, device=self._comm_device))
+        padded[:8] = torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8)
+        padded[8:8 + data.numel()] = data
+        out = ([_kept(torch.empty_like(padded)) for _ in range(self.world_size)]
+               if self.rank == dst else None)
+        torch_dist.gather(padded, out, dst=dst)
+        if out is None:
+            return None, agreed
+        lengths = [int(o[:8].cpu().view(torch.int64).item()) for o in out]
+        return [_unpickled(o[8:8 + n]) for o, n in zip(out, lengths, strict=True)], agreed
+
+    def scatter_object(self, objs: list[Any] | None, src: int = 0) -> Any:
+        """``objs[r]`` (a list on rank ``src``, one object per rank) on each rank ``r``:
+        what each rank needs of its own, where a broadcast would send every rank all N."""
+        if not self.initialized:
+            assert objs is not None
+            return objs[0]
+        pickled = ([_pickled(o, torch.device("cpu")) for o in objs]
+                   if self.rank == src and objs is not None else [])
+        longest = self.all_reduce_max([max((p.numel() for p in pickled), default=0)])[0]
+        out = _kept(torch.empty(longest + 8, dtype=torch.uint8, device=self._comm_device))
+        parts = None
+        if pickled:
+            parts = []
+            for data in pickled:  # [its length as 8 bytes | its bytes | padding]
+                padded = torch.zeros(longest + 8, dtype=torch.uint8)
+                padded[:8] = torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8)
+                padded[8:8 + data.numel()] = data
+                parts.append(_kept(padded.to(self._comm_device)))
+        torch_dist.scatter(out, parts, src=src)
+        length = int(out[:8].cpu().view(torch.int64).item())
+        return _unpickled(out[8:8 + length])
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0,
                          chunk_bytes: int = 256 << 20) -> None:

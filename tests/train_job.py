@@ -67,7 +67,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--memory-every", type=int)
     p.add_argument("--memory-dir")
     p.add_argument("--persister")
-    p.add_argument("--model", choices=["linear", "mlp"], default="linear")
+    p.add_argument("--model", choices=["linear", "linear-nobias", "mlp"], default="linear",
+                   help="linear-nobias: one parameter, so DDP's bucket layout (the order in "
+                        "which more than two ranks' gradients are summed) is the same in "
+                        "every process: bit-exact at any world size")
     p.add_argument("--width", type=int, default=8, help="features of the linear model")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
@@ -123,7 +126,7 @@ def model_of(args: argparse.Namespace) -> torch.nn.Module:
         net = torch.nn.Sequential(torch.nn.Linear(args.width, 64), torch.nn.Tanh(),
                                   torch.nn.Linear(64, 8))
     else:
-        net = torch.nn.Linear(args.width, args.width)
+        net = torch.nn.Linear(args.width, args.width, bias=args.model == "linear")
     if args.frozen_mb:
         net.frozen = torch.nn.Parameter(torch.ones(args.frozen_mb * 2**18), requires_grad=False)
     return net

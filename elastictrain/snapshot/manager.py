@@ -312,16 +312,18 @@ class SnapshotManager:
         if self._persists_here():
             self._saver.wait_in_flight(self.step_count)  # its outcome is agreed below
         with watchdog.busy("snapshot.save"):
-            gathered = self.ctx.all_gather_object((capture_rng(), self._failed_step()))
+            # Only the writer saves the RNG states: gathered to it alone, so a rank
+            # receives nothing (an all-gather would send every rank all N: N² in all);
+            # the writer's failed persist, if any, is agreed in the same collective.
+            rng, (failed_step,) = self.ctx.gather_object(capture_rng(),
+                                                         agree=[self._failed_step()])
             self._schedule.durable_taken(self.step_count)
-            failed_step = gathered[0][1]
             if failed_step:
                 self._raise_failed(failed_step)
             if not self._persists_here():
                 return SaveHandle.completed(self.step_count)
-            rng = [state for state, _ in gathered]
             self._last_handle = self._saver.save(
-                self._train.payload(rng), self._train.meta(), started,
+                self._train.payload(rng or []), self._train.meta(), started,
                 self._fence.deferred() if copy_behind else frozenset())
             # What the loop waited for: back-pressure + staging (+ the fence's wait).
             self._schedule.durable_saved(time.perf_counter() - started, self._fence.active)
@@ -336,6 +338,9 @@ class SnapshotManager:
         if self._memory is not None:
             self._memory.wait_in_flight(self.step_count)
         with watchdog.busy("snapshot.save"):
+            # Every rank gets every RNG state here: each node's copy holds all of them,
+            # since after a re-rendezvous a node may host any rank (O(N) per rank, on
+            # memory saves only; the durable save gathers to the writer alone).
             rng = self.ctx.all_gather_object(capture_rng())
             if self._memory is None:
                 return

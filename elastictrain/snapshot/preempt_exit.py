@@ -54,7 +54,7 @@ def save_and_exit(stop: preempt.StopRequest, ctx: DistContext, saver: SnapshotSa
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
     with watchdog.busy("preempt.final_snapshot"):  # peers wait here for the writer
-        reasons = [r for r in ctx.all_gather_object(reason) if r is not None]
+        reasons = _agreed_failure(ctx, reason)
     now = time.monotonic()
     since_notice = stop.notice_age_s + (now - stop.agreed_at)
     fields = {"snapshot_step": step, "duration_s": round(since_notice, 3),
@@ -69,3 +69,14 @@ def save_and_exit(stop: preempt.StopRequest, ctx: DistContext, saver: SnapshotSa
              grace_left_s=round(stop.grace_period_s - since_notice, 3),
              within_grace=since_notice <= stop.grace_period_s, **fields)
     raise preempt.PreemptedExit(EXIT_PREEMPTED)
+
+
+def _agreed_failure(ctx: DistContext, reason: str | None) -> list[str]:
+    """The first failed rank's reason on every rank ([] when the final save succeeded
+    everywhere): one all-reduce of the lowest failed rank, and its reason broadcast only
+    when there is one (no rank receives all N ranks' answers)."""
+    failed = reason is not None
+    (lowest,) = ctx.all_reduce_max([ctx.world_size - ctx.rank if failed else 0])
+    if not lowest:
+        return []
+    return [ctx.broadcast_object(reason, src=ctx.world_size - lowest)]

@@ -7,7 +7,8 @@ Call order and roles::
     for each committed snapshot, newest first:
         mode "each":      (all) read + verify + deserialize from storage
         mode "broadcast": (rank 0) read + verify + deserialize →
-                          (all) receive its storages over the process group
+                          (all) receive its storages over the process group, and
+                          each rank its own RNG state (scattered, not broadcast)
         (all) agree on the worst outcome: loaded everywhere → done; corrupt
               somewhere → log snapshot.corrupt and try the previous step; a read
               error or an unloadable payload anywhere → every rank raises
@@ -272,12 +273,16 @@ def _discover(store: Store, ctx: DistContext) -> list[Manifest]:
 
 def _check_same_view(store: Store, ctx: DistContext, newest: int) -> None:
     """Every rank must see rank 0's newest manifest: with node-local storage on several
-    nodes the others would otherwise skip it as missing and start elsewhere."""
-    if not ctx.initialized or ctx.world_size == 1:
+    nodes the others would otherwise skip it as missing and start elsewhere.
+
+    A file system is what a node's ranks share, so one rank per node looks (local rank
+    0), not every rank: N requests on one object would be N² over N restores. An object
+    store is one namespace for every node, so nobody looks there."""
+    if not ctx.initialized or ctx.world_size == 1 or store.local_path(layout.SNAPSHOTS) is None:
         return
     error: Exception | None = None
     seen = True
-    if not ctx.is_writer:
+    if not ctx.is_writer and ctx.local_rank == 0:
         try:
             seen = store.exists(f"{layout.step_dir(newest)}/{layout.MANIFEST}")
         except Exception as exc:
@@ -313,14 +318,18 @@ def _load_here(store: Store, manifest: Manifest, in_place: InPlace | None = None
 
 
 def _load_broadcast(store: Store, ctx: DistContext, manifest: Manifest) -> _Outcome:
-    """Rank 0 loads and verifies; the others receive its storages (few: one per slab)."""
+    """Rank 0 loads and verifies; the others receive its storages (few: one per slab),
+    and each rank its own RNG state (``scatter_rng``)."""
     index = StorageIndex()
     header: tuple[_Status, str | None, Any, list[int]] = (_Status.OK, None, None, [])
     outcome = _Outcome(_Status.OK)
+    rng: list[Any] | None = None
     if ctx.is_writer:
         outcome = _load_here(store, manifest)
         if outcome.loaded is not None:
-            skeleton = to_views(outcome.loaded.payload, index)
+            rest = dict(outcome.loaded.payload)
+            rng = rest.pop("rng")
+            skeleton = to_views(rest, index)
             header = (_Status.OK, None, skeleton, [s.nbytes() for s in index.storages])
         else:
             header = (outcome.status, str(outcome.error), None, [])
@@ -338,7 +347,39 @@ def _load_broadcast(store: Store, ctx: DistContext, manifest: Manifest) -> _Outc
     for tensor in storages:
         ctx.broadcast_tensor(tensor)
     payload = from_views(skeleton, dict(enumerate(storages)))
+    shared = scatter_rng(ctx, rng)
+    payload["rng"] = rng if rng is not None else shared
     return _Outcome(_Status.OK, LoadedSnapshot(manifest.step, payload, manifest.total_bytes))
+
+
+def scatter_rng(ctx: DistContext, rng: list[Any] | None) -> list[Any]:
+    """Each rank's view of the saved RNG states (one per saving rank): rank 0's, which
+    seeds every rank when the world size changed, and its own; the others None. A
+    broadcast would send every rank all N states (N² in all) to use one or two."""
+    shares = None
+    if rng is not None:
+        first = _detached(rng[0]) if rng else None
+        shares = [(len(rng), first, _detached(rng[r]) if 0 < r < len(rng) else None)
+                  for r in range(ctx.world_size)]
+    saved, first, own = ctx.scatter_object(shares)
+    states: list[Any] = [None] * saved
+    if saved:
+        states[0] = first
+    if 0 < ctx.rank < saved:
+        states[ctx.rank] = own
+    return states
+
+
+def _detached(state: Any) -> Any:
+    """``state`` with each tensor copied out of the loaded slab it views: pickled as a
+    view, a tensor would carry its whole storage along."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _detached(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_detached(v) for v in state)
+    return state
 
 
 def _peer_error(status: _Status, store: Store, step: int,

@@ -75,6 +75,7 @@ def test_a_read_error_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
 
 def _node_local_rank(rank: int, tmp: str, port: int, with_snapshot: bool) -> None:
     ctx = _group(rank, port)
+    ctx.local_rank = 0  # each rank a node of its own: its local rank 0 looks
     store = open_store(f"{tmp}/node{rank}/run")  # each "node" has its own disk
     if rank == 0 and with_snapshot:
         _save(store, 10)

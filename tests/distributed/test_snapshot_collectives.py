@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -97,8 +98,10 @@ def _restore_rank(rank: int, tmp: str, port: int) -> None:
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     snap = SnapshotManager(f"{tmp}/run", model=model, optimizer=opt, ctx=ctx, every_steps=5)
+    random.seed(rank)  # a python RNG stream of its own per rank
     _train(model, opt, snap, until=5)
     expected = [p.detach().clone() for p in model.parameters()]
+    expected_rng = random.getstate()  # as the save of step 5 captured it
     _train(model, opt, snap, until=10)
     snap.close()
     ctx.barrier()
@@ -119,7 +122,9 @@ def _restore_rank(rank: int, tmp: str, port: int) -> None:
             "params_equal": all(torch.equal(a, b) for a, b in zip(fresh.parameters(), expected,
                                                                   strict=True)),
             "adam_step": float(fresh_opt.state_dict()["state"][0]["step"]),
+            "own_rng": random.getstate() == expected_rng,
         }
+        random.seed(-1)  # the next mode must restore it again
     Path(f"{tmp}/restore-{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -129,8 +134,8 @@ def test_both_restore_modes_load_the_newest_verified_snapshot_everywhere(tmp_pat
     for rank in (0, 1):
         results = json.loads((tmp_path / f"restore-{rank}.json").read_text())
         for mode in ("each", "broadcast"):
-            assert results[mode] == {"from_step": 5, "params_equal": True, "adam_step": 5.0}, (
-                rank, mode)
+            assert results[mode] == {"from_step": 5, "params_equal": True, "adam_step": 5.0,
+                                     "own_rng": True}, (rank, mode)
 
 
 def _object_collectives(rank: int, root: str, port: int) -> None:
@@ -143,11 +148,18 @@ def _object_collectives(rank: int, root: str, port: int) -> None:
     told = ctx.broadcast_object({"from": rank, "steps": list(range(100))} if rank == 1
                                 else None, src=1)
     assert ctx.all_reduce_max([rank, 7 - rank]) == [1, 7]
+    # To rank 1 only, with an agreement carried along: rank 0 receives nothing.
+    to_one, agreed = ctx.gather_object(mine, dst=1, agree=[rank, 7 - rank])
+    # From rank 1, each rank its own object.
+    own = ctx.scatter_object([{"to": r, "blob": "y" * (3 + 4000 * r)} for r in range(2)]
+                             if rank == 1 else None, src=1)
     et_dist.destroy_process_group()  # quiesce, then tear down
     assert len(et_dist._handed) == 0  # the backend let go of every tensor it was given
     Path(root, f"rank{rank}.json").write_text(json.dumps({
         "ranks": [g["rank"] for g in gathered], "blobs": [len(g["blob"]) for g in gathered],
-        "t": [g["t"].tolist() for g in gathered], "told": told}))
+        "t": [g["t"].tolist() for g in gathered], "told": told,
+        "to_one": None if to_one is None else [len(g["blob"]) for g in to_one],
+        "agreed": agreed, "own": [own["to"], len(own["blob"])]}))
 
 
 def test_object_collectives_round_trip_and_release_their_tensors(tmp_path: Path) -> None:
@@ -157,4 +169,6 @@ def test_object_collectives_round_trip_and_release_their_tensors(tmp_path: Path)
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got == {"ranks": [0, 1], "blobs": [10, 5010], "t": [[0, 1, 2], [1, 2, 3]],
-                       "told": {"from": 1, "steps": list(range(100))}}
+                       "told": {"from": 1, "steps": list(range(100))},
+                       "to_one": [10, 5010] if rank == 1 else None, "agreed": [1, 7],
+                       "own": [rank, 3 + 4000 * rank]}

@@ -148,6 +148,10 @@ class CountingCtx:
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def gather_object(self, obj: Any, dst: int = 0,
+                      agree: list[int] | tuple[int, ...] = ()) -> tuple[list[Any], list[int]]:
+        return [obj], list(agree)
+
 
 
 

@@ -30,8 +30,10 @@ def object_of(manifest: Manifest, prefix: str, where: str) -> ObjectEntry:
     return found[0]
 
 
-def check_parts(store: Store, manifest: Manifest) -> None:
-    """Every object the manifest names exists with its size (cheap: no data read).
+def check_parts(store: Store, manifest: Manifest,
+                entries: list[ObjectEntry] | None = None) -> None:
+    """Every object the manifest names (or ``entries`` of them) exists with its size
+    (cheap: no data read, one size request per object).
 
     Raises:
         SnapshotCorrupt: an object is missing or has another size (a rank's part lost).
@@ -39,7 +41,7 @@ def check_parts(store: Store, manifest: Manifest) -> None:
             the attempt fails, as in the replicated path (snapshot/reader.py).
     """
     directory = layout.step_dir(manifest.step)
-    for entry in manifest.objects:
+    for entry in manifest.objects if entries is None else entries:
         if not _SAFE_NAME.match(entry.name):
             raise SnapshotCorrupt(f"{store.url}/{directory}: manifest names {entry.name!r}")
         path = f"{directory}/{entry.name}"
