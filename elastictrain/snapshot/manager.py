@@ -211,7 +211,8 @@ class SnapshotManager:
         if self._memory is not None:
             self._memory.warm_up()
         loaded = self._saver.load_newest(LoadRequest(
-            self.ctx, self.config.restore_mode, self.memory_store, self._train.in_place()))
+            self.ctx, self.config.restore_mode, self.memory_store, self._train.in_place(),
+            self._node_memory.peers))
         step = loaded.step if loaded else None
         self._rescuer.resumed_from = -1 if step is None else step
         self._node_memory.drop_newer(step)  # every rank has loaded: nobody reads them
