@@ -83,6 +83,8 @@ class RecordStream:
             self._sender.join(CLOSE_TIMEOUT_S)
         for thread in self._receivers:
             thread.join(CLOSE_TIMEOUT_S)
+        log.info("snapshot.records_closed", sent=self.sent, targets=self._targets,
+                 received=dict(self.received))
 
     def _next(self) -> bytes | None:
         with self._cond:
