@@ -13,7 +13,8 @@ Call order (every rank runs the same calls)::
 With ``memory_every`` set, the steps between durable saves snapshot to the node-memory
 tier instead: (all) gather RNG → (local rank 0 of every node) stage, then persist to
 the node's memory directory in the background; ``restore()`` prefers that copy when
-every node holds it and it is newer than the durable one (snapshot/memory.py).
+it is newer than the durable one and every node holds it, or some node does and sends
+it to the others (snapshot/memory.py, snapshot/peer_restore.py).
 
 Snapshots are taken at step boundaries only, so every rank decides the same:
 step triggers are deterministic; time triggers, preemption notices

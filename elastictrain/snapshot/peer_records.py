@@ -34,9 +34,12 @@ from elastictrain.snapshot.rescue import SLOT_BYTES, record_length, write_peer_r
 
 log = get_logger("elastictrain.snapshot")
 
-_ENVELOPE = struct.Struct("<ii")  # kind, sending rank
+_ENVELOPE = struct.Struct("<iii")  # kind, sending rank, record length
 _RECORD, _END = 1, 0
-MESSAGE_BYTES = _ENVELOPE.size + SLOT_BYTES
+# A record travels in one message of this size (the RNG states of python, torch CPU,
+# numpy and a few CUDA devices take about 13 kB); a longer one (up to a slot) sends
+# the rest in a second message.
+MESSAGE_BYTES = 16 * 1024
 CLOSE_TIMEOUT_S = 10.0
 
 
@@ -81,8 +84,11 @@ class RecordStream:
             self._cond.notify()
         if self._sender.is_alive():
             self._sender.join(CLOSE_TIMEOUT_S)
-        for thread in self._receivers:
-            thread.join(CLOSE_TIMEOUT_S)
+        for source, thread in zip(self.received, self._receivers, strict=True):
+            # A source that sent nothing (it records no boundaries: its memory tier did
+            # not open) sends no end either; its receiver ends with the process group.
+            if self.received[source]:
+                thread.join(CLOSE_TIMEOUT_S)
         log.info("snapshot.records_closed", sent=self.sent, targets=self._targets,
                  received=dict(self.received))
 
@@ -94,16 +100,20 @@ class RecordStream:
             return record
 
     def _send_loop(self) -> None:
-        raw = bytearray(MESSAGE_BYTES)
-        message, view = torch.frombuffer(raw, dtype=torch.uint8), memoryview(raw)
+        raw = bytearray(_ENVELOPE.size + SLOT_BYTES)
+        buffer, view = torch.frombuffer(raw, dtype=torch.uint8), memoryview(raw)
+        message = buffer[:MESSAGE_BYTES]
         try:
             while (record := self._next()) is not None:
-                _ENVELOPE.pack_into(view, 0, _RECORD, self._rank)
-                view[_ENVELOPE.size:_ENVELOPE.size + len(record)] = record
+                _ENVELOPE.pack_into(view, 0, _RECORD, self._rank, len(record))
+                end = _ENVELOPE.size + len(record)
+                view[_ENVELOPE.size:end] = record
                 for target in self._targets:
                     self._transport.send(message, target, TAG_RECORDS)
+                    if end > MESSAGE_BYTES:
+                        self._transport.send(buffer[MESSAGE_BYTES:end], target, TAG_RECORDS)
                 self.sent += 1
-            _ENVELOPE.pack_into(view, 0, _END, self._rank)
+            _ENVELOPE.pack_into(view, 0, _END, self._rank, 0)
             for target in self._targets:
                 self._transport.send(message, target, TAG_RECORDS)
         except Exception as exc:  # a target is gone: its node's survivors rescue nothing
@@ -111,8 +121,9 @@ class RecordStream:
                      error=f"{type(exc).__name__}: {str(exc)[:200]}")
 
     def _receive_loop(self, source: int) -> None:
-        raw = bytearray(MESSAGE_BYTES)
-        message, view = torch.frombuffer(raw, dtype=torch.uint8), memoryview(raw)
+        raw = bytearray(_ENVELOPE.size + SLOT_BYTES)
+        buffer, view = torch.frombuffer(raw, dtype=torch.uint8), memoryview(raw)
+        message = buffer[:MESSAGE_BYTES]
         try:
             fd = open_private(self._directory / f"rank{source}", os.O_RDWR | os.O_CREAT)
         except OSError as exc:
@@ -121,14 +132,17 @@ class RecordStream:
         try:
             while True:
                 self._transport.recv(message, source, TAG_RECORDS)
-                kind, _ = _ENVELOPE.unpack_from(view)
-                if kind != _RECORD:
+                kind, _, sent_length = _ENVELOPE.unpack_from(view)
+                if kind != _RECORD or not 0 < sent_length <= SLOT_BYTES:
                     return
-                body = view[_ENVELOPE.size:]
+                end = _ENVELOPE.size + sent_length
+                if end > MESSAGE_BYTES:
+                    self._transport.recv(buffer[MESSAGE_BYTES:end], source, TAG_RECORDS)
+                body = view[_ENVELOPE.size:end]
                 length = record_length(body)
-                if length:
+                if length == sent_length:
                     try:
-                        write_peer_record(fd, bytes(body[:length]))
+                        write_peer_record(fd, bytes(body))
                     except OSError as exc:
                         self._failed(exc)
                     self.received[source] += 1

@@ -13,10 +13,11 @@ Call order and roles::
               error or an unloadable payload anywhere → every rank raises
 
 With the node-memory tier (snapshot/memory.py), before the durable loop: every
-rank finds its node's newest committed memory snapshot, one all-reduce agrees on
-it (memory when every node holds the same step and it is newer than the newest
-durable one), every rank reads and verifies its node's copy, and one all-reduce
-agrees on the outcome. Anything short of "verified everywhere", a read error
+rank finds its node's newest committed memory snapshot, one collective agrees on
+it (memory when it is newer than the newest durable one and every node holds it; with
+peers, when some node holds it, and the nodes lacking it receive a copy first:
+snapshot/peer_restore.py), every rank reads and verifies its node's copy, and one
+all-reduce agrees on the outcome. Anything short of "verified everywhere", a read error
 included, falls back to the durable loop: durable storage is the source of truth.
 A node's copy that failed to read, verify or load is deleted there
 (``snapshot.memory_set_aside``): memory is a cache, and a relaunch must not meet it again.
