@@ -60,10 +60,10 @@ def _tree(root: int) -> list[int]:
     return found
 
 
-def _kill_node(agent: Any, worker: int, mem: Path) -> None:
+def _kill_node(agent: Any, workers: list[int], mem: Path) -> None:
     """A node lost without notice: SIGKILL its agent's whole tree (agent, standby,
-    workers) and its worker by PID, then its memory is gone."""
-    pids = sorted(set(_tree(agent.pid)) | {worker})
+    workers) and its workers by PID, then its memory is gone."""
+    pids = sorted(set(_tree(agent.pid)) | set(workers))
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -73,9 +73,11 @@ def _kill_node(agent: Any, worker: int, mem: Path) -> None:
 
 
 def _two_nodes(agents: Agents, tmp_path: Path, nnodes: str, extra: tuple[str, ...] = (),
-               env: dict[str, str] | None = None) -> tuple[Any, Any, dict[str, Any]]:
+               env: dict[str, str] | None = None,
+               nproc: int = 1) -> tuple[Any, Any, dict[str, Any]]:
     common: dict[str, Any] = {"nnodes": nnodes, "endpoint": f"127.0.0.1:{free_port()}",
-                              "gates": tmp_path / "gates", "extra": extra, "env": env}
+                              "gates": tmp_path / "gates", "extra": extra, "env": env,
+                              "nproc": nproc}
     root = tmp_path / "run"
     node_a = agents.start("a", root, tmp_path / "mem-a", is_host=1, **common)
     node_b = agents.start("b", root, tmp_path / "mem-b", is_host=0, **common)
@@ -102,7 +104,7 @@ def test_replaced_node_restores_from_the_surviving_nodes_memory(
     wait_for(lambda: _memory_committed(tmp_path / "ev", PARK, 2), 60,
              "both nodes' memory snapshots of step 25")
     assert list_snapshot_dirs(open_store(str(tmp_path / "run"))) == [EVERY]
-    _kill_node(node_b, pids[1], tmp_path / "mem-b")
+    _kill_node(node_b, [pids[1]], tmp_path / "mem-b")
     (tmp_path / "gates" / "go").write_text("")
     node_b2 = agents.start("b2", tmp_path / "run", tmp_path / "mem-b2", is_host=0, **common)
     assert node_a.wait(timeout=400) == 0, _log(agents)
@@ -125,16 +127,17 @@ def test_replaced_node_restores_from_the_surviving_nodes_memory(
     assert not (tmp_path / "mem-a").exists() and not (tmp_path / "mem-b2").exists()
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("replaced", [True, False])
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("replaced", "nproc"), [(True, 1), (False, 1), (True, 2)])
 def test_survivor_rescues_the_step_of_a_lost_node(tmp_path: Path, agents: Agents,
                                                   reference_digest: str,
-                                                  replaced: bool) -> None:
+                                                  replaced: bool, nproc: int) -> None:
+    """With two workers a node, B's ranks 2 and 3 stream their records to A's 0 and 1."""
     node_a, node_b, common = _two_nodes(
         agents, tmp_path, "2" if replaced else "1:2",
-        extra=("--memory-every=1000", f"--park-in={PARK + 1}"))
-    pids = _wait_parked(tmp_path / "gates", 2)  # both in the middle of step 26
-    _kill_node(node_b, pids[1], tmp_path / "mem-b")
+        extra=("--memory-every=1000", f"--park-in={PARK + 1}"), nproc=nproc)
+    pids = _wait_parked(tmp_path / "gates", 2 * nproc)  # all in the middle of step 26
+    _kill_node(node_b, [pids[r] for r in range(nproc, 2 * nproc)], tmp_path / "mem-b")
     (tmp_path / "gates" / "go").write_text("")  # A's backward meets B's death
     ev = tmp_path / "ev"
     wait_for(lambda: events(ev / "a", "snapshot.rescued")
@@ -144,15 +147,20 @@ def test_survivor_rescues_the_step_of_a_lost_node(tmp_path: Path, agents: Agents
     assert node_a.wait(timeout=400) == 0, _log(agents)
 
     rescued = events(ev / "a", "snapshot.rescued")
-    assert [(e["rank"], e["snapshot_step"]) for e in rescued] == [(0, PARK)], \
+    # One rank of node A commits it (the others find it claimed).
+    assert [e["snapshot_step"] for e in rescued] == [PARK], \
         events(ev / "a", "snapshot.rescue_skipped")
     resumes = [e for e in events(ev, "resume") if e.get("from_step") is not None]
     assert {e["rescued"] for e in resumes} == {True}
     lost = [e["lost_steps"] for e in resumes if e["lost_steps"] is not None]
     assert lost and max(lost) <= 1
     if replaced:
-        assert _resumes(ev) == [(0, PARK, "memory", None), (1, PARK, "memory", 0)]
-        assert _digest(ev / "a") == reference_digest  # bit-exact
+        assert _resumes(ev) == [(r, PARK, "memory", None if r < nproc else 0)
+                                for r in range(2 * nproc)]
+        # (Four gloo ranks resumed from step 25 end on other bits than an uninterrupted
+        # run even on one node, after a worker kill: no check against one here.)
+        if nproc == 1:
+            assert _digest(ev / "a") == reference_digest  # bit-exact
     else:
         assert _resumes(ev) == [(0, PARK, "memory", None)]
         (resume,) = [e for e in resumes]
