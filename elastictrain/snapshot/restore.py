@@ -205,10 +205,9 @@ def _load_memory(store: Store | None, ctx: DistContext, durable_step: int, writt
         reason = choice.reason
         if reason is None and choice.sources and not peers.fetch(choice, store):
             reason = "a copy to a node lacking it failed"
-        if reason is None:
-            peer_rank = peers.source_rank(choice)
-            manifest, error = _manifest_of(store, choice.step) if peer_rank is not None \
-                else (manifest, error)
+        peer_rank = peers.source_rank(choice) if reason is None else None
+        if peer_rank is not None:  # this node holds the copy it just received
+            manifest, error = _manifest_of(store, choice.step)
     if reason is not None:
         log.info("snapshot.memory_skipped", memory_step=None if manifest is None else step,
                  durable_step=None if durable_step == memory.NO_STEP else durable_step,
