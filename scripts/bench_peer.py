@@ -11,12 +11,19 @@ streamed to the other node) against 0 (records kept on the node). Rate: rank 0's
 start and rendezvous are outside the window). The two configurations alternate, in
 turn first, ``--rounds`` times; the ratio is replicas=1 over replicas=0.
 
+Step cost in one job: ``--micro``: two gloo workers (torchrun) train an MLP (``--width``) with a
+gradient all-reduce each step and write a boundary record each step; blocks of
+``--block-steps`` steps alternate between handing each record to the stream to the other
+rank and not, in the same processes (what the machine's other work does to the rate
+falls on both alike). Ratio: step time without over with (≥ 0.97 is the target).
+
 Copy: ``--copy-mb``: one process pair (torchrun, two gloo workers) sends a committed
 memory snapshot of that size from one memory directory to another and verifies it
 (snapshot/peer_restore.py), against reading and verifying the same snapshot from the
 local memory directory alone.
 
     python scripts/bench_peer.py --steps 400 --rounds 3 --json
+    python scripts/bench_peer.py --micro --rounds 20
     python scripts/bench_peer.py --copy-mb 256 --rounds 3
 """
 
@@ -156,6 +163,76 @@ dist.destroy_process_group()
 '''
 
 
+MICRO_WORKER = r'''
+import json, os, sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+from elastictrain.snapshot.peer_records import RecordStream
+from elastictrain.snapshot.peer_transport import GlooTransport
+from elastictrain.snapshot.rescue import BoundaryRecord
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+transport = GlooTransport.create()
+where = Path(sys.argv[1]) / f"boundary{rank}"
+where.mkdir(mode=0o700)
+rounds, block, width = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(),
+                            torch.nn.Linear(width, width))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+x = torch.randn(32, width)
+record = BoundaryRecord(where, rank, (2, 0, -1), lambda: list(model.parameters()))
+stream = RecordStream(transport, rank, [1 - rank], [1 - rank], where, print)
+times = {"with": [], "without": []}
+step = 0
+for r in range(2 * rounds + 1):
+    mode = "with" if r % 2 else "without"
+    started = time.perf_counter()
+    for _ in range(block):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        flat = torch.cat([p.grad.view(-1) for p in model.parameters()])
+        dist.all_reduce(flat)
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        data = record.record(step)
+        if mode == "with":
+            stream.publish(data)
+    if r:  # the first block warms up
+        times[mode].append((time.perf_counter() - started) / block)
+stream.close()
+print(json.dumps({"rank": rank, "times": times, "sent": stream.sent}), flush=True)
+dist.destroy_process_group()
+'''
+
+
+def bench_micro(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-peer-micro-", dir="/dev/shm") as tmp:
+        worker = Path(tmp) / "micro_worker.py"
+        worker.write_text(MICRO_WORKER)
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+             f"--master-port={_free_port()}", str(worker), tmp, str(args.rounds),
+             str(args.block_steps), str(args.width)],
+            capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    if result.returncode != 0 or len(lines) != 2:
+        raise RuntimeError(result.stderr[-3000:])
+    times = next(x for x in lines if x["rank"] == 0)["times"]
+    rate = ratio_spread(times["without"], times["with"])
+    report["micro"] = {"step_s_with": spread(times["with"]),
+                       "step_s_without": spread(times["without"]),
+                       "rate_with_over_without": rate, "block_steps": args.block_steps,
+                       "width": args.width,
+                       "records_sent": [x["sent"] for x in lines]}
+    print(f"step time with the stream {fmt(spread(times['with']), 5)} s, without "
+          f"{fmt(spread(times['without']), 5)} s; step rate with / without: {fmt(rate)}; "
+          f"records sent {[x['sent'] for x in lines]}")
+
+
 def bench_copy(args: argparse.Namespace, report: dict[str, Any]) -> None:
     import torch
 
@@ -198,6 +275,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--copy-mb", type=int, default=0, help="measure a peer copy instead")
+    p.add_argument("--micro", action="store_true", help="the step cost in one job instead")
+    p.add_argument("--block-steps", type=int, default=50)
+    p.add_argument("--width", type=int, default=1024, help="--micro: the MLP's width")
     p.add_argument("--json", nargs="?", const="bench_peer.json", default=None)
     args = p.parse_args()
     load_before = load_average()
@@ -205,6 +285,8 @@ def main() -> None:
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.copy_mb:
         bench_copy(args, report)
+    elif args.micro:
+        bench_micro(args, report)
     else:
         bench_steps(args, report)
     report["load_after"] = load_average()
