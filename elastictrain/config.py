@@ -123,6 +123,11 @@ class SnapshotConfig(_Model):
     # With a memory tier: on an uncaught error, a surviving rank commits the last step
     # every rank completed to its node's memory (docs/memory-tier.md#rescue).
     rescue: bool = True
+    # With a memory tier on several nodes: how many other nodes receive each rank's
+    # step-boundary records (the rescue across nodes), and whether a node lacking the
+    # newest memory snapshot receives it from a node holding it instead of reading
+    # durable storage (0: nothing crosses nodes). docs/memory-tier.md#across-nodes
+    memory_replicas: int = Field(default=1, ge=0)
     # Copy parameters and optimizer state behind the loop: while the next forward and
     # backward run; the optimizer's next step() waits for the copy. A copy whose source
     # changed in place before it was done is dropped, and copies are made at once from

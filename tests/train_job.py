@@ -22,6 +22,9 @@ the optimizer, the batch, the storage faults and where the job stops for the tes
   ``DIR/rank<r>.json`` with its PID and waits for ``DIR/go`` (the test kills what it must
   meanwhile). ``--park N --stdin``: after step N the job prints ``{"parked": N}`` and
   reads a line from stdin (synchronised by the pipe).
+* ``--park-in N --gates DIR``: in the first attempt every rank stops in the middle of
+  step N, between its forward and its backward, and parks on the gates as ``--park``
+  does (the test kills a node meanwhile: the survivors' backward then fails).
 * ``--die-in N``: rank 1 of the first attempt SIGKILLs itself in the middle of step N,
   between its forward and its backward; ``--late-survivor``: rank 0 meets that death
   only after the agent saw it (it starts its backward once ``agent.failure_detected`` is
@@ -89,6 +92,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--park", type=int, default=0)
     p.add_argument("--gates", type=Path)
     p.add_argument("--stdin", action="store_true", help="park on stdin, not on gates")
+    p.add_argument("--park-in", type=int, default=0)
     p.add_argument("--die-in", type=int, default=0)
     p.add_argument("--late-survivor", action="store_true")
     p.add_argument("--final-save", action="store_true", help="a snapshot after the last step")
@@ -199,6 +203,8 @@ def train(args: argparse.Namespace, rt: Any) -> None:
         else:
             x = torch.randn(args.batch, args.width)
         loss = model(x).pow(2).mean()
+        if first_attempt and snap.step_count + 1 == args.park_in:
+            park_on_gates(args.gates, rank)
         if first_attempt and rank == 1 and snap.step_count + 1 == args.die_in:
             os.kill(os.getpid(), signal.SIGKILL)
         if first_attempt and args.late_survivor and snap.step_count + 1 == args.die_in:

@@ -13,7 +13,8 @@ Call order (every rank runs the same calls)::
 With ``memory_every`` set, the steps between durable saves snapshot to the node-memory
 tier instead: (all) gather RNG → (local rank 0 of every node) stage, then persist to
 the node's memory directory in the background; ``restore()`` prefers that copy when
-every node holds it and it is newer than the durable one (snapshot/memory.py).
+it is newer than the durable one and every node holds it, or some node does and sends
+it to the others (snapshot/memory.py, snapshot/peer_restore.py).
 
 Snapshots are taken at step boundaries only, so every rank decides the same:
 step triggers are deterministic; time triggers, preemption notices
@@ -212,7 +213,8 @@ class SnapshotManager:
         if self._memory is not None:
             self._memory.warm_up()
         loaded = self._saver.load_newest(LoadRequest(
-            self.ctx, self.config.restore_mode, self.memory_store, self._train.in_place()))
+            self.ctx, self.config.restore_mode, self.memory_store, self._train.in_place(),
+            self._node_memory.peers))
         step = loaded.step if loaded else None
         self._rescuer.resumed_from = -1 if step is None else step
         self._node_memory.drop_newer(step)  # every rank has loaded: nobody reads them

@@ -4,9 +4,10 @@ the rule by which all ranks agree to restore from it.
 The state is replicated (DDP), so the local rank 0 of every node writes the same
 snapshot to its node's memory directory through the ordinary saver and commit
 protocol (manifest, checksums, atomic rename), ``keep=1``. A restart restores from
-memory only when every node holds that same step and it is newer than the newest
-durable snapshot; otherwise from durable storage, the source of truth. Use, choice
-and figures: docs/memory-tier.md.
+memory when it is newer than the newest durable snapshot and every node holds that
+same step, or, with ``memory_replicas`` on several nodes, some node holds it and sends
+it to the others (snapshot/peer_restore.py); otherwise from durable storage, the
+source of truth. Use, choice and figures: docs/memory-tier.md.
 
 A memory directory belongs to one user and one durable storage: by default
 ``/dev/shm/elastictrain-<uid>/run-<hash of the storage URL>``, so a relaunch of the

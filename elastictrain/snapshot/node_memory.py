@@ -15,8 +15,9 @@ from elastictrain.config import SnapshotConfig
 from elastictrain.dist import DistContext
 from elastictrain.errors import ConfigError, SnapshotWriteFailed
 from elastictrain.log import get_logger
-from elastictrain.snapshot import memory, rescue
+from elastictrain.snapshot import memory, peer_transport, rescue
 from elastictrain.snapshot.commit import SnapshotMeta
+from elastictrain.snapshot.peer_restore import PeerCopies
 from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.storage import Store
@@ -33,6 +34,8 @@ class NodeMemory:
         store: the tier's store (every rank reads it on restore), or None.
         saver: its saver, on the node's local rank 0 only; else None.
         taken_step: the step of the last memory snapshot this attempt took, or -1.
+        peers: the other nodes (restore from their memory, the rescue's records), with
+            ``memory_replicas`` > 0 on several nodes; else None.
 
     Raises:
         ConfigError: ``memory_every`` is set for a sharded model (replicated state only).
@@ -46,8 +49,11 @@ class NodeMemory:
         self.store: Store | None = None
         self.saver: Saver | None = None
         self.taken_step = -1
+        self.peers: PeerCopies | None = None
         self._saved = False  # a memory save was started this attempt
         self._open(run_id, sharded)
+        if self._config.memory_every is not None:
+            self.peers = self._find_peers()
 
     def _open(self, run_id: str, sharded: bool) -> None:
         every = self._config.memory_every
@@ -67,6 +73,18 @@ class NodeMemory:
         if self._ctx.local_rank == 0:
             self.saver = Saver(self.tier.store, SaverSettings.for_memory(self._config),
                                tier="memory")
+
+    def _find_peers(self) -> PeerCopies | None:
+        """The other nodes and the transport to them (every rank calls it together:
+        one all-gather, and a process group when there are several nodes)."""
+        ctx = self._ctx
+        if self._config.memory_replicas == 0 or not ctx.initialized or ctx.world_size == 1:
+            return None
+        path = memory.memory_dir(self._config, self._durable.url)
+        nodes = peer_transport.discover(ctx, str(path))
+        if nodes.count == 1:
+            return None
+        return PeerCopies(ctx, nodes, peer_transport.GlooTransport.create())
 
     def save(self, state: dict[str, Any], meta: SnapshotMeta, started: float,
              defer: AbstractSet[int]) -> None:
@@ -96,10 +114,13 @@ class NodeMemory:
         marks = self.tier.boundary
         rescued = (loaded_memory_step is not None
                    and rescue.was_rescued(marks, loaded_memory_step))
-        lost = self._ctx.all_reduce_max([int(not self.tier.kept), int(not rescued)])
+        # Rescued when the node whose copy was loaded says so (a node that received
+        # that copy from it holds no mark).
+        lost, rescued_anywhere = self._ctx.all_reduce_max([int(not self.tier.kept),
+                                                            int(rescued)])
         if self.saver is not None:  # every rank has read its node's mark
             rescue.clear_marks(marks)
-        return not lost[0], not lost[1]
+        return not lost, bool(rescued_anywhere)
 
     def close(self) -> None:
         """The run finished: remove this node's memory snapshots (only here: after a

@@ -72,13 +72,15 @@ class BoundaryRecord:
         self._versions = 0
         self._numpy = _NumpyState()
 
-    def record(self, step: int) -> None:
-        """After step ``step`` completed on this rank (before anything else of it)."""
+    def record(self, step: int) -> bytes | None:
+        """After step ``step`` completed on this rank (before anything else of it).
+        Returns the record written (a peer node keeps a copy: snapshot/peer_records.py),
+        None when there was none to write."""
         if self._watched is None:  # the tensors exist from the first step on
             self._watched = self._tensors()
         payload = _rng_bytes(self._numpy)
         if len(payload) + _HEADER.size > SLOT_BYTES:
-            return  # not expected (a slot is several times their size); the rescue skips it
+            return None  # not expected (a slot is several times their size): skipped
         header = _HEADER.pack(_MAGIC, step, *self._attempt, len(payload), zlib.crc32(payload))
         data = header + payload
         if os.pwrite(self._fd, data, (step % 2) * SLOT_BYTES) != len(data):
@@ -87,6 +89,7 @@ class BoundaryRecord:
             raise OSError(errno.ENOSPC, f"{self.path}: short write of a boundary record")
         self.step = step
         self._versions = self._version_sum()
+        return data
 
     def unchanged(self) -> bool:
         """No tensor a snapshot holds changed since the last record (an in-place update
@@ -99,6 +102,28 @@ class BoundaryRecord:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def write_peer_record(fd: int, data: bytes) -> int | None:
+    """Keep a record another node's rank wrote (its bytes, as sent) in its slot of the
+    open file ``fd``; returns its step, or None when ``data`` is no record (it is then
+    not written). Only the header is looked at: the reader checks the rest."""
+    if len(data) < _HEADER.size:
+        return None
+    magic, step, *_ = _HEADER.unpack_from(data)
+    if magic != _MAGIC or step < 0:
+        return None
+    if os.pwrite(fd, data, (step % 2) * SLOT_BYTES) != len(data):
+        raise OSError(errno.ENOSPC, "short write of a peer's boundary record")
+    return int(step)
+
+
+def record_length(data: bytes | memoryview) -> int:
+    """The length of the record at the start of ``data`` (0 when it is none)."""
+    if len(data) < _HEADER.size:
+        return 0
+    magic, _, _, _, _, length, _ = _HEADER.unpack_from(data)
+    return _HEADER.size + length if magic == _MAGIC else 0
 
 
 def read_record(directory: Path, rank: int, step: int,

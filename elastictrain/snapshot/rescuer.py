@@ -1,24 +1,33 @@
 """The manager's side of the rescue (``snapshot.rescue``, docs/memory-tier.md#rescue):
 a record of every step boundary, and on an uncaught error a commit of the last
 boundary to this node's memory tier. The protocol between ranks, the agent and the
-records is snapshot/rescue.py's.
+records is snapshot/rescue.py's; on several nodes each record also goes to other
+nodes (snapshot/peer_records.py), so a survivor there can rescue a lost node's step.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 from elastictrain.config import SnapshotConfig
 from elastictrain.dist import DistContext
 from elastictrain.log import get_logger
 from elastictrain.snapshot import rescue
 from elastictrain.snapshot.node_memory import NodeMemory
+from elastictrain.snapshot.peer_records import RecordStream
 from elastictrain.snapshot.rescue import BoundaryRecord, read_record
 from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.snapshot.training_state import TrainingState
 
 log = get_logger("elastictrain.snapshot")
+
+# How long a rescue waits for another node's record of its step that may still be on its
+# way (sent a moment before that node died, not yet written here); past it, it skips.
+PEER_RECORD_WAIT_S = 1.0
+_PEER_RECORD_POLL_S = 0.005
 
 
 class Rescuer:
@@ -39,6 +48,7 @@ class Rescuer:
         self._restart_count = restart_count
         self.resumed_from = -1
         self._boundary: BoundaryRecord | None = None
+        self._stream: RecordStream | None = None
 
     @property
     def active(self) -> bool:
@@ -55,13 +65,33 @@ class Rescuer:
                 self._boundary = BoundaryRecord(self._memory.tier.boundary, self._ctx.rank,
                                                 self._attempt(), self._train.held_tensors)
                 rescue.arm(self._rescue)
-            self._boundary.record(step)
+                self._stream = self._start_stream()
+            data = self._boundary.record(step)
+            if data is not None and self._stream is not None:
+                self._stream.publish(data)
         except OSError as exc:
             self._memory.health.failed("rescue boundary record", exc)
             return
         self._memory.health.ok("rescue boundary record")
 
+    def _start_stream(self) -> RecordStream | None:
+        """This rank's records to other nodes, theirs to this node (several nodes and
+        ``memory_replicas`` > 0: the manager found peers)."""
+        peers = self._memory.peers
+        if peers is None or self._memory.tier is None:
+            return None
+        replicas = self._config.memory_replicas
+        rank = self._ctx.rank
+        return RecordStream(peers.transport, rank, peers.nodes.record_targets(rank, replicas),
+                            peers.nodes.record_sources(rank, replicas),
+                            self._memory.tier.boundary,
+                            lambda exc: self._memory.health.failed("rescue boundary record",
+                                                                    exc))
+
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         if self._boundary is not None:
             rescue.disarm()
             self._boundary.close()
@@ -88,12 +118,11 @@ class Rescuer:
         step = record.step
         fields = {"snapshot_step": step, "tier": "memory", "error": type(error).__name__}
         reason = self._refusal(record)
-        rngs = [] if reason else [read_record(record.directory, rank, step, self._attempt())
-                                  for rank in range(self._ctx.world_size)]
+        rngs = [] if reason else self._records(record.directory, step)
         missing = [rank for rank, state in enumerate(rngs) if state is None]
         if missing:
             reason = (f"no record of step {step} on this node for rank(s) {missing} (on "
-                      "another node, or killed while writing it)")
+                      "another node, or killed while writing or sending it)")
         if reason is None and (not rescue.take_lock(record.directory, self._attempt(), step)
                                or rescue.was_rescued(record.directory, step)):
             log.info("snapshot.rescue_skipped", reason="another rank of this node rescues "
@@ -114,6 +143,31 @@ class Rescuer:
         rescue.mark_rescued(record.directory, step)
         log.info("snapshot.rescued", duration_s=round(time.perf_counter() - started, 4),
                  **fields)
+
+    def _records(self, directory: Path, step: int) -> list[dict[str, Any] | None]:
+        """Every rank's record of ``step`` on this node. One that another node sends
+        here and that is not here yet is waited for, a moment (``PEER_RECORD_WAIT_S``):
+        it may have been received and not yet written."""
+        attempt = self._attempt()
+        rngs = [read_record(directory, rank, step, attempt)
+                for rank in range(self._ctx.world_size)]
+        expected = self._peer_sources()
+        deadline = time.monotonic() + PEER_RECORD_WAIT_S
+        while any(rngs[r] is None for r in expected) and time.monotonic() < deadline:
+            time.sleep(_PEER_RECORD_POLL_S)  # another process of this node writes them
+            for rank in expected:
+                if rngs[rank] is None:
+                    rngs[rank] = read_record(directory, rank, step, attempt)
+        return rngs
+
+    def _peer_sources(self) -> set[int]:
+        """The ranks of other nodes whose records reach this node."""
+        peers = self._memory.peers
+        if peers is None or self._config.memory_replicas == 0:
+            return set()
+        here = peers.nodes.ranks(peers.node)
+        return {src for rank in here
+                for src in peers.nodes.record_sources(rank, self._config.memory_replicas)}
 
     def _refusal(self, record: BoundaryRecord) -> str | None:
         """Why this rank's state is not exactly its last boundary's, or None."""

@@ -14,10 +14,11 @@ Call order and roles::
               error or an unloadable payload anywhere → every rank raises
 
 With the node-memory tier (snapshot/memory.py), before the durable loop: every
-rank finds its node's newest committed memory snapshot, one all-reduce agrees on
-it (memory when every node holds the same step and it is newer than the newest
-durable one), every rank reads and verifies its node's copy, and one all-reduce
-agrees on the outcome. Anything short of "verified everywhere", a read error
+rank finds its node's newest committed memory snapshot, one collective agrees on
+it (memory when it is newer than the newest durable one and every node holds it; with
+peers, when some node holds it, and the nodes lacking it receive a copy first:
+snapshot/peer_restore.py), every rank reads and verifies its node's copy, and one
+all-reduce agrees on the outcome. Anything short of "verified everywhere", a read error
 included, falls back to the durable loop: durable storage is the source of truth.
 A node's copy that failed to read, verify or load is deleted there
 (``snapshot.memory_set_aside``): memory is a cache, and a relaunch must not meet it again.
@@ -61,7 +62,8 @@ from elastictrain.log import get_logger
 from elastictrain.snapshot import layout, memory
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.onepass import InPlace
-from elastictrain.snapshot.reader import newest_first, verify_snapshot
+from elastictrain.snapshot.peer_restore import PeerCopies
+from elastictrain.snapshot.reader import newest_first, read_manifest, verify_snapshot
 from elastictrain.snapshot.views import StorageIndex, as_bytes, from_views, to_views
 from elastictrain.storage.api import Store
 
@@ -76,6 +78,7 @@ class LoadedSnapshot:
     payload: dict[str, Any]
     size_bytes: int
     tier: str = "durable"
+    peer_rank: int | None = None  # memory: the rank whose node's copy this node received
 
 
 class _Status(IntEnum):
@@ -104,7 +107,8 @@ def resolve_mode(store: Store, mode: str) -> str:
 
 def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
                 memory_store: Store | None = None,
-                in_place: InPlace | None = None) -> LoadedSnapshot | None:
+                in_place: InPlace | None = None,
+                peers: PeerCopies | None = None) -> LoadedSnapshot | None:
     """The newest snapshot that verifies on every rank, loaded everywhere; None if none.
 
     Args:
@@ -114,6 +118,8 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
             ranks agree on it (module docstring).
         in_place: the model's tensors, read into directly where this rank reads a
             local payload itself (module docstring).
+        peers: the other nodes: memory is then chosen when some node holds the newest
+            step, and copied to the nodes lacking it (snapshot/peer_restore.py).
 
     Raises:
         StorageError: a read failed on some rank (after the store's retries); every
@@ -125,9 +131,9 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
     mode = resolve_mode(store, mode)
     manifests = _discover(store, ctx)
     written = _Written(ctx, in_place)
-    if memory_store is not None:
+    if memory_store is not None or peers is not None:
         durable_step = manifests[0].step if manifests else memory.NO_STEP
-        loaded = _load_memory(memory_store, ctx, durable_step, written)
+        loaded = _load_memory(memory_store, ctx, durable_step, written, peers)
         if loaded is not None:
             return loaded
     if manifests:
@@ -183,39 +189,62 @@ class _Written:
         return _Status(worst)
 
 
-def _load_memory(store: Store, ctx: DistContext, durable_step: int,
-                 written: _Written) -> LoadedSnapshot | None:
+def _load_memory(store: Store | None, ctx: DistContext, durable_step: int, written: _Written,
+                 peers: PeerCopies | None) -> LoadedSnapshot | None:
     """This node's memory snapshot when every rank agrees on it and it verifies
     everywhere, else None (logged as ``snapshot.memory_skipped``)."""
     started = time.perf_counter()
-    manifest, error = _newest_memory(store)
+    manifest, error = _newest_memory(store) if store is not None else (None, None)
     step = manifest.step if manifest is not None else memory.NO_STEP
-    highest, neg_lowest = ctx.all_reduce_max([step, -step])
-    reason = memory.skip_reason(highest, -neg_lowest, durable_step)
+    peer_rank: int | None = None
+    if peers is None:
+        assert store is not None
+        highest, neg_lowest = ctx.all_reduce_max([step, -step])
+        reason = memory.skip_reason(highest, -neg_lowest, durable_step)
+    else:
+        choice = peers.agree(step, store is not None, durable_step)
+        reason = choice.reason
+        if reason is None and choice.sources and not peers.fetch(choice, store):
+            reason = "a copy to a node lacking it failed"
+        peer_rank = peers.source_rank(choice) if reason is None else None
+        if peer_rank is not None:  # this node holds the copy it just received
+            manifest, error = _manifest_of(store, choice.step)
     if reason is not None:
         log.info("snapshot.memory_skipped", memory_step=None if manifest is None else step,
                  durable_step=None if durable_step == memory.NO_STEP else durable_step,
                  reason=reason, error=error)
         return None
-    assert manifest is not None
+    assert store is not None
     # In place only with a durable snapshot to fall back on (module docstring): with
     # none, a copy that fails after its bytes landed would leave no start possible.
     in_place = written.in_place if durable_step != memory.NO_STEP else None
-    outcome = _load_here(store, manifest, in_place)  # each node reads its own copy
+    outcome = (_load_here(store, manifest, in_place) if manifest is not None  # each node
+               else _Outcome(_Status.FAILED, error=StorageError(str(error))))  # its own copy
+    step = step if manifest is None else manifest.step
     worst = written.agree(outcome.status)
     if worst != _Status.OK:
         # A read error is no corruption, but durable storage holds the truth: use it.
         log.warning("snapshot.memory_skipped", memory_step=step, durable_step=durable_step,
                     reason=f"{worst.name.lower()} on some rank",
                     error=None if outcome.error is None else str(outcome.error))
-        if outcome.status != _Status.OK:
+        if outcome.status != _Status.OK and manifest is not None:
             _set_aside(store, step, outcome)
         return None
     assert outcome.loaded is not None
     log.info("snapshot.discovered", snapshot_step=step, size_bytes=outcome.loaded.size_bytes,
-             restore_mode="each", tier="memory",
+             restore_mode="each", tier="memory", peer_rank=peer_rank,
              duration_s=round(time.perf_counter() - started, 4))
-    return LoadedSnapshot(step, outcome.loaded.payload, outcome.loaded.size_bytes, "memory")
+    return LoadedSnapshot(step, outcome.loaded.payload, outcome.loaded.size_bytes, "memory",
+                          peer_rank)
+
+
+def _manifest_of(store: Store | None, step: int) -> tuple[Manifest | None, str | None]:
+    """The manifest of the copy of ``step`` this node just received (never raises)."""
+    assert store is not None
+    try:
+        return read_manifest(store, step), None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def _set_aside(store: Store, step: int, outcome: _Outcome) -> None:

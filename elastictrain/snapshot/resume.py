@@ -62,9 +62,10 @@ def apply_and_report(loaded: LoadedSnapshot | None, train: TrainingState, ctx: D
                       loaded.tier)
     bind_step(step)
     log.info("snapshot.loaded", snapshot_step=step, size_bytes=loaded.size_bytes,
-             restore_mode=restore_mode, tier=loaded.tier,
+             restore_mode=restore_mode, tier=loaded.tier, peer_rank=loaded.peer_rank,
              duration_s=round(time.perf_counter() - started, 4))
     log.info("resume", from_step=step, lost_steps=lost, epoch=info.epoch, tier=loaded.tier,
+             peer_rank=loaded.peer_rank,
              memory_kept=outcome.memory_kept, rescued=outcome.rescued,
              saved_world_size=info.saved_world_size, world_size=info.world_size,
              world_size_changed=info.saved_world_size != info.world_size,

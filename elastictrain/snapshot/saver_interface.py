@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from elastictrain.dist import DistContext
     from elastictrain.snapshot.commit import SnapshotMeta
     from elastictrain.snapshot.onepass import InPlace
+    from elastictrain.snapshot.peer_restore import PeerCopies
     from elastictrain.snapshot.persister import SaveHandle
     from elastictrain.snapshot.restore import LoadedSnapshot
     from elastictrain.storage.api import Store
@@ -62,6 +63,7 @@ class LoadRequest:
     restore_mode: str
     memory_store: Store | None
     in_place: InPlace
+    peers: PeerCopies | None = None  # the other nodes' memory (snapshot/peer_restore.py)
 
 
 class SnapshotSaver(Protocol):

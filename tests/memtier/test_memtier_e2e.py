@@ -13,11 +13,7 @@
     detection, and the agent waits for it before it stops the group; and with a survivor
     that meets its error only after the agent saw the death: the agent waits for it to
     begin its rescue.
-(b) Two agents on localhost as two nodes, one worker each, each with its own memory
-    directory: after step 25 node 1 (agent and worker) is SIGKILLed and a new agent
-    with an empty memory directory (a replacement node) joins; node 0 still holds
-    step 25 in memory, the new node nothing, so every rank restores durable step 20,
-    logged (``snapshot.memory_skipped``, ``tier=durable``).
+(b) A node lost (two agents on localhost as two nodes): tests/memtier/test_peer_e2e.py.
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ import pytest
 from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
-from tests.helpers import REPO, TRAIN_JOB, events, free_port, kill_session, pid_alive, wait_for
+from tests.helpers import REPO, TRAIN_JOB, events, kill_session, pid_alive, wait_for
 
 pytestmark = pytest.mark.distributed
 
@@ -56,7 +52,8 @@ class Agents:
 
     def start(self, name: str, root: Path, mem: Path, *, nproc: int = 1, nnodes: str = "1",
               endpoint: str = "127.0.0.1:0", is_host: int = 1, park: int = 0,
-              gates: Path | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+              gates: Path | None = None, extra: tuple[str, ...] = (),
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         ev = self.tmp_path / "ev" / name
         ev.mkdir(parents=True)
         spec = LaunchSpec(nproc_per_node=nproc, script=str(JOB), nnodes=nnodes, max_restarts=3,
@@ -69,7 +66,7 @@ class Agents:
         log = open(ev / "launcher.log", "wb")  # noqa: SIM115 - the child holds it
         proc = start_torchrun(spec, stdout=log.fileno(), extra_env={
             "PYTHONPATH": str(REPO), "TMPDIR": str(self.tmp_path), "OMP_NUM_THREADS": "1",
-            "ELASTICTRAIN_SNAPSHOT__MEMORY_DIR": str(mem)})
+            "ELASTICTRAIN_SNAPSHOT__MEMORY_DIR": str(mem), **(env or {})})
         log.close()
         self.procs.append(proc)
         self.event_dirs.append(ev)
@@ -162,44 +159,6 @@ def test_worker_kill_restores_from_memory_bit_exact(tmp_path: Path, agents: Agen
     assert {e["tier"] for e in loaded} == {"memory"} and len(loaded) == 2
     assert _digest(ev) == reference_digest  # bit-exact
     assert not (tmp_path / "mem").exists()  # removed when the run finished
-
-
-@pytest.mark.timeout(600)
-def test_lost_node_restores_from_durable(tmp_path: Path, agents: Agents) -> None:
-    gates, root, port = tmp_path / "gates", tmp_path / "run", free_port()
-    mem = [tmp_path / "mem0", tmp_path / "mem1", tmp_path / "mem-new"]
-    common: dict[str, Any] = {"nnodes": "2", "endpoint": f"127.0.0.1:{port}", "park": PARK,
-                              "gates": gates}
-    node0 = agents.start("node0", root, mem[0], is_host=1, **common)
-    node1 = agents.start("node1", root, mem[1], is_host=0, **common)
-    pids = _wait_parked(gates, 2)
-    wait_for(lambda: _memory_committed(tmp_path / "ev", PARK, 2), 60,
-             "both nodes' memory snapshots of step 25")
-    assert [list_snapshot_dirs(open_store(str(m)))[0] for m in mem[:2]] == [PARK, PARK]
-    kill_session(node1)  # node 1 fails: its agent and its worker, by PID
-    os.kill(pids[1], signal.SIGKILL)
-    wait_for(lambda: not pid_alive(pids[1]), 30, "node 1's worker to exit")
-    node2 = agents.start("node2", root, mem[2], is_host=0, **common)  # the replacement
-    (gates / "go").write_text("")
-    assert node0.wait(timeout=400) == 0, _log(agents)
-    assert node2.wait(timeout=60) == 0, _log(agents)
-
-    ev = tmp_path / "ev"
-    # (A fresh start logs "no memory snapshot" on every rank: not this restore.)
-    skipped = [e for e in events(ev, "snapshot.memory_skipped")
-               if e["reason"] != "no memory snapshot"]
-    assert {e["reason"] for e in skipped} == {"not every node holds the same step"}
-    assert {e["rank"] for e in skipped} == {0, 1}
-    assert {e["memory_step"] for e in skipped} == {PARK, None}  # node 0 held 25, new: none
-    resumes = sorted((e for e in events(ev, "resume") if e.get("from_step") is not None),
-                     key=lambda e: e["ts"])[-2:]
-    assert sorted((e["rank"], e["from_step"], e["tier"]) for e in resumes) == \
-        [(0, EVERY, "durable"), (1, EVERY, "durable")]
-    stale = [e for e in events(ev / "node0", "snapshot.pruned") if e.get("reason") == "stale"]
-    assert [e["snapshot_step"] for e in stale] == [PARK]  # the abandoned timeline's copy
-    final = [e for e in events(ev, "params.digest")]
-    assert len(final) == 1 and final[0]["step"] == STEPS
-    assert not mem[0].exists() and not mem[2].exists()  # the finished run removed them
 
 
 @pytest.mark.timeout(600)

@@ -1,0 +1,168 @@
+"""A node lost without notice, under real ``elastictrain run`` agents (gloo, CPU): two
+agents on this machine stand for two nodes, one worker each, each with a memory
+directory of its own. Node B's whole process tree (agent, standby, worker) is
+SIGKILLed by PID and its memory directory wiped.
+
+(a) Memory snapshot every step, durable every 20, parked after step 25: a replacement
+    node B' (empty memory) joins; both ranks resume step 25 from memory, B' from a copy
+    it received from node A (``peer_rank``), no durable read; bit-exact with a clean run.
+    With ``memory_replicas = 0`` nothing crosses nodes: both resume durable step 20.
+(b) The rescue across nodes: no memory snapshot since step 1 (memory every 1000), both
+    ranks parked in the middle of step 26 (between forward and backward); B dies, and
+    A's survivor commits step 25 from B's boundary record streamed to A: the job loses
+    no completed step. Replaced: resumes 25 from memory on both, bit-exact. Not
+    replaced (``--nnodes 1:2``): A alone resumes 25 from its own memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.storage import open_store
+from tests.helpers import events, free_port, pid_alive, wait_for
+from tests.memtier.test_memtier_e2e import (
+    EVERY,
+    PARK,
+    Agents,
+    _digest,
+    _log,
+    _memory_committed,
+    _wait_parked,
+    agents,
+    reference_digest,
+)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.processes]
+__all__ = ["agents", "reference_digest"]  # fixtures, used by name
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and every process below it, from /proc (parents before children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                children.setdefault(int(stat[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _kill_node(agent: Any, workers: list[int], mem: Path) -> None:
+    """A node lost without notice: SIGKILL its agent's whole tree (agent, standby,
+    workers) and its workers by PID, then its memory is gone."""
+    pids = sorted(set(_tree(agent.pid)) | set(workers))
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    agent.wait(timeout=30)
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 30, "node B's processes to exit")
+    shutil.rmtree(mem)
+
+
+def _two_nodes(agents: Agents, tmp_path: Path, nnodes: str, extra: tuple[str, ...] = (),
+               env: dict[str, str] | None = None,
+               nproc: int = 1) -> tuple[Any, Any, dict[str, Any]]:
+    common: dict[str, Any] = {"nnodes": nnodes, "endpoint": f"127.0.0.1:{free_port()}",
+                              "gates": tmp_path / "gates", "extra": extra, "env": env,
+                              "nproc": nproc}
+    root = tmp_path / "run"
+    node_a = agents.start("a", root, tmp_path / "mem-a", is_host=1, **common)
+    node_b = agents.start("b", root, tmp_path / "mem-b", is_host=0, **common)
+    return node_a, node_b, common
+
+
+def _resumes(ev: Path) -> list[tuple[int, int, str, Any]]:
+    """(rank, from_step, tier, peer_rank) of the last resume of each rank."""
+    last: dict[int, dict[str, Any]] = {}
+    for e in sorted(events(ev, "resume"), key=lambda e: e["ts"]):
+        if e.get("from_step") is not None:
+            last[e["rank"]] = e
+    return sorted((r, e["from_step"], e["tier"], e.get("peer_rank")) for r, e in last.items())
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("replicas", [1, 0])
+def test_replaced_node_restores_from_the_surviving_nodes_memory(
+        tmp_path: Path, agents: Agents, reference_digest: str, replicas: int) -> None:
+    node_a, node_b, common = _two_nodes(
+        agents, tmp_path, "2", extra=(f"--park={PARK}",),
+        env={"ELASTICTRAIN_SNAPSHOT__MEMORY_REPLICAS": str(replicas)})
+    pids = _wait_parked(tmp_path / "gates", 2)
+    wait_for(lambda: _memory_committed(tmp_path / "ev", PARK, 2), 60,
+             "both nodes' memory snapshots of step 25")
+    assert list_snapshot_dirs(open_store(str(tmp_path / "run"))) == [EVERY]
+    _kill_node(node_b, [pids[1]], tmp_path / "mem-b")
+    (tmp_path / "gates" / "go").write_text("")
+    node_b2 = agents.start("b2", tmp_path / "run", tmp_path / "mem-b2", is_host=0, **common)
+    assert node_a.wait(timeout=400) == 0, _log(agents)
+    assert node_b2.wait(timeout=60) == 0, _log(agents)
+
+    ev = tmp_path / "ev"
+    if replicas == 0:  # nothing crosses nodes: node B2 holds nothing, so durable
+        assert _resumes(ev) == [(0, EVERY, "durable", None), (1, EVERY, "durable", None)]
+        assert not events(ev, "snapshot.memory_received")
+        return
+    assert _resumes(ev) == [(0, PARK, "memory", None), (1, PARK, "memory", 0)]
+    (received,) = events(ev / "b2", "snapshot.memory_received")
+    assert (received["snapshot_step"], received["from_rank"], received["verified"]) == \
+        (PARK, 0, True)
+    (sent,) = events(ev / "a", "snapshot.memory_sent")
+    assert (sent["snapshot_step"], sent["to_rank"], sent["error"]) == (PARK, 1, None)
+    # No durable snapshot was read after the loss (the fresh start read none either).
+    assert [e for e in events(ev, "snapshot.loaded") if e["tier"] == "durable"] == []
+    assert _digest(ev / "a") == reference_digest  # bit-exact
+    assert not (tmp_path / "mem-a").exists() and not (tmp_path / "mem-b2").exists()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("replaced", "nproc"), [(True, 1), (False, 1), (True, 2)])
+def test_survivor_rescues_the_step_of_a_lost_node(tmp_path: Path, agents: Agents,
+                                                  reference_digest: str,
+                                                  replaced: bool, nproc: int) -> None:
+    """With two workers a node, B's ranks 2 and 3 stream their records to A's 0 and 1."""
+    node_a, node_b, common = _two_nodes(
+        agents, tmp_path, "2" if replaced else "1:2",
+        extra=("--memory-every=1000", f"--park-in={PARK + 1}"), nproc=nproc)
+    pids = _wait_parked(tmp_path / "gates", 2 * nproc)  # all in the middle of step 26
+    _kill_node(node_b, [pids[r] for r in range(nproc, 2 * nproc)], tmp_path / "mem-b")
+    (tmp_path / "gates" / "go").write_text("")  # A's backward meets B's death
+    ev = tmp_path / "ev"
+    wait_for(lambda: events(ev / "a", "snapshot.rescued")
+             or events(ev / "a", "snapshot.rescue_skipped"), 120, "node A's rescue")
+    if replaced:
+        agents.start("b2", tmp_path / "run", tmp_path / "mem-b2", is_host=0, **common)
+    assert node_a.wait(timeout=400) == 0, _log(agents)
+
+    rescued = events(ev / "a", "snapshot.rescued")
+    # One rank of node A commits it (the others find it claimed).
+    assert [e["snapshot_step"] for e in rescued] == [PARK], \
+        events(ev / "a", "snapshot.rescue_skipped")
+    resumes = [e for e in events(ev, "resume") if e.get("from_step") is not None]
+    assert {e["rescued"] for e in resumes} == {True}
+    lost = [e["lost_steps"] for e in resumes if e["lost_steps"] is not None]
+    assert lost and max(lost) <= 1
+    if replaced:
+        assert _resumes(ev) == [(r, PARK, "memory", None if r < nproc else 0)
+                                for r in range(2 * nproc)]
+        # (Four gloo ranks resumed from step 25 end on other bits than an uninterrupted
+        # run even on one node, after a worker kill: no check against one here.)
+        if nproc == 1:
+            assert _digest(ev / "a") == reference_digest  # bit-exact
+    else:
+        assert _resumes(ev) == [(0, PARK, "memory", None)]
+        (resume,) = [e for e in resumes]
+        assert resume["world_size"] == 1
+    assert [e for e in events(ev, "snapshot.loaded") if e["tier"] == "durable"] == []

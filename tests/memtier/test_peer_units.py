@@ -1,0 +1,183 @@
+"""The memory tier across nodes, in one process: the agreement's choice (which step,
+which node sends it to which), the ring of record buddies, a snapshot copy and the
+record stream over an in-process transport (two threads stand for two ranks)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastictrain.snapshot import layout, rescue
+from elastictrain.snapshot.peer_records import MESSAGE_BYTES, RecordStream
+from elastictrain.snapshot.peer_restore import NO_STEP, Choice, choose, receive_copy, send_copy
+from elastictrain.snapshot.peer_transport import NodeMap
+from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
+from elastictrain.snapshot.rescue import SLOT_BYTES, BoundaryRecord, read_record
+from elastictrain.storage import open_store
+from tests.helpers import wait_for
+from tests.unit.test_manager import build, train
+
+NO = NO_STEP
+
+
+@pytest.mark.parametrize(("held", "receive", "durable", "expected"), [
+    # every node holds 7: memory, nothing to copy
+    ([7, 7], [True, True], 5, Choice(7, None, {})),
+    # a replaced node holds nothing: node 0 sends it 7
+    ([7, NO], [True, True], 5, Choice(7, None, {1: 0})),
+    # a node whose last write was lost: the newest wins, sent to the older one
+    ([7, 8], [True, True], 5, Choice(8, None, {0: 1})),
+    # holders take turns: two holders, three lacking nodes
+    ([9, NO, 9, 4, NO], [True] * 5, 5, Choice(9, None, {1: 0, 3: 2, 4: 0})),
+    # no durable snapshot yet
+    ([7, NO], [True, True], NO, Choice(7, None, {1: 0})),
+    ([NO, NO], [True, True], 5, Choice(NO, "no memory snapshot", {})),
+    ([7, NO], [True, True], 7, Choice(NO, "not newer than the durable snapshot", {})),
+    ([6, 7], [True, True], 9, Choice(NO, "not newer than the durable snapshot", {})),
+    # a node lacking it has no memory directory (a full tmpfs): durable
+    ([7, NO], [True, False], 5,
+     Choice(NO, "node(s) [1] lack step 7 and have no memory directory to receive it", {})),
+    # one that holds it needs none
+    ([7, 7], [True, False], 5, Choice(7, None, {})),
+])
+def test_choose(held: list[int], receive: list[bool], durable: int, expected: Choice) -> None:
+    assert choose(held, receive, durable) == expected
+
+
+def test_nodes_from_keys_and_record_ring() -> None:
+    nodes = NodeMap.from_keys(["a", "a", "b", "b", "c", "c"])
+    assert nodes.node_of == (0, 0, 1, 1, 2, 2) and nodes.count == 3
+    assert [nodes.leader(n) for n in range(3)] == [0, 2, 4]
+    # each rank to the rank in its own position on the next node(s) of the ring
+    assert [nodes.record_targets(r, 1) for r in range(6)] == [[2], [3], [4], [5], [0], [1]]
+    assert nodes.record_sources(0, 1) == [4] and nodes.record_sources(3, 1) == [1]
+    assert nodes.record_targets(0, 2) == [2, 4] and nodes.record_sources(0, 2) == [2, 4]
+    assert nodes.record_targets(0, 5) == [2, 4]  # never more than the other nodes
+    assert NodeMap.from_keys(["a", "a"]).record_targets(0, 1) == []  # one node
+    # ranks need not be contiguous per node (keys come in rank order)
+    assert NodeMap.from_keys(["b", "a", "b", "a"]).node_of == (0, 1, 0, 1)
+
+
+class Wire:
+    """Point to point between threads of one process: a queue per (src, dst, tag);
+    ``end(rank)`` is the transport as rank ``rank`` uses it."""
+
+    def __init__(self) -> None:
+        self._queues: dict[tuple[int, int, int], queue.Queue[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def queue(self, src: int, dst: int, tag: int) -> queue.Queue[bytes]:
+        with self._lock:
+            return self._queues.setdefault((src, dst, tag), queue.Queue())
+
+    def end(self, rank: int) -> End:
+        return End(self, rank)
+
+
+class End:
+    def __init__(self, wire: Wire, rank: int) -> None:
+        self._wire, self._rank = wire, rank
+
+    def send(self, data: torch.Tensor, dst: int, tag: int) -> None:
+        self._wire.queue(self._rank, dst, tag).put(bytes(data.view(torch.uint8).numpy()))
+
+    def recv(self, data: torch.Tensor, src: int, tag: int) -> None:
+        got = self._wire.queue(src, self._rank, tag).get(timeout=60)
+        raw = data.view(torch.uint8)
+        assert len(got) == raw.numel()
+        raw.copy_(torch.frombuffer(bytearray(got), dtype=torch.uint8))
+
+
+def _both(send: Callable[[], object], receive: Callable[[], object]) -> object:
+    """Run a sender and a receiver in two threads; the receiver's result."""
+    results: list[object] = []
+    threads = [threading.Thread(target=send, daemon=True),
+               threading.Thread(target=lambda: results.append(receive()), daemon=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive()
+    return results[0]
+
+
+def _memory_snapshot(tmp_path: Path, until: int) -> Path:
+    parts = build(str(tmp_path / "run"), memory_every=1, memory_dir=str(tmp_path / "mem"))
+    train(*parts, until=until)
+    parts[4].wait()
+    return tmp_path / "mem"
+
+
+def test_a_copy_arrives_verified_and_committed(tmp_path: Path) -> None:
+    held = open_store(str(_memory_snapshot(tmp_path, 7)))
+    lacking = open_store(str(tmp_path / "new"))
+    wire = Wire()
+    assert _both(lambda: send_copy(wire.end(0), held, 7, 1),
+                 lambda: receive_copy(wire.end(1), lacking, 7, 0)) is True
+    assert list_snapshot_dirs(lacking) == [7]
+    assert verify_snapshot(lacking, 7).manifest == verify_snapshot(held, 7).manifest
+    assert not [n for n in lacking.list_dir(layout.SNAPSHOTS) if layout.is_partial(n)]
+
+
+def test_a_corrupt_copy_is_refused_and_nothing_committed(tmp_path: Path) -> None:
+    mem = _memory_snapshot(tmp_path, 7)
+    payload = mem / layout.step_dir(7) / layout.PAYLOAD
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one bit flipped on the holder's node
+    payload.write_bytes(bytes(data))
+    lacking = open_store(str(tmp_path / "new"))
+    wire = Wire()
+    assert _both(lambda: send_copy(wire.end(0), open_store(str(mem)), 7, 1),
+                 lambda: receive_copy(wire.end(1), lacking, 7, 0)) is False
+    assert list_snapshot_dirs(lacking) == []
+    assert not lacking.list_dir(layout.SNAPSHOTS)  # its partial directory removed too
+
+
+def test_a_missing_copy_says_so_and_commits_nothing(tmp_path: Path) -> None:
+    held = open_store(str(_memory_snapshot(tmp_path, 7)))
+    lacking = open_store(str(tmp_path / "new"))
+    wire = Wire()
+    assert _both(lambda: send_copy(wire.end(0), held, 99, 1),  # never taken
+                 lambda: receive_copy(wire.end(1), lacking, 99, 0)) is False
+    assert list_snapshot_dirs(lacking) == []
+
+
+def test_records_reach_the_buddy_node_and_read_as_its_own(tmp_path: Path) -> None:
+    """Rank 1 (node B) streams its boundary records; rank 0 (node A) keeps them in A's
+    boundary directory, where the rescue reads them as it reads A's own."""
+    wire = Wire()
+    a, b = tmp_path / "a" / "boundary", tmp_path / "b" / "boundary"
+    a.mkdir(parents=True, mode=0o700)
+    b.mkdir(parents=True, mode=0o700)
+    failures: list[BaseException] = []
+    attempt = (2, 0, -1)
+    on_a = RecordStream(wire.end(0), 0, [1], [1], a, failures.append)
+    on_b = RecordStream(wire.end(1), 1, [0], [0], b, failures.append)
+    record = BoundaryRecord(b, 1, attempt, lambda: [])
+    for step in (1, 2, 3):
+        data = record.record(step)
+        assert data is not None
+        on_b.publish(data)
+    # The newest always goes (one not yet sent is replaced by it): step 3 arrives.
+    wait_for(lambda: read_record(a, 1, 3, attempt) is not None, 60, "step 3's record on A")
+    # A record longer than one message (many devices' CUDA states) goes in two.
+    payload = os.urandom(3 * MESSAGE_BYTES)
+    long = rescue._HEADER.pack(rescue._MAGIC, 4, *attempt, len(payload),
+                               zlib.crc32(payload)) + payload
+    on_b.publish(long)
+    _both(on_b.close, on_a.close)  # each ends on the other's end message
+    assert (a / "rank1").read_bytes()[:len(long)] == long  # step 4: slot 0
+    assert not failures
+    assert on_a.received == {1: on_b.sent} and on_b.sent >= 1
+    # The same bytes in the same slot, which the rescue reads as it reads a local record.
+    slot = slice(SLOT_BYTES, 2 * SLOT_BYTES)  # step 3's
+    assert (a / "rank1").read_bytes()[slot] == (b / "rank1").read_bytes()[slot]
+    assert read_record(a, 1, 3, attempt) is not None
+    assert read_record(a, 1, 3, (2, 1, -1)) is None  # another attempt's: never passes
