@@ -34,7 +34,7 @@ class SaverSettings:
     persister: Literal["thread", "process"]
     max_consecutive_failures: int
     retry_backoff_s: float
-    persister_priority: Literal["low", "normal"] = "low"
+    persister_priority: Literal["low", "normal"] = "normal"
 
     @classmethod
     def for_durable(cls, config: SnapshotConfig) -> SaverSettings:
