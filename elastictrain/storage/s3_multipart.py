@@ -13,7 +13,9 @@ state's size.
 The first part is ``single_put_max`` bytes: a stream that ends within it is sent
 as one ``PutObject``, like s3fs and boto3 do for small objects: one request
 instead of three, and servers that re-hash every part on completion are slower
-on multipart (docs/performance.md). Later parts are ``part_size``. Each
+on multipart (docs/performance.md). Later parts are ``part_size``; so is the
+first where the kept memory alone exceeds ``single_put_max`` (the upload is
+known to be multipart before the first byte). Each
 request body is a :class:`RequestBody` over the part's pieces, which aiohttp
 sends as 1 MiB ``memoryview`` slices: given plain ``bytes`` it would join the
 headers and the whole body into a second copy (and Python 3.11's socket
@@ -119,6 +121,10 @@ class MultipartWriter(io.RawIOBase):
         instead of copying them. The caller keeps these buffers alive and unchanged
         until the upload is committed or aborted: a part is read when it is sent."""
         self._kept.add(buffers)
+        if self._kept.nbytes > self._first_part_size and self._next_part == 1:
+            # Known to be a multipart upload already: no single-PUT-sized first part,
+            # every part the same size, and the first one starts sooner.
+            self._first_part_size = self._part_size
 
     # -- the stream side (torch.save calls these) -------------------------------------
     def writable(self) -> bool:
@@ -271,6 +277,7 @@ class KeptMemory:
     def __init__(self) -> None:
         self._starts: list[int] = []  # addresses, ascending
         self._views: list[memoryview] = []
+        self.nbytes = 0
 
     def add(self, buffers: Iterable[Any]) -> None:
         for buffer in buffers:
@@ -281,6 +288,7 @@ class KeptMemory:
             index = bisect.bisect_left(self._starts, start)
             self._starts.insert(index, start)
             self._views.insert(index, view)
+            self.nbytes += view.nbytes
 
     def find(self, view: memoryview) -> tuple[int, int, int] | None:
         """(buffer index, start, end) of ``view`` within a kept buffer, or None."""
