@@ -102,6 +102,11 @@ class SnapshotConfig(_Model):
     keep: int = Field(default=3, ge=1)
     mode: Literal["sync", "async"] = "async"
     persister: Literal["thread", "process"] = "thread"  # the two compared: docs/persister.md
+    # "low": the persister thread or process runs at nice +10 and best-effort I/O level 7,
+    # so the training loop (and its data loading) comes first where they compete for a
+    # core or the disk, and the snapshot is durable later; "normal": the worker's own
+    # priorities (docs/performance.md#background-priority).
+    persister_priority: Literal["low", "normal"] = "normal"
     checksum: ChecksumAlgorithm = "crc32"
     # auto: "each" on a local file system, "broadcast" elsewhere (snapshot/restore.py)
     restore_mode: Literal["auto", "each", "broadcast"] = "auto"

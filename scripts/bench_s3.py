@@ -9,8 +9,11 @@ and stops, or any S3 endpoint with ``--endpoint``), a state of ``--size-mb``:
   streamed into a multipart upload, checksummed, then the manifest PUT;
 * ``raw get``: s3fs ``cat_file`` of those bytes;
 * ``boto3 put`` / ``boto3 get``: the same bytes through boto3's transfer manager
-  (concurrent multipart upload, parallel ranged GETs into one buffer): a second
-  raw baseline, to show where the server (moto: one Python process) is the limit;
+  with its own defaults (10 threads, 8 MiB parts and ranges, multipart above 8 MiB),
+  and ``boto3 tuned put`` with elastictrain's settings (threshold, part size,
+  concurrency): raw baselines that show where the server (moto: one Python process)
+  is the limit. ``persist_vs_best_raw_put`` compares persist with the fastest of the
+  three raw uploads, ``restore_vs_best_raw_get`` restore with the faster raw read;
 * ``restore``: discovery (fresh listing, manifest) and the verified read (size and
   checksum) of the payload: the storage work. ``restore_with_load`` is the whole restore:
   ``torch.load`` streams the payload while its size and checksum are checked on the
@@ -20,7 +23,10 @@ Rounds interleave raw and elastictrain so that load on a shared machine hits bot
 times are medians with [min-max]. Ratios are elastictrain's throughput over raw's (1.0 = as fast as
 a bare PUT/GET of the same bytes; the target is >= 0.9). A separate, untimed round
 measures peak Python memory (tracemalloc) of persist and of a raw put, beyond the
-state itself. Numbers on a loaded 2-core box are noisy: compare ratios from one run.
+state itself, and every timed operation's CPU seconds, in this process and in the
+moto server's: CPU is what a loaded machine distorts least, and on two cores the
+server's CPU is what bounds a persist. Numbers on a loaded 2-core box are noisy:
+compare ratios from one run.
 
     python scripts/bench_s3.py [--sizes 48 512] [--rounds 5] [--json [FILE]] [--plot FILE.png]
     python scripts/bench_s3.py --endpoint http://127.0.0.1:9000 --bucket b  # MinIO…
@@ -42,6 +48,7 @@ import tracemalloc
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,6 +107,13 @@ def free_port() -> int:
 
 @contextmanager
 def moto_server() -> Iterator[str]:
+    """moto's S3 server as a child process; yields its endpoint."""
+    with moto_process() as (endpoint, _):
+        yield endpoint
+
+
+@contextmanager
+def moto_process() -> Iterator[tuple[str, int]]:
     """moto's S3 server as a child process (its own GIL), stopped by PID at the end."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
@@ -116,7 +130,7 @@ def moto_server() -> Iterator[str]:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError("moto server did not start") from None
                 time.sleep(0.1)
-        yield endpoint
+        yield endpoint, proc.pid
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -156,7 +170,16 @@ def boto3_client(endpoint: str, options: dict[str, Any]) -> Any:
                         aws_secret_access_key=options.get("secret"))
 
 
-def run(args: argparse.Namespace, endpoint: str, size_mb: float) -> dict[str, Any]:
+def server_cpu_s(pid: int | None) -> float:
+    """CPU seconds the server process has used (0 for a server not started here)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(args: argparse.Namespace, endpoint: str, size_mb: float,
+        server_pid: int | None) -> dict[str, Any]:
     from boto3.s3.transfer import TransferConfig
 
     load_before = load_average()
@@ -177,17 +200,18 @@ def run(args: argparse.Namespace, endpoint: str, size_mb: float) -> dict[str, An
     raw = buf.getvalue()
     raw_key = f"{args.bucket}/bench-raw/state.pt"
     client = boto3_client(endpoint, options)
-    transfer = TransferConfig(multipart_threshold=config.multipart_threshold_bytes,
-                              multipart_chunksize=config.part_size_bytes,
-                              max_concurrency=args.concurrency)
+    tuned = TransferConfig(multipart_threshold=config.multipart_threshold_bytes,
+                           multipart_chunksize=config.part_size_bytes,
+                           max_concurrency=args.concurrency)
     boto_key = "bench-raw/boto3.pt"
 
-    def boto3_put() -> None:
-        client.upload_fileobj(io.BytesIO(raw), args.bucket, boto_key, Config=transfer)
+    def boto3_put(transfer: TransferConfig | None = None) -> None:
+        client.upload_fileobj(io.BytesIO(raw), args.bucket, boto_key,
+                              Config=transfer or TransferConfig())
 
     def boto3_get() -> None:
         out = io.BytesIO()
-        client.download_fileobj(args.bucket, boto_key, out, Config=transfer)
+        client.download_fileobj(args.bucket, boto_key, out, Config=TransferConfig())
         assert out.getbuffer().nbytes == len(raw)
     step = 0
 
@@ -205,31 +229,38 @@ def run(args: argparse.Namespace, endpoint: str, size_mb: float) -> dict[str, An
         found = verify_snapshot(store, newest.step, manifest=newest.manifest, load=load)
         assert found.manifest.total_bytes == len(raw)
 
-    times: dict[str, list[float]] = {"raw_put": [], "boto3_put": [], "persist": [],
-                                     "raw_get": [], "boto3_get": [], "restore": [],
-                                     "restore_with_load": []}
+    ops: dict[str, Callable[[], Any]] = {
+        "raw_put": lambda: fs.pipe_file(raw_key, raw), "boto3_put": boto3_put,
+        "boto3_tuned_put": lambda: boto3_put(tuned), "persist": persist,
+        "raw_get": lambda: fs.cat_file(raw_key), "boto3_get": boto3_get,
+        "restore": restore, "restore_with_load": lambda: restore(load=True)}
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    cpu: dict[str, list[float]] = {name: [] for name in ops}
+    server_cpu: dict[str, list[float]] = {name: [] for name in ops}
     persist()
     restore()
     fs.pipe_file(raw_key, raw)  # warm-up: connections, credentials, code paths
     boto3_put()
     free_core = busy_loop_ratio(lambda: fs.cat_file(raw_key), repeats=3)
     for _ in range(args.rounds):
-        times["raw_put"].append(timed(lambda: fs.pipe_file(raw_key, raw)))
-        times["boto3_put"].append(timed(boto3_put))
-        times["persist"].append(timed(persist))
-        times["raw_get"].append(timed(lambda: fs.cat_file(raw_key)))
-        times["boto3_get"].append(timed(boto3_get))
-        times["restore"].append(timed(restore))
-        times["restore_with_load"].append(timed(lambda: restore(load=True)))
+        for name, op in ops.items():
+            cpu_before, server_before = time.process_time(), server_cpu_s(server_pid)
+            times[name].append(timed(op))
+            cpu[name].append(time.process_time() - cpu_before)
+            server_cpu[name].append(server_cpu_s(server_pid) - server_before)
         prune(store, keep=1, newest_step=step)  # keep the server's memory flat
     peaks = {"persist_peak_python_bytes": peak_python_bytes(persist),
              "raw_put_peak_python_bytes": peak_python_bytes(lambda: fs.pipe_file(raw_key, raw))}
     fs.rm(f"{args.bucket}/bench-raw", recursive=True)
     store.delete("", recursive=True)
     load_after = load_average()
-    probe = {"load_avg_before": load_before, "load_avg_after": load_after,
+    probe: dict[str, Any] = {"load_avg_before": load_before, "load_avg_after": load_after,
              "get_rate_ratio_with_busy_loop": round(free_core, 3),
              "noisy": noisy(load_before, load_after, free_core)}
+    probe["cpu_s"] = {k: round(statistics.median(v), 3) for k, v in cpu.items()}
+    if server_pid is not None:
+        probe["server_cpu_s"] = {k: round(statistics.median(v), 3)
+                                 for k, v in server_cpu.items()}
     return summarize(args, endpoint, len(raw), times, peaks, probe)
 
 
@@ -252,7 +283,12 @@ def summarize(args: argparse.Namespace, endpoint: str, size: int,
         "persist_vs_raw_put_spread": ratio_spread(times["raw_put"], times["persist"]),
         "restore_vs_raw_get_spread": ratio_spread(times["raw_get"], times["restore"]),
         "persist_vs_boto3_put": round(median["boto3_put"] / median["persist"], 3),
+        "persist_vs_boto3_tuned_put": round(median["boto3_tuned_put"] / median["persist"], 3),
         "restore_vs_boto3_get": round(median["boto3_get"] / median["restore"], 3),
+        "persist_vs_best_raw_put": round(min(median["raw_put"], median["boto3_put"],
+                                             median["boto3_tuned_put"]) / median["persist"], 3),
+        "restore_vs_best_raw_get": round(min(median["raw_get"], median["boto3_get"])
+                                         / median["restore"], 3),
         "persist_peak_bytes_over_state": round(peaks["persist_peak_python_bytes"] / size, 3),
         "restore_with_load_vs_raw_get": round(
             median["raw_get"] / median["restore_with_load"], 3),
@@ -263,6 +299,10 @@ def summarize(args: argparse.Namespace, endpoint: str, size: int,
 
 def table(r: dict[str, Any]) -> str:
     sp = r["spread_s"]
+    cpu, server = r["cpu_s"], r.get("server_cpu_s", {})
+
+    def cpus(key: str) -> str:
+        return f"{cpu[key]:6.2f} {server[key]:6.2f}" if server else f"{cpu[key]:6.2f} {'':6}"
     lines = [
         f"elastictrain S3 bench: {r['size_bytes'] / MB:.1f} MB state at {r['endpoint']}, "
         f"median of {r['rounds']} rounds; persist as {r['persist_upload']} (threshold "
@@ -271,20 +311,28 @@ def table(r: dict[str, Any]) -> str:
         f"load average before/after {r['load_avg_before']:.2f}/{r['load_avg_after']:.2f}; GET "
         f"rate with a busy-loop process beside it: {r['get_rate_ratio_with_busy_loop']:.0%} of "
         "without" + ("  (NOISY: other work was running)" if r["noisy"] else ""),
-        f"  {'':26} {'time_s median [min-max]':>23} {'MB/s':>8}",
-        f"  {'raw s3fs pipe_file (PUT)':26} {fmt(sp['raw_put']):>23} {r['raw_put_mb_s']:8.1f}",
-        f"  {'raw boto3 upload_fileobj':26} {fmt(sp['boto3_put']):>23} {r['boto3_put_mb_s']:8.1f}",
-        f"  {'elastictrain persist':26} {fmt(sp['persist']):>23} {r['persist_mb_s']:8.1f}"
-        f"   vs s3fs {fmt(r['persist_vs_raw_put_spread'], 2)}, vs boto3 "
-        f"{r['persist_vs_boto3_put']:.2f}",
-        f"  {'raw s3fs cat_file (GET)':26} {fmt(sp['raw_get']):>23} {r['raw_get_mb_s']:8.1f}",
+        f"  {'':26} {'time_s median [min-max]':>23} {'MB/s':>8} {'cpu s':>6} {'server':>6}",
+        f"  {'raw s3fs pipe_file (PUT)':26} {fmt(sp['raw_put']):>23} {r['raw_put_mb_s']:8.1f} "
+        f"{cpus('raw_put')}",
+        f"  {'raw boto3 upload_fileobj':26} {fmt(sp['boto3_put']):>23} {r['boto3_put_mb_s']:8.1f} "
+        f"{cpus('boto3_put')}",
+        f"  {'  with elastictrain settings':26} {fmt(sp['boto3_tuned_put']):>23} "
+        f"{r['boto3_tuned_put_mb_s']:8.1f} {cpus('boto3_tuned_put')}",
+        f"  {'elastictrain persist':26} {fmt(sp['persist']):>23} {r['persist_mb_s']:8.1f} "
+        f"{cpus('persist')}   vs best raw {r['persist_vs_best_raw_put']:.2f} (s3fs "
+        f"{fmt(r['persist_vs_raw_put_spread'], 2)}, boto3 {r['persist_vs_boto3_put']:.2f}, "
+        f"tuned {r['persist_vs_boto3_tuned_put']:.2f})",
+        f"  {'raw s3fs cat_file (GET)':26} {fmt(sp['raw_get']):>23} {r['raw_get_mb_s']:8.1f} "
+        f"{cpus('raw_get')}",
         f"  {'raw boto3 download_fileobj':26} {fmt(sp['boto3_get']):>23} "
-        f"{r['boto3_get_mb_s']:8.1f}",
-        f"  {'elastictrain restore':26} {fmt(sp['restore']):>23} {r['restore_mb_s']:8.1f}"
-        f"   vs s3fs {fmt(r['restore_vs_raw_get_spread'], 2)}, vs boto3 "
-        f"{r['restore_vs_boto3_get']:.2f}",
-        f"  {'restore with torch.load':26} {fmt(sp['restore_with_load']):>23} {'':8}"
-        f"   restore_with_load_vs_raw_get {r['restore_with_load_vs_raw_get']:.2f}",
+        f"{r['boto3_get_mb_s']:8.1f} {cpus('boto3_get')}",
+        f"  {'elastictrain restore':26} {fmt(sp['restore']):>23} {r['restore_mb_s']:8.1f} "
+        f"{cpus('restore')}   vs best raw {r['restore_vs_best_raw_get']:.2f} (s3fs "
+        f"{fmt(r['restore_vs_raw_get_spread'], 2)}, boto3 {r['restore_vs_boto3_get']:.2f})",
+        f"  {'restore with torch.load':26} {fmt(sp['restore_with_load']):>23} {'':8} "
+        f"{cpus('restore_with_load')}   restore_with_load_vs_raw_get "
+        f"{r['restore_with_load_vs_raw_get']:.2f}",
+        "  cpu s: CPU seconds of this process (all threads); server: of the moto server",
         f"  peak Python memory beyond the state: persist "
         f"{r['persist_peak_python_bytes'] / MB:.1f} MB, raw put "
         f"{r['raw_put_peak_python_bytes'] / MB:.1f} MB (plus the raw bytes themselves)",
@@ -308,9 +356,10 @@ def main(argv: list[str] | None = None) -> None:
     et_log.configure("warning")  # events of every persist would drown the table
     points = []
     with contextlib.ExitStack() as stack:
-        endpoint = args.endpoint or stack.enter_context(moto_server())
+        endpoint, server_pid = ((args.endpoint, None) if args.endpoint
+                                else stack.enter_context(moto_process()))
         for size in args.sizes:
-            points.append(run(args, endpoint, size))
+            points.append(run(args, endpoint, size, server_pid))
     if args.json is not None:
         write_json(args.json, {"sizes_mb": args.sizes, "points": points})
     if args.json != "-":

@@ -121,6 +121,7 @@ class Trainer:
     opt: torch.optim.Optimizer
     x: torch.Tensor
     steps: list[tuple[float, float]] = field(default_factory=list)
+    fwd_bwd_s: list[float] = field(default_factory=list)  # forward + backward of each step
 
     @classmethod
     def build(cls, size_mb: float, seed: int = 0, batch: int = 8) -> Trainer:
@@ -136,6 +137,7 @@ class Trainer:
         started = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         self.model(self.x).pow(2).mean().backward()
+        self.fwd_bwd_s.append(time.perf_counter() - started)
         self.opt.step()
         self.steps.append((started, time.perf_counter()))
 
@@ -280,6 +282,7 @@ class SaveFigures:
     durable_s: float
     persist_s: float
     window: tuple[float, float]
+    copied_after_s: float = 0.0  # a copy behind: how long after save() returned it ended
 
 
 @dataclass
@@ -329,7 +332,7 @@ def measure(method: Any, trainer: Trainer, saves: int, root: Path,
         durable = max(durable, returned)
         staged = min(max(pending.staged_at() or returned, returned), durable)
         figures.append(SaveFigures(returned - started, durable - started, durable - staged,
-                                   (returned, durable)))
+                                   (returned, durable), staged - returned))
         for _ in range(GAP_STEPS):
             trainer.step()
         # A copy behind blocks the optimizer's next step instead: add that wait.
@@ -534,37 +537,86 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
-    load_before = load_average()
+@dataclass(frozen=True)
+class MethodSpec:
+    """A save method to build in a fresh process: ``kind`` sync, dcp or elastictrain."""
+
+    kind: str
+    mode: str = ""  # dcp: process/thread; elastictrain: the persister
+    default: bool = False
+    copy_at_once: bool = False
+    run: int = 0  # elastictrain's default is measured in several processes
+
+    def build(self, root: Path, trainer: Trainer) -> Any:
+        if self.kind == "sync":
+            return SyncTorchSave(root, trainer)
+        if self.kind == "dcp":
+            return DcpAsyncSave(root, trainer, self.mode)
+        return ElasticTrainAsync(root / f"run{self.run}", trainer, self.mode, self.default,
+                                 copy_at_once=self.copy_at_once)
+
+
+def method_process(spec: MethodSpec, size_mb: float, batch: int, saves: int, root: str,
+                   out: str) -> None:
+    """Measure one method in this (fresh) process: nothing another method allocated,
+    dirtied or left running (DCP's process holds ~4.7x the state) is charged to it."""
+    torch.set_num_threads(1)
+    et_log.configure(level="warning", stream=sys.stderr)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)  # DCP wants a group
-    trainer = Trainer.build(size_mb, batch=args.batch)
+    trainer = Trainer.build(size_mb, batch=batch)
     trainer.step()  # AdamW creates its state on the first step
-    state = trainer.state_bytes()
     free_core = busy_loop_ratio(trainer.step)
     trainer.steps.clear()
-    raw_w = raw_write_s(root, state)
-    default = SnapshotConfig().persister
-    dcp: list[Any] = [] if args.skip_dcp else [DcpAsyncSave(root, trainer, "process"),
-                                                DcpAsyncSave(root, trainer, "thread")]
-    methods: list[Any] = [SyncTorchSave(root, trainer), *dcp,
-                          ElasticTrainAsync(root, trainer, "thread", default == "thread"),
-                          ElasticTrainAsync(root, trainer, "process", default == "process"),
-                          ElasticTrainAsync(root, trainer, "thread", False, copy_at_once=True)]
-    # Each method starts with no dirty pages of the one before it (its write-back would
-    # be charged to this one); --order reversed shows whether the order still matters.
-    order = methods if args.order == "listed" else methods[::-1]
-    by_method: dict[int, MethodResult] = {}
-    for method in order:
-        os.sync()
-        by_method[id(method)] = measure(method, trainer, args.saves, root, raw_w)
-    results = [by_method[id(m)] for m in methods]
-    et_root = root / f"et-{default}"
-    staging_main = next(m.staging_bytes for m in methods if isinstance(m, ElasticTrainAsync)
-                        and m.name.endswith("[default]")) / state
-    flat = staging_flatness(root, args.staging_size_mb, args.staging_saves, default)
+    raw_w = raw_write_s(Path(root), trainer.state_bytes())
+    method = spec.build(Path(root), trainer)
+    result = measure(method, trainer, saves, Path(root), raw_w)
+    Path(out).write_text(json.dumps({
+        "result": asdict(result), "raw_write_s": raw_w, "free_core": free_core,
+        "state_bytes": trainer.state_bytes(),
+        "staging_bytes": getattr(method, "staging_bytes", None),
+        "fwd_bwd_s": statistics.median(trainer.fwd_bwd_s) if trainer.fwd_bwd_s else None}))
     dist.destroy_process_group()
-    del methods, trainer  # the restore ranks need the memory (a 4 GiB state: ~5.3 GiB each)
+
+
+def measure_apart(spec: MethodSpec, args: argparse.Namespace, root: Path,
+                  size_mb: float) -> dict[str, Any]:
+    out = root / f"method-{spec.kind}-{spec.mode}-{spec.copy_at_once}-{spec.run}.json"
+    os.sync()  # no dirty pages of the method before: their write-back is not this one's
+    proc = torch_mp.get_context("spawn").Process(
+        target=method_process, args=(spec, size_mb, args.batch, args.saves, str(root), str(out)))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"measuring {spec} failed (exit code {proc.exitcode})")
+    found: dict[str, Any] = json.loads(out.read_text())
+    found["result"] = MethodResult(**found["result"])
+    return found
+
+
+def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
+    load_before = load_average()
+    default = SnapshotConfig().persister
+    dcp = [] if args.skip_dcp else [MethodSpec("dcp", "process"), MethodSpec("dcp", "thread")]
+    ours_runs = [MethodSpec("elastictrain", default, True, run=k) for k in range(args.runs)]
+    other = "process" if default == "thread" else "thread"
+    methods = [MethodSpec("sync"), *dcp, *ours_runs, MethodSpec("elastictrain", other),
+               MethodSpec("elastictrain", "thread", copy_at_once=True)]
+    # Every method runs in a fresh process; --order reversed shows whether the order
+    # still matters (the disk's and the page cache's state remain shared).
+    order = methods if args.order == "listed" else methods[::-1]
+    found = {spec: measure_apart(spec, args, root, size_mb) for spec in order}
+    state = found[methods[0]]["state_bytes"]
+    raw_w = statistics.median(f["raw_write_s"] for f in found.values())
+    free_core = min(f["free_core"] for f in found.values())
+    runs = [found[spec]["result"] for spec in ours_runs]
+    results = [found[spec]["result"] for spec in methods if spec not in ours_runs[1:]]
+    ratios = [r.step_rate_ratio_during_persist for r in runs
+              if r.step_rate_ratio_during_persist is not None]
+    et_root = root / f"run{ours_runs[-1].run}" / f"et-{default}"
+    staging_main = (found[ours_runs[0]]["staging_bytes"] or 0) / state
+    fwd_bwd = [found[spec]["fwd_bwd_s"] for spec in ours_runs]
+    flat = staging_flatness(root, args.staging_size_mb, args.staging_saves, default)
     gc.collect()
     restore_all = measure_restore(et_root, size_mb, args.restore_reps, 2)
     restore = {k: statistics.median(v) for k, v in restore_all.items()}
@@ -575,10 +627,14 @@ def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
     ours = next(r for r in results if r.name.endswith("[default]"))
     at_once = next(r for r in results if "copy at once" in r.name)
     restore_mode = resolve_mode(open_store(str(et_root)), SnapshotConfig().restore_mode)
+    # The copy behind that outlasts forward and backward blocks the optimizer's step
+    # whatever the rest costs: the floor of the blocking.
+    floor = statistics.median(max(0.0, save["copied_after_s"] - (fwd or 0.0))
+                              for r, fwd in zip(runs, fwd_bwd, strict=True) for save in r.saves)
     summary = {
-        "blocking_ratio_vs_sync": ours.blocking_s / sync.blocking_s,
+        "blocking_ratio_vs_sync": statistics.median(r.blocking_s for r in runs) / sync.blocking_s,
         "blocking_ratio_vs_sync_copy_at_once": at_once.blocking_s / sync.blocking_s,
-        "step_rate_ratio_during_persist": ours.step_rate_ratio_during_persist,
+        "step_rate_ratio_during_persist": statistics.median(ratios) if ratios else None,
         "persist_vs_raw_write": ours.persist_vs_raw_write,
         "restore_vs_raw_read": restore[f"restore_{restore_mode}_cold"] / restore["raw_read_cold"],
         "restore_vs_raw_read_warm": (restore[f"restore_{restore_mode}_warm"]
@@ -594,11 +650,19 @@ def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
     }
     return {
         **summary,
+        "runs": {"count": len(runs),
+                 "step_rate_ratio_during_persist": ratios,
+                 "step_rate_ratio_spread": spread(ratios) if ratios else None,
+                 "blocking_s": [r.blocking_s for r in runs],
+                 "durable_s": [r.durable_s for r in runs],
+                 "blocking_floor_s": floor,
+                 "blocking_floor_ratio_vs_sync": floor / sync.blocking_s,
+                 "fwd_bwd_s": fwd_bwd},
         "targets": {k: {"target": f"{op} {v}", "met": _met(summary.get(k), op, v)}
                     for k, (op, v) in TARGETS.items()},
         "setup": {"size_mb": size_mb, "state_bytes": state, "saves": args.saves,
                   "torch": torch.__version__, "cpus": os.cpu_count(),
-                  "training_threads": torch.get_num_threads(), "save_ranks": 1,
+                  "training_threads": 1, "save_ranks": 1, "fresh_process_per_method": True,
                   "batch": args.batch, "method_order": args.order,
                   "restore_ranks": 2, "backend": "gloo", "storage": str(root),
                   "default_persister": default, "default_restore_mode": restore_mode,
@@ -672,6 +736,17 @@ def table(report: dict[str, Any]) -> str:
             f"{m['persist_vs_raw_write']:6.2f} {m['persist_vs_raw_write_unpaired']:6.2f} "
             f"{m['first_blocking_s']:8.3f} {m['first_durable_s']:8.3f} {m['peak_rss_mb']:7.0f} "
             f"{m['helper_peak_rss_mb']:7.0f}")
+    runs = report["runs"]
+    lines += [
+        f"default method in {runs['count']} fresh processes: step rate while persisting "
+        + ", ".join(f"{x:.1%}" for x in runs["step_rate_ratio_during_persist"])
+        + f"; blocking s {', '.join(f'{x:.3f}' for x in runs['blocking_s'])}; durable s "
+        + ", ".join(f"{x:.2f}" for x in runs["durable_s"]),
+        f"blocking floor (the copy behind outlasting forward+backward, fwd+bwd "
+        f"{', '.join(f'{x:.3f}' for x in runs['fwd_bwd_s'] if x is not None)} s): "
+        f"{runs['blocking_floor_s']:.3f} s = {runs['blocking_floor_ratio_vs_sync']:.4f} of "
+        "the synchronous save",
+    ]
     r, one = report["restore_s"], report["restore_1rank_s"]
     lines += [
         f"raw write+fsync of the state bytes: {report['raw_write_s']:.3f} s at the start; "
@@ -755,6 +830,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", "--size-mb", dest="sizes", type=float, nargs="+", default=[1024],
                    help="state sizes in MB (model + AdamW), one run each")
     p.add_argument("--saves", type=int, default=3, help="measured saves per method")
+    p.add_argument("--runs", type=int, default=3,
+                   help="fresh processes measuring the default elastictrain method (the "
+                        "step-rate and blocking figures are medians over them)")
     p.add_argument("--batch", type=int, default=8, help="rows per training step (its compute)")
     p.add_argument("--staging-saves", type=int, default=50)
     p.add_argument("--staging-size-mb", type=float, default=32)
@@ -773,7 +851,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="measure nothing: print and plot the points of earlier --json runs "
                         "(each keeps its own load and noisy flag), e.g. sizes run apart")
     args = p.parse_args(argv)
-    for name in ("saves", "staging_saves", "staging_size_mb", "restore_reps"):
+    for name in ("saves", "runs", "staging_saves", "staging_size_mb", "restore_reps"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be > 0")
     for size in args.sizes:

@@ -41,6 +41,7 @@ from elastictrain.snapshot import layout, signing
 from elastictrain.snapshot.checksum import HashingWriter
 from elastictrain.snapshot.manifest import FORMAT_VERSION, Manifest, ObjectEntry
 from elastictrain.snapshot.reader import read_manifest, verify_snapshot
+from elastictrain.snapshot.views import StorageIndex, as_bytes, to_views
 from elastictrain.storage.api import Store
 from elastictrain.version import __version__
 
@@ -67,13 +68,27 @@ def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm) -> 
     itself (docs/storage.md), and our checksum already covers every byte. On
     a local file the disk starts writing back while later bytes are still
     being hashed and copied (``EarlyWriteback``), instead of idling until the
-    final fsync.
+    final fsync. A sink that can keep references (an S3 upload) is told where the
+    payload's tensors live, and sends their bytes from there instead of copying
+    them: the payload must not change until the sink is closed (a staged payload
+    belongs to the persister until its save is done).
     """
+    keep = getattr(sink, "keep_references_to", None)
+    if keep is not None:
+        keep(_cpu_storages(payload))
     writer = HashingWriter(EarlyWriteback.wrap(sink), algorithm)
     with serialization_config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
         torch.save(payload, writer)  # type: ignore[arg-type]
     writer.flush()
     return writer.bytes_written, writer.hexdigest()
+
+
+def _cpu_storages(payload: Any) -> list[Any]:
+    """The payload's CPU tensor storages, as byte arrays sharing their memory."""
+    index = StorageIndex()
+    to_views(payload, index)
+    return [as_bytes(storage).numpy() for storage in index.storages
+            if storage.device.type == "cpu"]
 
 
 class EarlyWriteback:

@@ -44,9 +44,11 @@ from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
     CommitGate,
     PersistOutcome,
+    Priority,
     RetryPolicy,
     SaveHandle,
     SaveState,
+    lower_priority,
     persist_with_retries,
     prune_after,
 )
@@ -71,11 +73,12 @@ class ProcessPersister:
         policy: retries of a failed persist.
     """
 
-    def __init__(self, store: Store, keep: int, policy: RetryPolicy) -> None:
+    def __init__(self, store: Store, keep: int, policy: RetryPolicy,
+                 priority: Priority = "normal") -> None:
         mp = torch_mp.get_context("spawn")
         self._conn, child_conn = mp.Pipe(duplex=True)
         self._proc = mp.Process(target=helper_main, name="elastictrain-persister", daemon=True,
-                                args=(child_conn, store, keep, policy, os.getpid()))
+                                args=(child_conn, store, keep, policy, os.getpid(), priority))
         with _main_module_hidden():
             self._proc.start()
         child_conn.close()
@@ -225,9 +228,11 @@ def _main_module_hidden() -> Iterator[None]:
 
 
 # -- the helper process -------------------------------------------------------------
-def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_pid: int) -> None:
+def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_pid: int,
+                priority: Priority = "normal") -> None:
     """The helper's loop: receive a staged save, persist it, report the outcome."""
     _die_with_parent(parent_pid)
+    lower_priority(priority)  # before any thread starts: they inherit it
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: stacks
     torch.set_num_threads(1)  # the worker's training loop owns the other cores
     configure_forwarding(lambda event: conn.send(("log", event)))

@@ -19,9 +19,11 @@ from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
     CommitGate,
     PersistOutcome,
+    Priority,
     RetryPolicy,
     SaveHandle,
     SaveState,
+    lower_priority,
     persist_with_retries,
     prune_after,
 )
@@ -39,10 +41,12 @@ class ThreadPersister:
     never committed (the commit marker comes last).
     """
 
-    def __init__(self, store: Store, keep: int, policy: RetryPolicy) -> None:
+    def __init__(self, store: Store, keep: int, policy: RetryPolicy,
+                 priority: Priority = "normal") -> None:
         self._store = store
         self._keep = keep
         self._policy = policy
+        self._priority = priority
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="elastictrain-persist",
                                         daemon=True)
@@ -61,6 +65,7 @@ class ThreadPersister:
             self._thread.join()
 
     def _run(self) -> None:
+        lower_priority(self._priority)  # this thread's only: the loop keeps its own
         while (job := self._jobs.get()) is not None:
             payload, meta, handle, context, gate = job
             try:

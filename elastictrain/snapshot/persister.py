@@ -19,14 +19,18 @@ next one (back-pressure).
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import multiprocessing
+import os
+import platform
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Literal, Protocol
 
 from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import get_logger
@@ -37,6 +41,40 @@ from elastictrain.storage.api import Store
 from elastictrain.storage.retry import RetryPolicy
 
 log = get_logger("elastictrain.snapshot")
+
+Priority = Literal["low", "normal"]
+
+# Background work at "low" priority: CPU nice +10, I/O best-effort level 7 (Linux).
+_LOW_NICE = 10
+_IOPRIO_CLASS_BE, _IOPRIO_CLASS_SHIFT, _IOPRIO_LOWEST_BE = 2, 13, 7
+_IOPRIO_WHO_PROCESS = 1
+_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273, "s390x": 282}
+
+
+def lower_priority(priority: Priority) -> None:
+    """Run the calling thread (and threads it starts later) at ``priority``.
+
+    "low": nice +10 and best-effort I/O level 7, so where the persist and the
+    training loop (or its data loading) compete for a core or a disk, the loop
+    wins; with a core and the disk to spare it changes nothing. A failure (not
+    Linux, a seccomp filter) leaves the priority as it was: it is a preference.
+    """
+    if priority == "normal" or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + _LOW_NICE)
+    except OSError as exc:
+        log.debug("snapshot.priority_unchanged", kind="cpu", error=str(exc))
+    number = _SYS_IOPRIO_SET.get(platform.machine())
+    if number is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    value = (_IOPRIO_CLASS_BE << _IOPRIO_CLASS_SHIFT) | _IOPRIO_LOWEST_BE
+    if libc.syscall(number, _IOPRIO_WHO_PROCESS, tid, value) != 0:
+        log.debug("snapshot.priority_unchanged", kind="io",
+                  error=os.strerror(ctypes.get_errno()))
+
 
 # Asked just before a commit marker is written: True commits, False drops the save
 # (a copy behind whose source changed, saver.py). It may block until it knows.

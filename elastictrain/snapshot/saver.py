@@ -158,6 +158,7 @@ class Saver(InFlightSave):
         super().__init__(store, tier)
         self._keep = settings.keep
         self._policy = RetryPolicy(settings.max_consecutive_failures, settings.retry_backoff_s)
+        self._priority = settings.persister_priority
         self._persister: Persister | None = None
         self._behind: _CopyBehind | None = None
         self._copier = _CopyThread()
@@ -280,10 +281,10 @@ class Saver(InFlightSave):
             from elastictrain.snapshot.persist_thread import ThreadPersister
 
             log.info("snapshot.persister_started", kind="thread")
-            return ThreadPersister(store, self._keep, self._policy)
+            return ThreadPersister(store, self._keep, self._policy, self._priority)
         from elastictrain.snapshot.persist_process import ProcessPersister
 
-        return ProcessPersister(store, self._keep, self._policy)
+        return ProcessPersister(store, self._keep, self._policy, self._priority)
 
 
 class _CopyThread:

@@ -35,18 +35,21 @@ class SaverSettings:
     persister: Literal["thread", "process"]
     max_consecutive_failures: int
     retry_backoff_s: float
+    persister_priority: Literal["low", "normal"] = "normal"
 
     @classmethod
     def for_durable(cls, config: SnapshotConfig) -> SaverSettings:
         return cls(config.keep, config.mode, config.persister,
-                   config.max_consecutive_failures, config.retry_backoff_s)
+                   config.max_consecutive_failures, config.retry_backoff_s,
+                   config.persister_priority)
 
     @classmethod
     def for_memory(cls, config: SnapshotConfig) -> SaverSettings:
         """Keep one, always in the background, one try: a memory save that failed (a
         full tmpfs) is not retried with a back-off the next one would wait for; the
         next memory save is the retry."""
-        return cls(1, "async", config.persister, 1, config.retry_backoff_s)
+        return cls(1, "async", config.persister, 1, config.retry_backoff_s,
+                   config.persister_priority)
 
     @classmethod
     def for_rescue(cls, config: SnapshotConfig) -> SaverSettings:

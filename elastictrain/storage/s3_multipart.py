@@ -1,21 +1,28 @@
 """Streaming multipart upload to S3: ``torch.save`` writes straight into upload parts.
 
-The serialised state never exists as one buffer. Bytes are copied once, from the
-staged tensors into a part (:class:`PartBuffer`: exact-size pieces, nothing
-over-allocated); a full part is handed to one of ``concurrency`` upload threads
-and a fresh one is started, so memory depends on the settings, never on the
+The serialised state never exists as one buffer, and the staged tensors are not
+copied at all: the caller names the memory that stays unchanged until the upload
+is committed (:meth:`MultipartWriter.keep_references_to`, the staged slabs), and
+a write that lies in it is kept as a ``memoryview`` of that memory. Only what
+``torch.save`` builds on the fly (zip headers, the pickle) is copied, into
+exact-size pieces (:class:`PartBuffer`). A full part is handed to one of
+``concurrency`` upload threads and a fresh one is started; with nothing named,
+every write is copied once and memory is bounded by the settings, never by the
 state's size.
 
 The first part is ``single_put_max`` bytes: a stream that ends within it is sent
 as one ``PutObject``, like s3fs and boto3 do for small objects: one request
 instead of three, and servers that re-hash every part on completion are slower
-on multipart (docs/performance.md). Later parts are ``part_size``. Each
-request body is a :class:`RequestBody` over the part's own bytes, which aiohttp
+on multipart (docs/performance.md). Later parts are ``part_size``; so is the
+first where the kept memory alone exceeds ``single_put_max`` (the upload is
+known to be multipart before the first byte). Each
+request body is a :class:`RequestBody` over the part's pieces, which aiohttp
 sends as 1 MiB ``memoryview`` slices: given plain ``bytes`` it would join the
 headers and the whole body into a second copy (and Python 3.11's socket
-transport copies what the kernel did not take at once a third time). So one
-upload holds at most about ``single_put_max + concurrency * part_size`` bytes
-(plus the part being filled): a state below ``single_put_max`` once, no more.
+transport copies what the kernel did not take at once a third time). Where the
+client sends CRC32 checksums (botocore's default), each part's is computed here
+with ISA-L, in the upload thread, and sent with it: botocore would compute the
+same on the event loop that every upload shares, with zlib, several times slower.
 
 Lifecycle (``UploadState``)::
 
@@ -31,18 +38,28 @@ bucket lifecycle rule (``AbortIncompleteMultipartUpload``) removes them.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import contextvars
 import enum
 import io
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+import zlib
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
+
+import numpy as np
 
 from elastictrain.errors import StorageError
 from elastictrain.log import get_logger
 
+try:
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # a platform without an isal build
+    _crc32 = zlib.crc32
+
 Call = Callable[[str, Callable[[], Any]], Any]
+Piece = bytes | bytearray | memoryview
 
 log = get_logger("elastictrain.storage")
 
@@ -94,8 +111,20 @@ class MultipartWriter(io.RawIOBase):
         self._etags: dict[int, str] = {}
         self._pending: set[Future[tuple[int, str]]] = set()
         self._pool: ThreadPoolExecutor | None = None
+        self._kept = KeptMemory()
+        self._send_crc: bool | None = None  # whether the client sends checksums; known later
         self.state = UploadState.OPEN
         self.bytes_written = 0
+
+    def keep_references_to(self, buffers: Iterable[Any]) -> None:
+        """Keep writes that lie in ``buffers`` (contiguous, CPU memory) as views of them
+        instead of copying them. The caller keeps these buffers alive and unchanged
+        until the upload is committed or aborted: a part is read when it is sent."""
+        self._kept.add(buffers)
+        if self._kept.nbytes > self._first_part_size and self._next_part == 1:
+            # Known to be a multipart upload already: no single-PUT-sized first part,
+            # every part the same size, and the first one starts sooner.
+            self._first_part_size = self._part_size
 
     # -- the stream side (torch.save calls these) -------------------------------------
     def writable(self) -> bool:
@@ -112,7 +141,7 @@ class MultipartWriter(io.RawIOBase):
                 # Sent only once more bytes come: a stream of exactly one part is one PUT.
                 self._send_part()
             if self._buf is None:
-                self._buf, self._size = PartBuffer(), self._current_part_size()
+                self._buf, self._size = PartBuffer(self._kept), self._current_part_size()
             take = min(self._size - self._buf.nbytes, view.nbytes)
             self._buf.append(view[:take])
             view = view[take:]
@@ -128,7 +157,7 @@ class MultipartWriter(io.RawIOBase):
         return self._part_size * 2 ** ((self._next_part - 1) // _GROW_EVERY)
 
     def _take_buffer(self) -> PartBuffer:
-        body = self._buf if self._buf is not None else PartBuffer()
+        body = self._buf if self._buf is not None else PartBuffer(self._kept)
         self._buf, self._size = None, 0
         return body
 
@@ -150,10 +179,24 @@ class MultipartWriter(io.RawIOBase):
         self._pending.add(self._pool.submit(context.run, self._upload_part, number, body))
 
     def _upload_part(self, number: int, body: PartBuffer) -> tuple[int, str]:
+        checksum = self._checksum_of(body)  # once, not per attempt
         out = self._call(f"upload part {number} of", lambda: self._s3(
             "upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
-            PartNumber=number, Body=RequestBody(body.pieces)))
+            PartNumber=number, Body=RequestBody(body.pieces), **checksum))
         return number, str(out["ETag"])
+
+    def _checksum_of(self, body: PartBuffer) -> dict[str, str]:
+        """The request's CRC32 where the client would send one (botocore's default,
+        ``request_checksum_calculation="when_supported"``); nothing where it would not
+        (a store that rejects checksums is configured ``when_required``)."""
+        if self._send_crc is None:
+            config = getattr(getattr(getattr(self._fs, "s3", None), "meta", None), "config",
+                             None)
+            self._send_crc = (getattr(config, "request_checksum_calculation", None)
+                              == "when_supported")
+        if not self._send_crc:
+            return {}
+        return {"ChecksumCRC32": RequestBody(body.pieces).crc32_base64()}
 
     def _collect(self, below: int) -> None:
         """Wait until fewer than ``below`` parts are in flight; re-raise the first failure."""
@@ -172,9 +215,10 @@ class MultipartWriter(io.RawIOBase):
         """Make the object appear: one PUT if it fit in one part, else complete the upload."""
         if self._upload_id is None:
             body = self._take_buffer()
+            checksum = self._checksum_of(body)
             self._call("write", lambda: self._s3(
                 "put_object", Bucket=self._bucket, Key=self._key,
-                Body=RequestBody(body.pieces)))
+                Body=RequestBody(body.pieces), **checksum))
         else:
             if self._buf is not None and self._buf.nbytes:
                 self._send_part()
@@ -212,6 +256,7 @@ class MultipartWriter(io.RawIOBase):
 
     def _release(self) -> None:
         self._buf = None
+        self._kept = KeptMemory()  # the caller's buffers may change from here on
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -223,13 +268,58 @@ class MultipartWriter(io.RawIOBase):
         super().close()
 
 
+class KeptMemory:
+    """Memory the caller keeps unchanged until the upload ends: a write that lies in it
+    is kept as a view of it (no copy). Found by address: ``torch.save`` hands each
+    storage over as a ``memoryview`` of the storage's own memory, but a view that only
+    lives during the call; the kept view is of the caller's buffer, which outlives it."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []  # addresses, ascending
+        self._views: list[memoryview] = []
+        self.nbytes = 0
+
+    def add(self, buffers: Iterable[Any]) -> None:
+        for buffer in buffers:
+            view = memoryview(buffer).cast("B")
+            if not view.nbytes:
+                continue
+            start = _address(view)
+            index = bisect.bisect_left(self._starts, start)
+            self._starts.insert(index, start)
+            self._views.insert(index, view)
+            self.nbytes += view.nbytes
+
+    def find(self, view: memoryview) -> tuple[int, int, int] | None:
+        """(buffer index, start, end) of ``view`` within a kept buffer, or None."""
+        if not self._starts:
+            return None
+        address = _address(view)
+        index = bisect.bisect_right(self._starts, address) - 1
+        if index < 0:
+            return None
+        start = address - self._starts[index]
+        end = start + view.nbytes
+        return (index, start, end) if end <= self._views[index].nbytes else None
+
+    def view(self, index: int, start: int, end: int) -> memoryview:
+        return self._views[index][start:end]
+
+
+def _address(view: memoryview) -> int:
+    """Where a (C-contiguous, possibly read-only) buffer's bytes start in memory."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
 class PartBuffer:
-    """One part's bytes, held as pieces of exact size: each byte is copied in once,
-    and nothing is over-allocated (a growing ``BytesIO`` reserves up to 1/8 more
-    than it holds, and joining pieces would make a second copy).
+    """One part's bytes, held as pieces of exact size: views of kept memory (no copy,
+    :class:`KeptMemory`), and copies of the rest, each byte copied in once and nothing
+    over-allocated (a growing ``BytesIO`` reserves up to 1/8 more than it holds, and
+    joining pieces would make a second copy).
 
     Writes of at least ``_OWN_PIECE`` bytes (the tensors) become pieces of their
-    own; smaller ones (pickle records, zip headers) are gathered into shared
+    own, a view where they lie in kept memory (consecutive writes of one buffer are
+    one piece); smaller ones (pickle records, zip headers) are gathered into shared
     pieces of up to ``_SMALL_PIECE`` bytes, so a part is a few hundred pieces,
     not one per record.
     """
@@ -237,20 +327,37 @@ class PartBuffer:
     _OWN_PIECE = 64 << 10
     _SMALL_PIECE = 1 << 20
 
-    def __init__(self) -> None:
-        self.pieces: list[bytes | bytearray] = []
+    def __init__(self, kept: KeptMemory | None = None) -> None:
+        self.pieces: list[Piece] = []
         self.nbytes = 0
+        self.copied_bytes = 0
+        self._kept = kept or KeptMemory()
         self._small: bytearray | None = None
+        self._last_kept: tuple[int, int, int] | None = None  # the last piece, if a view
 
     def append(self, view: memoryview) -> None:
         if view.nbytes >= self._OWN_PIECE:
-            self.pieces.append(view.tobytes())
             self._small = None  # keep the pieces in order
+            span = self._kept.find(view)
+            if span is None:
+                self.pieces.append(view.tobytes())
+                self.copied_bytes += view.nbytes
+                self._last_kept = None
+            elif self._last_kept is not None and self._last_kept[0] == span[0] \
+                    and self._last_kept[2] == span[1]:  # continues the last piece
+                index, start, _ = self._last_kept
+                self.pieces[-1] = self._kept.view(index, start, span[2])
+                self._last_kept = (index, start, span[2])
+            else:
+                self.pieces.append(self._kept.view(*span))
+                self._last_kept = span
         else:
             if self._small is None or len(self._small) + view.nbytes > self._SMALL_PIECE:
                 self._small = bytearray()
                 self.pieces.append(self._small)
+                self._last_kept = None
             self._small += view
+            self.copied_bytes += view.nbytes
         self.nbytes += view.nbytes
 
 
@@ -266,7 +373,7 @@ class RequestBody:
     unshares it). Every send is the whole body (see ``_pieces``).
     """
 
-    def __init__(self, pieces: Sequence[bytes | bytearray], piece_bytes: int = 1 << 20) -> None:
+    def __init__(self, pieces: Sequence[Piece], piece_bytes: int = 1 << 20) -> None:
         self._views = [memoryview(p).cast("B") for p in pieces if len(p)]
         self._starts: list[int] = []
         total = 0
@@ -279,6 +386,13 @@ class RequestBody:
 
     def __len__(self) -> int:
         return self._total
+
+    def crc32_base64(self) -> str:
+        """The body's CRC32 as S3's ``x-amz-checksum-crc32`` header carries it."""
+        value = 0
+        for view in self._views:
+            value = _crc32(view, value)
+        return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
 
     def tell(self) -> int:
         return self._pos
