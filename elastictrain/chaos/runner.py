@@ -55,6 +55,14 @@ class ChaosOptions:
     snapshot_every: int = 10
     watchdog_timeout_s: float = 3.0
     max_restarts: int = 10
+    # Node faults (chaos/noderun.py): agents, whether the lost node is replaced (None:
+    # drawn per trial), the memory tier's interval, the demo's dataset size, and
+    # whether the job restores from peers' memory (None: from the settings).
+    nodes: int = 2
+    replace: bool | None = None
+    memory_every: int = 3
+    samples: int = 600
+    peer: bool | None = None
 
     def validate(self) -> None:
         """One line naming the option, its value and the fix."""
