@@ -8,8 +8,8 @@ or before it started (a replacement's memory is empty). The memory tier's restor
 (docs/memory-tier.md, "Agreement rule") then says which copy is complete:
 
 * without peer restore, every node of the new world must hold the same newest step;
-* with peer restore (a node restores from its peers' memory), the nodes that hold a
-  copy must agree on it, and a node that holds none (new, or wiped) takes it from them.
+* with peer restore (a node restores from its peers' memory), the newest step that
+  some node holds: the nodes without it (new, wiped, or a step behind) receive it.
 
 Either way the copy must be newer than the newest durable snapshot. A resume that read
 durable storage although such a copy existed fails, as does one that went back further
@@ -91,13 +91,12 @@ def newest_held(events: Sequence[dict[str, Any]], life: NodeLife, ts: float,
 def complete_memory_step(newest: dict[str, int | None], peer_restore: bool) -> int | None:
     """The memory step every node of a world can restore, or None (see the module)."""
     steps = list(newest.values())
-    if not steps:
+    held = [s for s in steps if s is not None]
+    if peer_restore:  # the newest step some node holds: the others receive it
+        return max(held, default=None)
+    if not steps or len(held) != len(steps) or len(set(held)) != 1:
         return None
-    if peer_restore:
-        steps = [s for s in steps if s is not None]
-    if not steps or any(s is None for s in steps) or len(set(steps)) != 1:
-        return None
-    return steps[0]
+    return held[0]
 
 
 def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLife],
