@@ -143,7 +143,9 @@ def lose_a_node(mode: str, size_mb: int, work: Path, storage: str,
                                                        os.environ.get("PYTHONPATH")]))}
     if peer_available():
         env[f"ELASTICTRAIN_SNAPSHOT__{PEER_SETTING.upper()}"] = "1" if mode == "peer" else "0"
-    job = NodeJob(work, uuid.uuid4().hex, env, spec_for)
+    # Memory directories on a tmpfs, as on a real node.
+    job = NodeJob(work, uuid.uuid4().hex, env, spec_for,
+                  shm_base=Path("/dev/shm") / f"bench-nodeloss-{uuid.uuid4().hex[:8]}")
     lo_before = loopback_bytes()
     try:
         job.start(2)

@@ -93,6 +93,9 @@ class NodeJob:
     marker: str
     env: dict[str, str]
     spec_for: Callable[[Path, int], LaunchSpec]  # a node's directory, the store's port
+    # Where the nodes' stand-ins for /dev/shm go (a benchmark puts them on a tmpfs, and
+    # close() removes them); None: in ``workdir``, left for the checks.
+    shm_base: Path | None = None
     nodes: list[Node] = field(default_factory=list)
     store: RendezvousStore | None = None
 
@@ -107,7 +110,7 @@ class NodeJob:
         assert self.store is not None
         incarnation = sum(1 for n in self.nodes if n.index == index)
         node_dir = self.workdir / f"node{index}.{incarnation}"
-        shm = self.workdir / f"shm{index}"
+        shm = (self.shm_base or self.workdir) / f"shm{index}"
         shm.mkdir(parents=True, exist_ok=True)
         shm.chmod(0o1777)
         job = Job(self.spec_for(node_dir, self.store.port), {**self.env, SHM_VAR: str(shm)},
@@ -153,6 +156,8 @@ class NodeJob:
         if self.store is not None:
             self.store.close()
             self.store = None
+        if self.shm_base is not None:
+            shutil.rmtree(self.shm_base, ignore_errors=True)
 
 
 def wipe(shm: Path) -> None:
