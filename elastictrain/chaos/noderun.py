@@ -222,7 +222,7 @@ class NodeTrial:
         if any(n.index != index for n in self.job.running()):
             self.injected.append(f"replaced: {self.job.add(index).name} started")
         else:
-            self.injected.append("replacement not started (the job had ended)")
+            self.injected.append("replacement: none started (the job had ended)")
 
     def _wait_gone(self, timeout_s: float) -> list[int]:
         """The job's processes (but the rendezvous store) left after ``timeout_s``."""
@@ -258,8 +258,9 @@ class NodeTrial:
         self.lost.add(victim.name)
         self.loss = Loss(ts=victim.lost_ts or time.time(), silent=fault.silent)
         how = f"held {fault.hold_s:g}s" if fault.silent else "at once"
-        self.injected.append(f"node: SIGSTOP {victim.name} ({len(pids)} processes), memory "
-                             f"wiped, {how}")
+        when = "during start-up" if fault.at_step is None else f"after step {fault.at_step}"
+        self.injected.append(f"node: SIGSTOP {victim.name} {when} ({len(pids)} processes), "
+                             f"memory wiped, {how}")
         return victim
 
     def _stop_orphan(self, running: list[Node], since: float | None) -> float | None:
@@ -271,7 +272,8 @@ class NodeTrial:
             return time.monotonic()
         if time.monotonic() - since > ORPHAN_GRACE_S:
             signal_pid(running[0].job.launcher_pid or 0, signal.SIGTERM)
-            self.injected.append(f"{running[0].name} stopped: alone after the others ended")
+            self.injected.append(f"orphan: {running[0].name} stopped, alone after the others "
+                                 "ended")
             return None
         return since
 
