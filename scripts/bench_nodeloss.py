@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -169,6 +170,7 @@ def lose_a_node(mode: str, size_mb: int, work: Path, storage: str,
     steps_rate = step_rate(records, lost_ts)
     return {"mode": mode, "size_mb": size_mb,
             "loss_to_first_step_s": round(first - lost_ts, 3),
+            "breakdown_s": breakdown(events, lost_ts),
             "restore_s": float(loaded[0]["duration_s"]) if loaded else None,
             "tier": resume[0].get("tier") if resume else None,
             "resumed_from": resume[0].get("from_step") if resume else None,
@@ -177,6 +179,22 @@ def lose_a_node(mode: str, size_mb: int, work: Path, storage: str,
             "memory_snapshots": sum(1 for e in events if e.get("event") == "snapshot.committed"
                                     and e.get("tier") == "memory"),
             "loopback_bytes": loopback_bytes() - lo_before}
+
+
+def breakdown(events: list[dict[str, Any]], lost_ts: float) -> dict[str, float | None]:
+    """Seconds after the loss when each stage was first reached: a survivor's agent saw
+    its worker fail, a new agent's standby was ready (replaced modes), an agent started
+    the new attempt (rendezvous done), rank 0's worker started, and it resumed."""
+    def first(name: str, **match: Any) -> float | None:
+        found = [float(e["ts"]) for e in events if e.get("event") == name
+                 and float(e["ts"]) > lost_ts and all(e.get(k) == v for k, v in match.items())]
+        return round(min(found) - lost_ts, 3) if found else None
+
+    return {"failure_detected": first("agent.failure_detected"),
+            "new_agent_standby_ready": first("agent.standby_ready"),
+            "attempt_started": first("agent.attempt_started"),
+            "worker_started": first("worker.start", rank=0),
+            "resumed": first("resume", rank=0)}
 
 
 def parked(records: Path) -> bool:
@@ -290,6 +308,14 @@ def table(report: dict[str, Any]) -> str:
                 lines.append(f"  {mode:14} {fmt(row['loss_to_first_step_s'], 2):28} "
                              f"{fmt(row['restore_s'], 3):26} {','.join(row['tiers']):10} "
                              f"{row['lost_steps']}")
+        for mode in MODES:
+            rows = [r["breakdown_s"] for r in report["runs"]
+                    if r["mode"] == mode and str(r["size_mb"]) == size and "breakdown_s" in r]
+            medians = {k: statistics.median(found) for k in (rows[0] if rows else {})
+                       if (found := [v[k] for v in rows if v[k] is not None])}
+            if medians:
+                lines.append(f"  {mode} (median s after the loss): "
+                             + ", ".join(f"{k} {v:.2f}" for k, v in medians.items()))
         for key in ("step_rate_replicas_1_vs_0", "bytes_per_memory_snapshot_per_node"):
             if key in summary:
                 lines.append(f"  {key}: {fmt(summary[key], 3)}")
