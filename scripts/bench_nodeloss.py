@@ -110,6 +110,7 @@ def worker(size_mb: int, storage: str, records: str) -> None:
             snap.step()
             if snap.step_count == LOSE_AT and info.from_step is None:
                 snap.wait()  # durable 20 and memory 24 committed on every node
+                Path(records, f"parked-rank{rt.rank}").touch()  # for the harness to act
                 flag = torch.zeros(1)
                 while True:  # until the harness takes a node: a collective fails
                     dist.all_reduce(flag)
@@ -198,8 +199,9 @@ def breakdown(events: list[dict[str, Any]], lost_ts: float) -> dict[str, float |
 
 
 def parked(records: Path) -> bool:
-    """Every rank recorded step LOSE_AT (and is now idling in its all-reduce)."""
-    return sum(1 for r in read_records(records) if int(r["step"]) == LOSE_AT) >= 2
+    """Both ranks passed step LOSE_AT with their saves committed, and idle in the
+    all-reduce (each touched its mark after ``snap.wait()``)."""
+    return len(list(records.glob("parked-rank*"))) >= 2
 
 
 def first_new_step(records: Path, after_ts: float) -> float | None:
