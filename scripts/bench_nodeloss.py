@@ -61,7 +61,7 @@ from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec  # noqa: E402
 
 DURABLE_EVERY, MEMORY_EVERY, LOSE_AT, END_AT = 10, 4, 27, 30
 MODES = ("durable-local", "durable-s3", "shrink", "peer")
-START_TIMEOUT_S = 600.0
+START_TIMEOUT_S = 600.0  # a stage's wait (--timeout-s): 1 GiB to moto under load is slow
 BUCKET = "bench-nodeloss"
 PEER_SETTING = "memory_replicas"
 
@@ -125,7 +125,7 @@ def worker(size_mb: int, storage: str, records: str) -> None:
 # one node loss
 # ---------------------------------------------------------------------------------------
 def lose_a_node(mode: str, size_mb: int, work: Path, storage: str,
-                storage_env: dict[str, str]) -> dict[str, Any]:
+                storage_env: dict[str, str], timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
     """Run the job, lose node 1 after step LOSE_AT, measure the recovery."""
     records = work / "records"
     replace = mode != "shrink"
@@ -151,16 +151,16 @@ def lose_a_node(mode: str, size_mb: int, work: Path, storage: str,
     lo_before = loopback_bytes()
     try:
         job.start(2)
-        wait_for(lambda: parked(records), START_TIMEOUT_S, job, "step LOSE_AT")
+        wait_for(lambda: parked(records), timeout_s, job, "step LOSE_AT")
         victim = job.current(1)
         job.freeze(victim)
         job.kill(victim)
         lost_ts = time.time()
         if replace:
             job.add(1)
-        first = wait_for(lambda: first_new_step(records, lost_ts), START_TIMEOUT_S, job,
+        first = wait_for(lambda: first_new_step(records, lost_ts), timeout_s, job,
                          "the first resumed step")
-        wait_for(lambda: not job.running(), START_TIMEOUT_S, job, "the end", running=False)
+        wait_for(lambda: not job.running(), timeout_s, job, "the end", running=False)
         events = [e for n in job.nodes for e in events_of(n.job.events_dir)]
     finally:
         job.close()
@@ -257,7 +257,7 @@ def run_mode(mode: str, size_mb: int, args: argparse.Namespace, endpoint: str | 
     else:
         storage, env = str(work / "storage"), {}
     load_before = load_average()
-    result = lose_a_node(mode, size_mb, work, storage, env)
+    result = lose_a_node(mode, size_mb, work, storage, env, args.timeout_s)
     load_after = load_average()
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
@@ -335,6 +335,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="write the report here")
     p.add_argument("--workdir", default=None, help="where the runs go (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep each run's directory")
+    p.add_argument("--timeout-s", type=float, default=START_TIMEOUT_S,
+                   help="the longest wait for each stage: the loss, the first resumed step, "
+                   "the end (default 600)")
     p.add_argument("--netns", action="store_true",
                    help="run in a network namespace of its own (root): the loopback "
                    "traffic is then the benchmark's alone")
