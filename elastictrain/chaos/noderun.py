@@ -18,19 +18,17 @@ parameter: found from the settings, see :func:`peer_memory`).
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from elastictrain.chaos import checks
 from elastictrain.chaos.dataonce import check_exactly_once, final_world_sizes, read_records
-from elastictrain.chaos.job import events_of, processes_with_marker, signal_pid
+from elastictrain.chaos.job import events_of, processes_with_marker, signal_pid, trial_env
 from elastictrain.chaos.nodechecks import (
     NODE_KEY,
     Expectation,
@@ -145,20 +143,10 @@ class NodeTrial:
                           log_dir=str(node_dir / "torchelastic"), events_dir=events)
 
     def _env(self, secret: str) -> dict[str, str]:
-        env = {
-            "OMP_NUM_THREADS": "1",
-            "ELASTICTRAIN_STORAGE__URL": str(self.storage),
-            "ELASTICTRAIN_STORAGE__STORAGE_OPTIONS": json.dumps(
-                {"key": "AKIACHAOSEXAMPLE", "secret": secret}),
-            "ELASTICTRAIN_WATCHDOG__TIMEOUT_S": str(self.opts.watchdog_timeout_s),
-            "ELASTICTRAIN_WATCHDOG__STARTUP_TIMEOUT_S": "30",
-            "ELASTICTRAIN_DIST__INIT_TIMEOUT_S": "30",
-            "ELASTICTRAIN_LAUNCH__EXIT_TIMEOUT_S": "15",
-        }
-        if self.schedule is not None and self.schedule.storage is not None:
-            env["ELASTICTRAIN_STORAGE__FAULTS"] = json.dumps(
-                {**asdict(self.schedule.storage), "seed": self.schedule.seed})
-        return env
+        schedule = self.schedule
+        return trial_env(str(self.storage), secret, self.opts.watchdog_timeout_s,
+                         schedule.storage if schedule is not None else None,
+                         schedule.seed if schedule is not None else 0)
 
     def events(self) -> list[dict[str, Any]]:
         """Every event of the job, each tagged with the node incarnation it came from."""
