@@ -24,11 +24,13 @@ with an empty memory directory at once. Modes:
 Figures per mode (median [min-max] over ``--reps``): node loss → the first step the new
 world completes (rank 0's record), ``restore()`` inside the worker (its
 ``snapshot.loaded`` duration), the tier read, and the steps lost (``LOSE_AT`` less the
-step resumed from). With the peer feature present, also the step rate with
-``memory_replicas`` 1 ÷ 0 (steps 3..``LOSE_AT`` of a run, before the loss) and the
-bytes the nodes exchanged per memory snapshot per node (loopback traffic of the run
-less that of the run without replication; needs ``--netns``, which runs the whole
-benchmark in a network namespace of its own so no other traffic counts).
+step resumed from), and when each stage after the loss was reached (from the agents'
+and rank 0's events). With the peer feature present, also the step rate with
+``memory_replicas`` 1 ÷ 0 (steps 3..``LOSE_AT`` of the peer and durable-local runs:
+across runs, so a rough figure; scripts/bench_peer.py measures it interleaved) and,
+with ``--netns`` (the whole benchmark in a network namespace of its own, so the
+loopback carries its traffic alone), the bytes per memory snapshot per node that the
+peer runs' loopback carried beyond the durable-local runs'.
 
     python scripts/bench_nodeloss.py --size-mb 0 --reps 3
     python scripts/bench_nodeloss.py --size-mb 0 1024 --reps 3 --json docs/bench-nodeloss.json
@@ -266,7 +268,7 @@ def run_mode(mode: str, size_mb: int, args: argparse.Namespace, endpoint: str | 
             "noisy": noisy(load_before, load_after, None)}
 
 
-def summarise(runs: list[dict[str, Any]], size_mb: int) -> dict[str, Any]:
+def summarise(runs: list[dict[str, Any]], size_mb: int, netns: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in MODES:
         rows = [r for r in runs if r["mode"] == mode and r["size_mb"] == size_mb]
@@ -290,8 +292,9 @@ def summarise(runs: list[dict[str, Any]], size_mb: int) -> dict[str, Any]:
     local = [r for r in runs if r["mode"] == "durable-local" and r["size_mb"] == size_mb]
     rate_p = [r["step_rate_before"] for r in peer if r["step_rate_before"]]
     rate_l = [r["step_rate_before"] for r in local if r["step_rate_before"]]
-    if rate_p and rate_l:
+    if rate_p and rate_l:  # across runs, so the machine's load drifts weigh in
         out["step_rate_replicas_1_vs_0"] = ratio_spread(rate_p, rate_l)
+    if rate_p and rate_l and netns:  # else the loopback counts the machine's other traffic
         sent = [(p["loopback_bytes"] - q["loopback_bytes"]) / max(p["memory_snapshots"], 1)
                 for p, q in zip(peer, local, strict=False)]
         out["bytes_per_memory_snapshot_per_node"] = spread(sent)
@@ -386,7 +389,8 @@ def main(argv: list[str] | None = None) -> None:
                           f"to the first step, tier {row['tier']}, lost {row['lost_steps']} "
                           f"(load {row['load_avg_before']})", file=sys.stderr)
     report["load_avg_end"] = round(load_average(), 2)
-    report["summary"] = {str(size): summarise(report["runs"], size) for size in args.size_mb}
+    report["summary"] = {str(size): summarise(report["runs"], size, report["netns"])
+                         for size in args.size_mb}
     print(table(report))
     if args.json:
         write_json(args.json, report)
