@@ -29,8 +29,9 @@ and rank 0's events). With the peer feature present, also the step rate with
 ``memory_replicas`` 1 ÷ 0 (steps 3..``LOSE_AT`` of the peer and durable-local runs:
 across runs, so a rough figure; scripts/bench_peer.py measures it interleaved) and,
 with ``--netns`` (the whole benchmark in a network namespace of its own, so the
-loopback carries its traffic alone), the bytes per memory snapshot per node that the
-peer runs' loopback carried beyond the durable-local runs'.
+loopback carries its traffic alone), the bytes per step and node that the peer runs'
+loopback carried over steps 1..``LOSE_AT`` beyond the durable-local runs' (the same
+training; the difference is the boundary records sent to the other node).
 
     python scripts/bench_nodeloss.py --size-mb 0 --reps 3
     python scripts/bench_nodeloss.py --size-mb 0 1024 --reps 3 --json docs/bench-nodeloss.json
@@ -154,6 +155,7 @@ def lose_a_node(mode: str, size_mb: int, work: Path, storage: str,
     try:
         job.start(2)
         wait_for(lambda: parked(records), timeout_s, job, "step LOSE_AT")
+        lo_parked = loopback_bytes()  # steps 1..LOSE_AT: the same work in every mode
         victim = job.current(1)
         job.freeze(victim)
         job.kill(victim)
@@ -181,7 +183,7 @@ def lose_a_node(mode: str, size_mb: int, work: Path, storage: str,
             "step_rate_before": steps_rate,
             "memory_snapshots": sum(1 for e in events if e.get("event") == "snapshot.committed"
                                     and e.get("tier") == "memory"),
-            "loopback_bytes": loopback_bytes() - lo_before}
+            "loopback_bytes_before_loss": lo_parked - lo_before}
 
 
 def breakdown(events: list[dict[str, Any]], lost_ts: float) -> dict[str, float | None]:
@@ -294,10 +296,12 @@ def summarise(runs: list[dict[str, Any]], size_mb: int, netns: bool) -> dict[str
     rate_l = [r["step_rate_before"] for r in local if r["step_rate_before"]]
     if rate_p and rate_l:  # across runs, so the machine's load drifts weigh in
         out["step_rate_replicas_1_vs_0"] = ratio_spread(rate_p, rate_l)
-    if rate_p and rate_l and netns:  # else the loopback counts the machine's other traffic
-        sent = [(p["loopback_bytes"] - q["loopback_bytes"]) / max(p["memory_snapshots"], 1)
-                for p, q in zip(peer, local, strict=False)]
-        out["bytes_per_memory_snapshot_per_node"] = spread(sent)
+    if peer and local and netns:  # else the loopback counts the machine's other traffic
+        # Both train steps 1..LOSE_AT alike before the loss: what the peer runs carried
+        # beyond that is what crosses nodes for them, per step and node.
+        base = statistics.median(q["loopback_bytes_before_loss"] for q in local)
+        out["extra_bytes_per_step_per_node"] = spread(
+            [(p["loopback_bytes_before_loss"] - base) / LOSE_AT / 2 for p in peer])
     return out
 
 
@@ -321,7 +325,7 @@ def table(report: dict[str, Any]) -> str:
             if medians:
                 lines.append(f"  {mode} (median s after the loss): "
                              + ", ".join(f"{k} {v:.2f}" for k, v in medians.items()))
-        for key in ("step_rate_replicas_1_vs_0", "bytes_per_memory_snapshot_per_node"):
+        for key in ("step_rate_replicas_1_vs_0", "extra_bytes_per_step_per_node"):
             if key in summary:
                 lines.append(f"  {key}: {fmt(summary[key], 3)}")
     lines += report["skipped"]
