@@ -143,6 +143,7 @@ def _goodput(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
+    from elastictrain.chaos.noderun import run_node_chaos
     from elastictrain.chaos.report import format_json, format_table
     from elastictrain.chaos.runner import ChaosOptions, run_chaos
     from elastictrain.chaos.schedule import parse_kinds
@@ -151,8 +152,11 @@ def _chaos(args: argparse.Namespace) -> int:
     opts = ChaosOptions(trials=args.trials, seed=args.seed, first=args.first,
                         faults=parse_kinds(args.faults), nproc=args.nproc, workdir=args.storage,
                         script=command[0] if command else None, script_args=command[1:],
-                        steps=args.steps, snapshot_every=args.snapshot_every)
-    report = run_chaos(opts)
+                        steps=args.steps, snapshot_every=args.snapshot_every,
+                        nodes=args.nodes, replace=args.replace,
+                        memory_every=args.memory_every, samples=args.samples,
+                        peer={"auto": None, "yes": True, "no": False}[args.peer_memory])
+    report = run_node_chaos(opts) if "node" in opts.faults else run_chaos(opts)
     print(format_json(report) if args.json else format_table(report))
     return 0 if report.passed else 1
 
@@ -312,6 +316,20 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--steps", type=int, default=60, help="steps of the built-in demo")
     chaos.add_argument("--snapshot-every", type=int, default=10, metavar="N",
                        help="the built-in demo's snapshot interval")
+    chaos.add_argument("--nodes", type=int, default=2, choices=(2, 3),
+                       help="with --faults node: agents (nodes) of the job, --nproc workers "
+                       "each")
+    chaos.add_argument("--replace", action=argparse.BooleanOptionalAction, default=None,
+                       help="with --faults node: always (--replace) or never (--no-replace) "
+                       "start a new node in place of the lost one (default: drawn per trial)")
+    chaos.add_argument("--memory-every", type=int, default=3, metavar="N",
+                       help="with --faults node: the demo's memory snapshot interval")
+    chaos.add_argument("--samples", type=int, default=600,
+                       help="with --faults node: the demo's dataset size (several epochs)")
+    chaos.add_argument("--peer-memory", choices=("auto", "yes", "no"), default="auto",
+                       help="with --faults node: whether a node restores from its peers' "
+                       "memory and the rescue crosses nodes, which tightens the checks "
+                       "(auto: when snapshot.memory_replicas exists and is above 0)")
     chaos.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     chaos.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS",
                        help="the training script and its arguments, {storage} among them "

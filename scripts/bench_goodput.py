@@ -22,12 +22,23 @@ the realised MTBF of all runs; ``/best fixed`` is the pooled ratio with the seed
 ratios [min-max] beside it. A handful of kills per run makes one seed's lost work a
 matter of where the kills land against the snapshots; pooling seeds averages that out.
 
+With ``--nodes N`` (2 or 3) the demo runs on N agents on this machine, ``--nproc``
+workers each, as ``elastictrain chaos --faults node`` runs them (a rendezvous store of
+its own, a memory directory per node on /dev/shm, one events directory they share as
+they would share durable storage), and ``--node-loss-share P`` makes that share of the
+failures a whole node lost instead of one worker: every process of the node holding
+the drawn rank's agent SIGKILLed, its memory directory wiped, and a new agent started
+in its place after ``--replace-after-s``. Which failures are node losses is drawn from
+a stream of its own, so a seed's times and ranks stay what they were.
+
 The machine's other work makes every figure noisy: load averages and the flag are in
 the report. Figures and how to read them: docs/goodput.md.
 
     python scripts/bench_goodput.py --wall-s 180 --mtbf-s 60
     python scripts/bench_goodput.py --wall-s 180 --seeds 0 1 2 --json pooled.json
     python scripts/bench_goodput.py --configs fixed:40 auto auto+memory:1 --json
+    python scripts/bench_goodput.py --nodes 2 --nproc 1 --node-loss-share 0.5 \
+        --configs auto+memory:auto --seeds 0 1
 """
 
 from __future__ import annotations
@@ -54,8 +65,9 @@ from benchlib import load_average, noisy, write_json
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # elastictrain from this checkout, like the workers
 
+from elastictrain.chaos.nodes import NodeJob  # noqa: E402
 from elastictrain.events_read import read_events  # noqa: E402
-from elastictrain.launch import LaunchSpec, start_torchrun  # noqa: E402
+from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun  # noqa: E402
 
 WORKER = "elastictrain.demo.worker"
 DEFAULT_CONFIGS = ["fixed:20", "fixed:40", "fixed:80", "auto", "auto+memory:auto"]
@@ -65,10 +77,12 @@ START_TIMEOUT_S = 300.0  # launch -> first step, on a busy machine
 
 @dataclass(frozen=True)
 class Kill:
-    """One failure: ``at_s`` after the first step, on ``rank``."""
+    """One failure: ``at_s`` after the first step, on ``rank``; ``node``: the whole node
+    of that rank's agent is lost, not only the worker."""
 
     at_s: float
     rank: int
+    node: bool = False
 
 
 @dataclass
@@ -108,13 +122,15 @@ def parse_config(text: str) -> Config:
     return Config(text, args)
 
 
-def failure_schedule(seed: int, mtbf_s: float, wall_s: float, nproc: int) -> list[Kill]:
-    """Exponential inter-arrival times of mean ``mtbf_s`` within ``wall_s``, and the rank
-    each kill hits: the same for every configuration of one seed."""
-    rng = random.Random(seed)
+def failure_schedule(seed: int, mtbf_s: float, wall_s: float, nproc: int,
+                     node_share: float = 0.0) -> list[Kill]:
+    """Exponential inter-arrival times of mean ``mtbf_s`` within ``wall_s``, the rank
+    each kill hits, and (a stream of its own) whether it takes the whole node: the same
+    for every configuration of one seed."""
+    rng, nodes = random.Random(seed), random.Random(seed ^ 0x6E6F6465)
     kills, at = [], rng.expovariate(1.0 / mtbf_s)
     while at < wall_s:
-        kills.append(Kill(round(at, 3), rng.randrange(nproc)))
+        kills.append(Kill(round(at, 3), rng.randrange(nproc), nodes.random() < node_share))
         at += rng.expovariate(1.0 / mtbf_s)
     return kills
 
@@ -227,6 +243,79 @@ class DemoJob:
         return code
 
 
+class NodesDemoJob(DemoJob):
+    """The demo on ``nodes`` agents (elastictrain/chaos/nodes.py) sharing one events
+    directory, each with its own memory directory on /dev/shm; a node can be lost."""
+
+    def __init__(self, work: Path, config: Config, nproc: int, kills: int, seed: int,
+                 nodes: int, replace_after_s: float, durable_latency_s: float = 0.0) -> None:
+        super().__init__(work, config, nproc, kills, seed, durable_latency_s)
+        self.env.pop("ELASTICTRAIN_SNAPSHOT__MEMORY_DIR")  # one per node, under its shm
+        self.nodes, self.replace_after_s = nodes, replace_after_s
+        self.cluster = NodeJob(work / "nodes", uuid.uuid4().hex, self.env, self._spec_for,
+                               shm_base=self.memory)
+
+    def _spec_for(self, node_dir: Path, port: int) -> LaunchSpec:
+        return LaunchSpec(nproc_per_node=self.spec.nproc_per_node, module=WORKER,
+                          script_args=self.spec.script_args,
+                          nnodes=f"{self.nodes}:{self.nodes}",
+                          max_restarts=self.spec.max_restarts,
+                          rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=self.run_id,
+                          rdzv_conf=f"{DEFAULT_RDZV_CONF},is_host=0",
+                          log_dir=str(node_dir / "torchelastic"), events_dir=str(self.events))
+
+    def start(self) -> None:
+        (self.events.parent.parent / "nodes").mkdir(parents=True, exist_ok=True)
+        self.cluster.start(self.nodes)
+
+    def running(self) -> bool:
+        return bool(self.cluster.running())
+
+    def first_step_ts(self, restart_count: int) -> float | None:
+        """The first step of the job: any rank 0's first ``demo.first_step``."""
+        return next((float(e["ts"]) for e in self.rank0_events()
+                     if e.get("event") == "demo.first_step"), None)
+
+    def victim(self, rank: int) -> dict[str, Any] | None:
+        """The live worker of ``rank`` that started last (restart counts differ by node:
+        a new node's agent counts from 0)."""
+        live = [e for e in self.worker_starts() if e.get("rank") == rank
+                and int(e["pid"]) not in self.killed and _is_worker(int(e["pid"]))]
+        return max(live, key=lambda e: float(e["ts"]), default=None)
+
+    def lose_node(self, rank: int) -> dict[str, Any]:
+        """Lose the node whose agent runs ``rank``'s worker; a new agent takes its place
+        ``replace_after_s`` later (the failure process's clock waits meanwhile)."""
+        target = self.wait_for(lambda: self.victim(rank), START_TIMEOUT_S, f"rank {rank}")
+        pid = int(target["pid"])
+        node = next(n for n in self.cluster.running() if pid in _marked(n.job.marker))
+        self.cluster.freeze(node)
+        self.cluster.kill(node)
+        killed_ts = time.time()
+        time.sleep(self.replace_after_s)  # the failure process's clock: a new machine
+        self.cluster.add(node.index)
+        return {"ts": killed_ts, "rank": rank, "pid": pid, "node": node.name,
+                "restart_count": int(target["restart_count"])}
+
+    def stop(self) -> int | None:
+        """SIGTERM to every launcher (final snapshot, exit 75); kill what is left."""
+        for node in self.cluster.running():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(node.job.launcher_pid or 0, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while self.cluster.running() and time.monotonic() < deadline:
+            time.sleep(0.1)  # launchers finishing their final snapshot
+        codes = [n.job.poll() for n in self.cluster.nodes if n.lost_ts is None]
+        self.cluster.close()
+        return next((c for c in codes if c not in (None, 0)), codes[-1] if codes else None)
+
+
+def _marked(marker: str) -> set[int]:
+    from elastictrain.chaos.job import processes_with_marker
+
+    return set(processes_with_marker(marker))
+
+
 def _is_worker(pid: int, needle: str = WORKER) -> bool:
     """``pid`` is still a demo worker (not a recycled PID): its command line says so."""
     try:
@@ -240,7 +329,10 @@ def run_config(config: Config, kills: list[Kill], seed: int,
                args: argparse.Namespace) -> dict[str, Any]:
     """Run one configuration under the failure schedule of ``seed`` and measure it."""
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-", dir=args.workdir))
-    job = DemoJob(work, config, args.nproc, len(kills), seed, args.durable_latency_s)
+    job = (DemoJob(work, config, args.nproc, len(kills), seed, args.durable_latency_s)
+           if args.nodes == 1 else
+           NodesDemoJob(work, config, args.nproc, len(kills), seed, args.nodes,
+                        args.replace_after_s, args.durable_latency_s))
     load_before = load_average()
     delivered: list[dict[str, Any]] = []
     try:
@@ -248,7 +340,11 @@ def run_config(config: Config, kills: list[Kill], seed: int,
         t0 = job.wait_for(lambda: job.first_step_ts(0), START_TIMEOUT_S, "the first step")
         for kill in kills:
             _sleep_until(t0 + kill.at_s, job)
-            delivered.append({**job.kill(kill.rank), "due_s": kill.at_s})
+            if kill.node:
+                assert isinstance(job, NodesDemoJob)
+                delivered.append({**job.lose_node(kill.rank), "due_s": kill.at_s})
+            else:
+                delivered.append({**job.kill(kill.rank), "due_s": kill.at_s})
         _sleep_until(t0 + args.wall_s, job)
         code = job.stop()
         result = measure(job, delivered, args.mtbf_s)
@@ -298,15 +394,16 @@ def snapshot_cost(rank0: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def recoveries(job: DemoJob, delivered: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per kill: kill -> rank 0's first step in the next attempt, and the steps lost."""
-    rank0 = job.rank0_events()
+    """Per kill: kill -> rank 0's first step after it, and the steps lost (by time, not
+    restart count: on several nodes a new node's agent counts its restarts from 0)."""
+    rank0 = sorted(job.rank0_events(), key=lambda e: float(e["ts"]))
     rows = []
     for kill in delivered:
-        nxt = kill["restart_count"] + 1
-        first = job.first_step_ts(nxt)
+        first = next((float(e["ts"]) for e in rank0 if e.get("event") == "demo.first_step"
+                      and float(e["ts"]) > kill["ts"]), None)
         resume = next((e for e in rank0 if e.get("event") == "resume"
-                       and e.get("restart_count") == nxt), None)
-        rows.append({"due_s": kill["due_s"], "rank": kill["rank"],
+                       and float(e["ts"]) > kill["ts"]), None)
+        rows.append({"due_s": kill["due_s"], "rank": kill["rank"], "node": "node" in kill,
                      "recovery_s": None if first is None else first - kill["ts"],
                      "lost_steps": None if resume is None else resume.get("lost_steps"),
                      "tier": None if resume is None else resume.get("tier")})
@@ -445,7 +542,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--configs", nargs="+", type=parse_config,
                    default=[parse_config(c) for c in DEFAULT_CONFIGS],
                    help=f"fixed:N | auto, optionally +memory:M (default {DEFAULT_CONFIGS})")
-    p.add_argument("--nproc", type=int, default=2, help="workers (default 2)")
+    p.add_argument("--nproc", type=int, default=2, help="workers per node (default 2)")
+    p.add_argument("--nodes", type=int, default=1, choices=(1, 2, 3),
+                   help="agents (nodes) of the job on this machine (default 1)")
+    p.add_argument("--node-loss-share", type=float, default=0.0,
+                   help="with --nodes 2 or 3: the share of failures that lose the whole "
+                   "node (default 0: worker kills only)")
+    p.add_argument("--replace-after-s", type=float, default=0.0,
+                   help="a lost node's replacement starts this long after (default 0)")
     p.add_argument("--durable-latency-s", type=float, default=0.0,
                    help="seconds every durable-storage operation waits first (a remote "
                    "store; storage.faults.latency_s); default 0: the local disk")
@@ -463,12 +567,16 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in (("--wall-s", args.wall_s), ("--mtbf-s", args.mtbf_s)):
         if value <= 0:
             raise SystemExit(f"{name}={value}: must be > 0 seconds")
+    if args.node_loss_share and args.nodes == 1:
+        raise SystemExit("--node-loss-share needs --nodes 2 or 3: a job of one node that "
+                         "loses it has nothing left to resume")
     if not 0 <= args.durable_latency_s <= 60:
         raise SystemExit(f"--durable-latency-s={args.durable_latency_s}: must be 0-60 seconds")
     load_before = load_average()
     runs = []
     for seed in args.seeds:
-        kills = failure_schedule(seed, args.mtbf_s, args.wall_s, args.nproc)
+        kills = failure_schedule(seed, args.mtbf_s, args.wall_s, args.nproc * args.nodes,
+                                 args.node_loss_share)
         results = []
         for config in args.configs:
             results.append(run_config(config, kills, seed, args))
@@ -476,14 +584,17 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"seed {seed} {config.name}: goodput {results[-1]['goodput']:.3f}",
                       file=sys.stderr)
         compare(results)
-        runs.append({"seed": seed, "schedule": [{"at_s": k.at_s, "rank": k.rank}
-                                                for k in kills], "results": results})
+        runs.append({"seed": seed, "schedule": [{"at_s": k.at_s, "rank": k.rank,
+                                                 "node": k.node} for k in kills],
+                     "results": results})
     results = runs[0]["results"] if len(runs) == 1 else pool(runs)
     load_after = load_average()
     report = {"bench": "goodput", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "wall_s": args.wall_s, "mtbf_s": args.mtbf_s, "seeds": args.seeds,
               "durable_latency_s": args.durable_latency_s,
-              "nproc": args.nproc, "cpus": os.cpu_count(),
+              "nproc": args.nproc, "nodes": args.nodes,
+              "node_loss_share": args.node_loss_share, "replace_after_s": args.replace_after_s,
+              "cpus": os.cpu_count(),
               "load_avg_before": round(load_before, 2), "load_avg_after": round(load_after, 2),
               "noisy": noisy(load_before, load_after, None) or any(r["noisy"] for r in results),
               "results": results, "runs": runs}

@@ -8,15 +8,17 @@ and a process left behind after the trial cannot hide.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from elastictrain.chaos.schedule import StorageFaults
 from elastictrain.events_read import read_events
 from elastictrain.launch import LaunchSpec, start_torchrun
 from elastictrain.proctree import stat_fields
@@ -46,6 +48,29 @@ def processes_with_marker(marker: str) -> list[int]:
                 v == needle or v.startswith(needle + b"/") for v in environ.split(b"\0")):
             found.append(int(entry.name))
     return found
+
+
+def trial_env(storage: str, secret: str, watchdog_timeout_s: float,
+              storage_faults: StorageFaults | None, seed: int) -> dict[str, str]:
+    """The environment every run of a trial shares (its launchers and their workers)."""
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "ELASTICTRAIN_STORAGE__URL": storage,
+        # A fake credential in the storage options (the local store ignores it):
+        # the trial fails if it shows up in any output or event.
+        "ELASTICTRAIN_STORAGE__STORAGE_OPTIONS": json.dumps(
+            {"key": "AKIACHAOSEXAMPLE", "secret": secret}),
+        "ELASTICTRAIN_WATCHDOG__TIMEOUT_S": str(watchdog_timeout_s),
+        # A stopped rank during startup holds its peers in the rendezvous or before
+        # the first step: fail those attempts in seconds, not minutes.
+        "ELASTICTRAIN_WATCHDOG__STARTUP_TIMEOUT_S": "30",
+        "ELASTICTRAIN_DIST__INIT_TIMEOUT_S": "30",
+        # A rank stopped after its peers finished: the agent ends it after this long.
+        "ELASTICTRAIN_LAUNCH__EXIT_TIMEOUT_S": "15",
+    }
+    if storage_faults is not None:
+        env["ELASTICTRAIN_STORAGE__FAULTS"] = json.dumps({**asdict(storage_faults), "seed": seed})
+    return env
 
 
 def signal_pid(pid: int, sig: signal.Signals) -> bool:

@@ -37,6 +37,13 @@ def by_kind(report: ChaosReport) -> dict[str, dict[str, int]]:
         kinds = {note.split(":", 1)[0] for note in trial.injected if "not injected" not in note}
         if trial.storage_faults_injected:
             kinds.add("storage")
+        if "node" in kinds:  # a node trial's variants (chaos/noderun.py's notes)
+            lost = next(n for n in trial.injected if n.startswith("node:"))
+            kinds.add("node silent" if "held" in lost else "node abrupt")
+            kinds.add("node replaced" if "replaced" in kinds else "node not replaced")
+            if "start-up" in lost:
+                kinds.add("node start-up")
+        kinds.discard("replaced")
         for kind in kinds:
             count = counts.setdefault(kind, {"trials": 0, "passed": 0})
             count["trials"] += 1

@@ -10,7 +10,6 @@ it, then :mod:`.checks` decide pass or fail. See docs/chaos.md.
 from __future__ import annotations
 
 import itertools
-import json
 import signal
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.chaos import checks
-from elastictrain.chaos.job import Job, events_of, signal_pid
+from elastictrain.chaos.job import Job, events_of, signal_pid, trial_env
 from elastictrain.chaos.memfaults import MemoryNode
 from elastictrain.chaos.schedule import (
     FAULT_KINDS,
@@ -55,6 +54,14 @@ class ChaosOptions:
     snapshot_every: int = 10
     watchdog_timeout_s: float = 3.0
     max_restarts: int = 10
+    # Node faults (chaos/noderun.py): agents, whether the lost node is replaced (None:
+    # drawn per trial), the memory tier's interval, the demo's dataset size, and
+    # whether the job restores from peers' memory (None: from the settings).
+    nodes: int = 2
+    replace: bool | None = None
+    memory_every: int = 3
+    samples: int = 600
+    peer: bool | None = None
 
     def validate(self) -> None:
         """One line naming the option, its value and the fix."""
@@ -192,27 +199,13 @@ class _Run:
                           log_dir=str(workdir / "torchelastic"), events_dir=events)
 
     def _env(self, secret: str) -> dict[str, str]:
-        env = {
-            "OMP_NUM_THREADS": "1",
-            "ELASTICTRAIN_STORAGE__URL": str(self.storage),
-            # A fake credential in the storage options (the local store ignores it):
-            # the trial fails if it shows up in any output or event.
-            "ELASTICTRAIN_STORAGE__STORAGE_OPTIONS": json.dumps(
-                {"key": "AKIACHAOSEXAMPLE", "secret": secret}),
-            "ELASTICTRAIN_WATCHDOG__TIMEOUT_S": str(self.opts.watchdog_timeout_s),
-            # A stopped rank during startup holds its peers in the rendezvous or before
-            # the first step: fail those attempts in seconds, not minutes.
-            "ELASTICTRAIN_WATCHDOG__STARTUP_TIMEOUT_S": "30",
-            "ELASTICTRAIN_DIST__INIT_TIMEOUT_S": "30",
-            # A rank stopped after its peers finished: the agent ends it after this long.
-            "ELASTICTRAIN_LAUNCH__EXIT_TIMEOUT_S": "15",
-        }
+        schedule = self.schedule
+        env = trial_env(str(self.storage), secret, self.opts.watchdog_timeout_s,
+                        schedule.storage if schedule is not None else None,
+                        schedule.seed if schedule is not None else 0)
         if self.node is not None:
             env["ELASTICTRAIN_SNAPSHOT__MEMORY_EVERY"] = "1"
             env["ELASTICTRAIN_SHM"] = str(self.node.root)
-        if self.schedule is not None and self.schedule.storage is not None:
-            env["ELASTICTRAIN_STORAGE__FAULTS"] = json.dumps(
-                {**asdict(self.schedule.storage), "seed": self.schedule.seed})
         return env
 
     def events(self) -> list[dict[str, Any]]:

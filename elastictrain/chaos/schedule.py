@@ -28,7 +28,11 @@ MEMORY_FAULTS = ("shm_neighbour", "shm_full", "memory_corrupt")
 # The standby's faults (runner.inject_standby_fault), asked for by name only, never
 # drawn by default: a seed's default draws, and so its replay, do not depend on them.
 STANDBY_FAULTS = ("standby_stop", "standby_kill", "pid_recycle")
-ALL_KINDS = (*FAULT_KINDS, *MEMORY_FAULTS, *STANDBY_FAULTS)
+# A whole node lost (chaos/nodes.py): one agent's process tree SIGKILLed and its memory
+# directory wiped, in a job of several agents. Named with --faults only, with no other
+# kind but ``storage``: a node trial runs a job of its own shape (agents, memory tier).
+NODE_FAULTS = ("node",)
+ALL_KINDS = (*FAULT_KINDS, *MEMORY_FAULTS, *STANDBY_FAULTS, *NODE_FAULTS)
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,37 @@ class MemoryFault:
 
 
 @dataclass(frozen=True)
+class NodeFault:
+    """One node lost: ``at_s`` seconds after the trained step ``at_step`` was first
+    recorded (the demo's sample records), or after the agents started when
+    ``at_step`` is None (a loss during start-up).
+
+    Attributes:
+        node: the agent's index (any of them: the rendezvous store runs apart).
+        replace: a new agent with the same index and an empty memory directory starts
+            ``replace_after_s`` after the loss; else the job goes on one node smaller.
+        silent: the node's processes are frozen (SIGSTOP) for ``hold_s`` before the
+            SIGKILL, so its peers meet silence as from a machine that vanished, not the
+            connection resets that processes killed on a live kernel send.
+    """
+
+    at_step: int | None
+    at_s: float
+    node: int
+    replace: bool
+    replace_after_s: float
+    silent: bool
+    hold_s: float
+
+    def describe(self) -> str:
+        how = f"silent {self.hold_s:g}s" if self.silent else "abrupt"
+        then = f"replaced +{self.replace_after_s:g}s" if self.replace else "not replaced"
+        when = (f"start+{self.at_s:.1f}s" if self.at_step is None
+                else f"step{self.at_step}+{self.at_s:.2f}s")
+        return f"node(node{self.node}, {how}, {then})@{when}"
+
+
+@dataclass(frozen=True)
 class Schedule:
     """Everything one trial injects."""
 
@@ -92,12 +127,15 @@ class Schedule:
     faults: tuple[Fault, ...]
     storage: StorageFaults | None
     memory: tuple[MemoryFault, ...] = ()
+    node: NodeFault | None = None
 
     def describe(self) -> str:
         parts = [f.describe() for f in self.faults]
         if self.storage is not None:
             parts.append(self.storage.describe())
         parts += [f.describe() for f in self.memory]
+        if self.node is not None:
+            parts.append(self.node.describe())
         return " ".join(parts) or "none"
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,6 +149,13 @@ def parse_kinds(text: str) -> tuple[str, ...]:
     if unknown or not kinds:
         raise ConfigError(f"--faults={text!r}: unknown or empty fault kind {unknown}; fix: "
                           f"choose from {','.join(ALL_KINDS)}")
+    others = [k for k in kinds if k not in (*NODE_FAULTS, "storage")]
+    if "node" in kinds and others:
+        # A node trial is a job of several agents, judged by checks of its own; the
+        # process and memory kinds target one agent's job.
+        raise ConfigError(f"--faults={text!r}: node combines only with storage, not "
+                          f"{','.join(others)}; fix: run the node faults on their own, e.g. "
+                          "--faults node,storage")
     return kinds
 
 
@@ -120,12 +165,16 @@ def trial_seed(seed: int, trial: int) -> int:
 
 
 def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: float,
-                  world_size: int) -> Schedule:
+                  world_size: int, nodes: int = 1, replace: bool | None = None,
+                  steps: int = 60, step_s: float = 0.1) -> Schedule:
     """The schedule of trial ``trial``: one or two process faults drawn from ``kinds``
     at times within ``horizon_s`` (the clean run's wall time), and storage faults on
     half the trials when ``storage`` is among the kinds (on all when it is the only one).
     Two stops in one trial stop the same rank: the claim under test is that a rank that
     hangs is found by its peers' watchdogs, which needs a peer that still runs.
+    With ``node`` among the kinds, one node fault on one of ``nodes`` agents, replaced
+    or not as ``replace`` says (None: drawn), at a drawn step of ``steps`` (plus up to
+    ``step_s``, the clean run's time per step) or, on some trials, during start-up.
     """
     s = trial_seed(seed, trial)
     rng = random.Random(s)  # private: never the caller's random streams
@@ -162,5 +211,27 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
         faults.append(Fault(kind="kill", at_s=round(memory_rng.uniform(0.6, 0.9) * horizon_s,
                                                     2), target="worker",
                             rank=memory_rng.randrange(world_size)))
+    node = (draw_node_fault(random.Random(s ^ 0x6E6F6465), horizon_s, nodes, replace, steps,
+                            step_s) if "node" in kinds else None)
     return Schedule(trial=trial, seed=s, faults=tuple(sorted(faults, key=lambda f: f.at_s)),
-                    storage=storage, memory=tuple(sorted(memory, key=lambda f: f.at_s)))
+                    storage=storage, memory=tuple(sorted(memory, key=lambda f: f.at_s)),
+                    node=node)
+
+
+def draw_node_fault(rng: random.Random, horizon_s: float, nodes: int, replace: bool | None,
+                    steps: int, step_s: float) -> NodeFault:
+    """A node loss while the job trains, at a drawn step (a small demo spends most of
+    its wall time starting, and that time varies with the machine's load), or on one
+    trial in six during start-up: rendezvous, process group, restore."""
+    at_step: int | None = rng.randint(1, max(steps - 2, 1))
+    at_s = round(rng.uniform(0.0, step_s), 3)
+    if rng.random() < 1 / 6:
+        at_step, at_s = None, round(rng.uniform(0.05, 0.3) * horizon_s, 2)
+    victim = rng.randrange(nodes)
+    drawn_replace = rng.random() < 0.5
+    after_s = round(rng.uniform(0.0, 5.0), 1)
+    silent = rng.random() < 0.5
+    return NodeFault(at_step=at_step, at_s=at_s, node=victim,
+                     replace=drawn_replace if replace is None else replace,
+                     replace_after_s=after_s, silent=silent,
+                     hold_s=round(rng.uniform(4.0, 10.0), 1) if silent else 0.0)

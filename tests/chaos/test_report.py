@@ -27,3 +27,25 @@ def test_by_kind_counts_injected_faults_and_their_passes() -> None:
                                "storage": {"trials": 1, "passed": 0}}
     assert "notice 0/1 passed" in format_table(report)
     assert json.loads(format_json(report))["by_kind"]["kill"] == {"trials": 1, "passed": 1}
+
+
+def test_node_trials_are_counted_by_variant() -> None:
+    from elastictrain.chaos.report import by_kind
+    from elastictrain.chaos.runner import ChaosReport, TrialResult
+
+    def trial(notes: list[str], failures: list[str]) -> TrialResult:
+        return TrialResult(trial=0, seed=1, faults="", injected=notes, restarts=1,
+                           exit_codes=[0], storage_faults_injected=0, wall_s=1.0,
+                           failures=failures)
+
+    report = ChaosReport("d", 1.0, 10, "/w", [
+        trial(["node: SIGSTOP node0.0 after step 5 (3 processes), memory wiped, at once, "
+               "SIGKILL 3 processes", "replaced: node0.1 started"], []),
+        trial(["node: SIGSTOP node1.0 during start-up (2 processes), memory wiped, held 5s, "
+               "SIGKILL 2 processes"], ["lost 9 steps"])])
+    assert by_kind(report) == {
+        "node": {"trials": 2, "passed": 1},
+        "node abrupt": {"trials": 1, "passed": 1}, "node replaced": {"trials": 1, "passed": 1},
+        "node silent": {"trials": 1, "passed": 0},
+        "node not replaced": {"trials": 1, "passed": 0},
+        "node start-up": {"trials": 1, "passed": 0}}

@@ -1,0 +1,154 @@
+"""The checks of a node trial that the single-agent checks (:mod:`.checks`) do not make:
+where each resume after a node loss had to read from, and how many steps it may lose.
+
+What a resume may use follows from the trial's events and the harness's own record of
+which node was lost when: a node holds the memory copies its processes committed, less
+those pruned, set aside or removed, and nothing once it was lost (its memory wiped)
+or before it started (a replacement's memory is empty). The memory tier's restore rule
+(docs/memory-tier.md, "Agreement rule") then says which copy is complete:
+
+* without peer restore, every node of the new world must hold the same newest step;
+* with peer restore (a node restores from its peers' memory), the newest step that
+  some node holds: the nodes without it (new, wiped, or a step behind) receive it.
+
+Either way the copy must be newer than the newest durable snapshot. A resume that read
+durable storage although such a copy existed fails, as does one that went back further
+than the newest complete copy. Lost steps are measured from the demo's per-step sample
+records (the highest step trained since the previous resume, less the step resumed
+from): at most one with a cross-node rescue after an abrupt loss, else the interval of
+the tier the resume used, plus the steps of a save that was in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+NODE_KEY = "_node"  # the node incarnation an event came from (added when read)
+
+
+@dataclass(frozen=True)
+class NodeLife:
+    """One node incarnation as the harness ran it: started, and lost (frozen) at."""
+
+    name: str
+    started_ts: float
+    lost_ts: float | None
+
+    def member_at(self, ts: float) -> bool:
+        return self.started_ts < ts and (self.lost_ts is None or self.lost_ts > ts)
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What the job under test can do, so what its resumes may lose.
+
+    Attributes:
+        memory_every, durable_every: the two tiers' snapshot intervals, in steps.
+        peer_restore: a node without the memory copy restores it from its peers.
+        cross_node_rescue: the survivors of a node loss commit the last step.
+    """
+
+    memory_every: int
+    durable_every: int
+    peer_restore: bool = False
+    cross_node_rescue: bool = False
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A node loss in the trial: when, and whether its peers met silence."""
+
+    ts: float
+    silent: bool
+
+
+def newest_held(events: Sequence[dict[str, Any]], life: NodeLife, ts: float,
+                since: float = 0.0) -> int | None:
+    """The newest memory step ``life``'s node held when the restore that resumed at
+    ``ts`` began (the tier keeps one). That restore's own removal of the copies newer
+    than the step it chose (``reason=stale``, after ``since``, the previous resume)
+    does not count: whether it should have chosen them is what is checked."""
+    if not life.member_at(ts):
+        return None
+    held: set[int] = set()
+    for e in events:
+        if e.get(NODE_KEY) != life.name or float(e["ts"]) >= ts:
+            continue
+        name, step = e.get("event"), e.get("snapshot_step")
+        this_restore = e.get("reason") == "stale" and float(e["ts"]) > since
+        if name == "snapshot.committed" and e.get("tier") == "memory" and isinstance(step, int):
+            held.add(step)
+        elif ((name == "snapshot.pruned" and e.get("tier") == "memory" and not this_restore)
+              or name == "snapshot.memory_set_aside") and isinstance(step, int):
+            held.discard(step)
+        elif name == "snapshot.memory_removed":
+            held.clear()
+    return max(held, default=None)
+
+
+def complete_memory_step(newest: dict[str, int | None], peer_restore: bool) -> int | None:
+    """The memory step every node of a world can restore, or None (see the module)."""
+    steps = list(newest.values())
+    held = [s for s in steps if s is not None]
+    if peer_restore:  # the newest step some node holds: the others receive it
+        return max(held, default=None)
+    if not steps or len(held) != len(steps) or len(set(held)) != 1:
+        return None
+    return held[0]
+
+
+def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLife],
+                       records: Sequence[dict[str, Any]], expect: Expectation,
+                       loss: Loss | None) -> str | None:
+    """Every resume read from the newest complete copy and lost no more than allowed."""
+    resumes = sorted((e for e in events if e.get("event") == "resume" and e.get("rank") == 0),
+                     key=lambda e: float(e["ts"]))
+    durable = [(float(e["ts"]), int(e["snapshot_step"])) for e in events
+               if e.get("event") == "snapshot.committed" and e.get("tier") != "memory"]
+    previous = 0.0
+    rescue_pending = loss is not None and not loss.silent and expect.cross_node_rescue
+    for resume in resumes:
+        ts = float(resume["ts"])
+        start = resume.get("from_step")
+        start = 0 if start is None else int(start)
+        newest_durable = max((s for t, s in durable if t < ts), default=0)
+        members = {life.name: newest_held(events, life, ts, previous) for life in lives
+                   if life.member_at(ts)}
+        memory_step = complete_memory_step(members, expect.peer_restore)
+        if memory_step is not None and memory_step <= newest_durable:
+            memory_step = None
+        expected = memory_step if memory_step is not None else newest_durable
+        where = f"the resume at {ts:.2f} (nodes {members}, durable step {newest_durable})"
+        if start < expected:
+            return f"{where} resumed from step {start} although step {expected} was complete"
+        if memory_step is not None and resume.get("tier") != "memory" and start <= memory_step:
+            return (f"{where} read durable storage although every node could restore memory "
+                    f"step {memory_step}")
+        trained = [int(r["step"]) for r in records if previous < float(r["ts"]) < ts]
+        after_loss = loss is not None and previous < loss.ts < ts
+        if trained:
+            lost = max(trained) - start
+            in_flight = max((int(e["snapshot_step"]) for e in events
+                             if e.get("event") == "snapshot.staged"
+                             and previous < float(e["ts"]) < ts), default=0)
+            interval = expect.memory_every if resume.get("tier") == "memory" else (
+                expect.durable_every)
+            allowed = interval + max(0, in_flight - start)
+            if rescue_pending and after_loss:
+                allowed = 1
+            if lost > allowed:
+                return f"{where} lost {lost} steps (from step {start}; allowed {allowed})"
+        if after_loss:
+            rescue_pending = False
+        previous = ts
+    return None
+
+
+def check_agents(codes: dict[str, list[int]], lost: set[str], timed_out: bool) -> str | None:
+    """Every launcher the harness did not kill exited 0 (and none was cut off)."""
+    if timed_out:
+        return "timed out (a hang nothing turned into a restart?)"
+    bad = {name: c for name, c in codes.items() if name not in lost and c != [0]}
+    return f"launcher exit codes {bad}: the run did not finish" if bad else None

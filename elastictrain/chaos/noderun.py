@@ -1,0 +1,295 @@
+"""``elastictrain chaos --faults node``: the demo on several agents, one node lost a trial.
+
+The clean run and every trial run the demo on ``--nodes`` agents (:mod:`.nodes`) with
+the memory tier on (``--memory-every``), each agent with its own memory directory, one
+durable storage, and the demo's per-step sample records. A trial loses one node at a
+drawn time (:class:`~elastictrain.chaos.schedule.NodeFault`): abruptly or silently,
+then replaced by a new agent with an empty memory directory (the job is ``--nnodes
+N:N`` and waits for it) or not (``--nnodes N-1:N``: it goes on one node smaller).
+
+Checks, besides the single-agent ones that still apply (snapshots verify, nothing left
+running, no credential in any file, node memory private and emptied at the end):
+every launcher the harness did not kill exited 0; the final parameters equal the
+clean run's when every surviving step ran at the full world size; each sample trained
+exactly once; each resume read from the newest complete copy and lost no more steps
+than allowed (:mod:`.nodechecks`, which takes what the job can do across nodes as a
+parameter: found from the settings, see :func:`peer_memory`).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from elastictrain.chaos import checks
+from elastictrain.chaos.dataonce import check_exactly_once, final_world_sizes, read_records
+from elastictrain.chaos.job import events_of, processes_with_marker, signal_pid, trial_env
+from elastictrain.chaos.nodechecks import (
+    NODE_KEY,
+    Expectation,
+    Loss,
+    NodeLife,
+    check_agents,
+    check_node_resumes,
+)
+from elastictrain.chaos.nodes import Node, NodeJob
+from elastictrain.chaos.runner import ChaosOptions, ChaosReport, TrialResult
+from elastictrain.chaos.schedule import NodeFault, Schedule, make_schedule
+from elastictrain.config import load_settings
+from elastictrain.errors import ConfigError, ElasticTrainError
+from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec
+from elastictrain.storage import open_store
+
+_POLL_S = 0.05
+# A replacement that never got to join (the others had ended the run already) is
+# stopped this long after the last of the others exited.
+ORPHAN_GRACE_S = 30.0
+
+
+def peer_memory() -> bool:
+    """Whether this elastictrain restores memory snapshots from peer nodes and rescues
+    across nodes: the ``snapshot.memory_replicas`` setting exists and is above 0."""
+    return int(getattr(load_settings().snapshot, "memory_replicas", 0) or 0) > 0
+
+
+def validate_node_options(opts: ChaosOptions) -> None:
+    if opts.script is not None:
+        raise ConfigError("--faults node runs the built-in demo only: its checks read the "
+                          "demo's per-step sample records; fix: drop the script after --")
+    if opts.nodes not in (2, 3):
+        raise ConfigError(f"--nodes={opts.nodes}: node faults need 2 or 3 agents")
+    if opts.memory_every < 1 or opts.samples < 1:
+        raise ConfigError("--memory-every and --samples must be >= 1")
+
+
+def run_node_chaos(opts: ChaosOptions, progress: Any = sys.stderr) -> ChaosReport:
+    """The clean run on ``opts.nodes`` agents, then the trials, each losing a node."""
+    opts.validate()
+    validate_node_options(opts)
+    workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="elastictrain-chaos-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    secret = f"chaos-secret-{uuid.uuid4().hex}"
+    expect = Expectation(memory_every=opts.memory_every, durable_every=opts.snapshot_every,
+                         peer_restore=opts.peer if opts.peer is not None else peer_memory(),
+                         cross_node_rescue=opts.peer if opts.peer is not None else peer_memory())
+    clean = NodeTrial(opts, workdir / "clean", secret, None)
+    clean.execute()
+    digest = checks.final_digest(clean.events())
+    if any(c != [0] for c in clean.exit_codes().values()) or digest is None:
+        raise ElasticTrainError(f"the clean run failed (launcher exit codes "
+                                f"{clean.exit_codes()}); see {workdir / 'clean'}")
+    progress.write(f"clean run on {opts.nodes} nodes: {clean.wall_s:.1f}s, digest "
+                   f"{digest[:12]}…; memory every {opts.memory_every}, durable every "
+                   f"{opts.snapshot_every} steps; peer memory "
+                   f"{'expected' if expect.peer_restore else 'not expected'}; "
+                   f"workdir {workdir}\n")
+    grace_s = float(load_settings().launch.shutdown_timeout_s)
+    results = []
+    for trial in range(opts.first, opts.first + opts.trials):
+        schedule = make_schedule(opts.seed, trial, opts.faults, clean.wall_s,
+                                 opts.nproc * opts.nodes, opts.nodes, opts.replace,
+                                 opts.steps, clean.step_s())
+        run = NodeTrial(opts, workdir / f"trial-{trial:04d}", secret, schedule,
+                        timeout_s=max(180.0, 8 * clean.wall_s) + grace_s)
+        run.execute()
+        result = run.judge(digest, expect, secret)
+        results.append(result)
+        progress.write(f"trial {trial} seed {schedule.seed}: {schedule.describe()} -> "
+                       f"{'pass' if result.passed else 'FAIL: ' + '; '.join(result.failures)}"
+                       f" ({result.wall_s:.1f}s; replay: --seed {opts.seed} --first {trial} "
+                       "--trials 1)\n")
+    return ChaosReport(digest, round(clean.wall_s, 2), opts.snapshot_every, str(workdir),
+                       results)
+
+
+class NodeTrial:
+    """One job on several agents (clean, or a trial losing one node)."""
+
+    def __init__(self, opts: ChaosOptions, workdir: Path, secret: str,
+                 schedule: Schedule | None, timeout_s: float = 900.0) -> None:
+        self.opts, self.schedule, self.timeout_s = opts, schedule, timeout_s
+        self.workdir = workdir
+        self.storage = workdir / "storage"
+        self.records = workdir / "records"
+        workdir.mkdir(parents=True, exist_ok=True)
+        fault = schedule.node if schedule is not None else None
+        # Replaced (or no loss): the world size must come back, so N:N; else N-1:N.
+        lo = opts.nodes - 1 if fault is not None and not fault.replace else opts.nodes
+        self.nnodes = f"{lo}:{opts.nodes}"
+        self.rdzv_id = f"chaos-{uuid.uuid4().hex[:8]}"
+        self.job = NodeJob(workdir, uuid.uuid4().hex, self._env(secret), self._spec)
+        self.injected: list[str] = []
+        self.lost: set[str] = set()
+        self.loss: Loss | None = None
+        self.timed_out = False
+        self.leftovers: list[int] = []
+        self.wall_s = 0.0
+
+    def _spec(self, node_dir: Path, port: int) -> LaunchSpec:
+        opts, events = self.opts, str(node_dir / "events")
+        args = [f"--storage={self.storage}", f"--steps={opts.steps}",
+                f"--snapshot-every={opts.snapshot_every}", f"--memory-every={opts.memory_every}",
+                f"--samples={opts.samples}", f"--record-samples={self.records}",
+                f"--events-dir={events}"]
+        return LaunchSpec(nproc_per_node=opts.nproc, module="elastictrain.demo.worker",
+                          script_args=args, nnodes=self.nnodes, max_restarts=opts.max_restarts,
+                          rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=self.rdzv_id,
+                          rdzv_conf=f"{DEFAULT_RDZV_CONF},is_host=0",
+                          log_dir=str(node_dir / "torchelastic"), events_dir=events)
+
+    def _env(self, secret: str) -> dict[str, str]:
+        schedule = self.schedule
+        return trial_env(str(self.storage), secret, self.opts.watchdog_timeout_s,
+                         schedule.storage if schedule is not None else None,
+                         schedule.seed if schedule is not None else 0)
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every event of the job, each tagged with the node incarnation it came from."""
+        found = [{**e, NODE_KEY: n.name} for n in self.job.nodes
+                 for e in events_of(n.job.events_dir)]
+        return sorted(found, key=lambda e: float(e.get("ts") or 0.0))
+
+    def step_s(self) -> float:
+        """Seconds per step of this run (first to last recorded step)."""
+        ts = [float(r["ts"]) for r in read_records(self.records)]
+        return (max(ts) - min(ts)) / max(self.opts.steps - 1, 1) if ts else 0.1
+
+    def exit_codes(self) -> dict[str, list[int]]:
+        return {n.name: list(n.job.exit_codes) for n in self.job.nodes}
+
+    def execute(self) -> None:
+        fault = self.schedule.node if self.schedule is not None else None
+        started = time.monotonic()
+        # The loss goes wait (for its time) → frozen (until the kill) → replace (until
+        # the new agent starts) → done; without a fault, done from the start.
+        phase, phase_at = ("wait", None) if fault is not None else ("done", None)
+        victim: Node | None = None
+        orphan_since: float | None = None
+        try:
+            self.job.start(self.opts.nodes)
+            clock = time.monotonic()  # the fault's time counts from the agents' start
+            while not self.timed_out:
+                now = time.monotonic()
+                running = self.job.running()
+                if phase == "wait" and fault is not None:
+                    phase_at = phase_at if phase_at is not None else self._due(fault, clock)
+                    if phase_at is not None and now >= phase_at:
+                        victim = self._lose(fault)
+                        phase, phase_at = (("frozen", now + fault.hold_s) if victim is not None
+                                           else ("done", None))
+                elif phase == "frozen" and fault is not None and victim is not None \
+                        and phase_at is not None and now >= phase_at:
+                    pids = self.job.kill(victim)
+                    self.injected[-1] += f", SIGKILL {len(pids)} processes"
+                    phase, phase_at = (("replace", time.monotonic() + fault.replace_after_s)
+                                       if fault.replace else ("done", None))
+                elif phase == "replace" and fault is not None and phase_at is not None \
+                        and now >= phase_at:
+                    self._replace(fault.node)
+                    phase, phase_at = "done", None
+                if not running and phase in ("wait", "done"):
+                    break
+                orphan_since = self._stop_orphan(running, orphan_since)
+                self.timed_out = time.monotonic() - started > self.timeout_s
+                time.sleep(_POLL_S)  # polling the agents and the fault clock
+            if phase == "wait" and fault is not None:
+                self.injected.append(f"{fault.describe()} not injected (job done)")
+            if not self.timed_out:
+                self.leftovers = self._wait_gone(10.0)
+        finally:
+            self.job.close()
+            self.wall_s = time.monotonic() - started
+
+    def _replace(self, index: int) -> None:
+        """Start a new agent for node ``index``, unless the others already ended."""
+        if any(n.index != index for n in self.job.running()):
+            self.injected.append(f"replaced: {self.job.add(index).name} started")
+        else:
+            self.injected.append("replacement: none started (the job had ended)")
+
+    def _wait_gone(self, timeout_s: float) -> list[int]:
+        """The job's processes (but the rendezvous store) left after ``timeout_s``."""
+        store = self.job.store.proc.pid if self.job.store is not None else None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = [p for p in processes_with_marker(self.job.marker) if p != store]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)  # polling processes exiting, with a deadline
+
+    def _due(self, fault: NodeFault, clock: float) -> float | None:
+        """When the loss is due (monotonic clock): ``at_s`` after the agents started,
+        or after any rank first recorded step ``at_step``; None until then."""
+        if fault.at_step is None:
+            return clock + fault.at_s
+        reached = [float(r["ts"]) for r in read_records(self.records)
+                   if int(r["step"]) >= fault.at_step]
+        if not reached:
+            return None
+        return time.monotonic() - (time.time() - min(reached)) + fault.at_s
+
+    def _lose(self, fault: NodeFault) -> Node | None:
+        """Freeze node ``fault.node`` (and wipe its memory) unless the job is ending:
+        an agent already exited, or the run logged its end."""
+        running = self.job.running()
+        if len(running) < self.opts.nodes or any(
+                e.get("event") == "run.finished" for e in self.events()):
+            self.injected.append(f"{fault.describe()} not injected (the job was ending)")
+            return None
+        victim = self.job.current(fault.node)
+        pids = self.job.freeze(victim)
+        self.lost.add(victim.name)
+        self.loss = Loss(ts=victim.lost_ts or time.time(), silent=fault.silent)
+        how = f"held {fault.hold_s:g}s" if fault.silent else "at once"
+        when = "during start-up" if fault.at_step is None else f"after step {fault.at_step}"
+        self.injected.append(f"node: SIGSTOP {victim.name} {when} ({len(pids)} processes), "
+                             f"memory wiped, {how}")
+        return victim
+
+    def _stop_orphan(self, running: list[Node], since: float | None) -> float | None:
+        """A replacement left alone (the others ended the run before it joined) waits
+        in the rendezvous for peers that never come: stop it after a grace."""
+        if len(running) != 1 or running[0].incarnation == 0 or self.job.store is None:
+            return None
+        if since is None:
+            return time.monotonic()
+        if time.monotonic() - since > ORPHAN_GRACE_S:
+            signal_pid(running[0].job.launcher_pid or 0, signal.SIGTERM)
+            self.injected.append(f"orphan: {running[0].name} stopped, alone after the others "
+                                 "ended")
+            return None
+        return since
+
+    def judge(self, digest: str | None, expect: Expectation, secret: str) -> TrialResult:
+        assert self.schedule is not None
+        events = self.events()
+        full = self.opts.nodes * self.opts.nproc
+        finished = [e for e in events if e.get("event") == "run.finished"]
+        final_step = int(finished[-1]["final_step"]) if finished else None
+        lives = [NodeLife(n.name, n.started_ts, n.lost_ts) for n in self.job.nodes]
+        found = [
+            check_agents(self.exit_codes(), self.lost, self.timed_out),
+            check_exactly_once(self.records, self.opts.samples, 0, final_step),
+            checks.check_snapshots(open_store(str(self.storage))),
+            check_node_resumes(events, lives, read_records(self.records), expect, self.loss),
+            checks.check_leftovers(self.leftovers),
+            checks.check_secret(secret, self.workdir),
+        ]
+        if final_world_sizes(self.records) == {full}:
+            found.append(checks.check_digest(events, digest))
+        for shm in sorted({n.shm for n in self.job.nodes}):
+            found += [checks.check_private(shm), checks.check_memory_left(shm)]
+        worlds = {str(r["world"]) for r in read_records(self.records)}
+        return TrialResult(
+            trial=self.schedule.trial, seed=self.schedule.seed,
+            faults=self.schedule.describe(), injected=self.injected,
+            restarts=max(len(worlds) - 1, 0),  # process groups formed after the first
+            exit_codes=[c for codes in self.exit_codes().values() for c in codes],
+            storage_faults_injected=sum(
+                1 for e in events if e.get("event") == "storage.fault_injected"),
+            wall_s=round(self.wall_s, 2), failures=[f for f in found if f is not None])

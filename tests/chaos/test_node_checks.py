@@ -1,0 +1,169 @@
+"""The node trial's checks and schedule: each passes a good trial and fails the bad one
+it exists for, on made-up events and records (the real jobs: test_chaos_nodes.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastictrain.chaos.dataonce import check_exactly_once
+from elastictrain.chaos.nodechecks import (
+    NODE_KEY,
+    Expectation,
+    Loss,
+    NodeLife,
+    check_agents,
+    check_node_resumes,
+    complete_memory_step,
+    newest_held,
+)
+from elastictrain.chaos.schedule import make_schedule, parse_kinds
+from elastictrain.data import ElasticSampler
+from elastictrain.errors import ConfigError
+
+LOCAL = Expectation(memory_every=3, durable_every=10)
+PEER = Expectation(memory_every=3, durable_every=10, peer_restore=True, cross_node_rescue=True)
+
+
+def ev(name: str, ts: float, node: str, rank: int = 0, **fields: Any) -> dict[str, Any]:
+    return {"event": name, "ts": ts, "rank": rank, NODE_KEY: node, **fields}
+
+
+def memory(ts: float, node: str, step: int, rank: int) -> dict[str, Any]:
+    return ev("snapshot.committed", ts, node, rank, snapshot_step=step, tier="memory")
+
+
+def trained(upto: int, ts: float) -> list[dict[str, Any]]:
+    return [{"step": s, "ts": ts + s / 100} for s in range(1, upto + 1)]
+
+
+# Two nodes train to step 14: durable 10, memory 12 on both, then node b is lost at 20.
+BEFORE = [ev("resume", 1, "a.0", from_step=None),
+          ev("snapshot.committed", 5, "a.0", snapshot_step=10, tier="durable"),
+          memory(6, "a.0", 12, 0), memory(6.1, "b.0", 12, 1)]
+A, B = NodeLife("a.0", 0, None), NodeLife("b.0", 0, 20)
+B_NEW = NodeLife("b.1", 25, None)
+
+
+def test_memory_held_follows_commits_prunes_and_the_loss() -> None:
+    events = [*BEFORE, memory(7, "a.0", 15, 0),
+              ev("snapshot.pruned", 7.1, "a.0", snapshot_step=12, tier="memory")]
+    assert newest_held(events, A, 8) == 15
+    assert newest_held(events, A, 6.5) == 12
+    assert newest_held(events, B, 8) == 12
+    assert newest_held(events, B, 21) is None  # lost: its memory is gone
+    assert newest_held(events, B_NEW, 30) is None  # a replacement starts empty
+    # The restore's own removal of newer copies does not hide them from the check.
+    stale = [*BEFORE, ev("snapshot.pruned", 30, "a.0", snapshot_step=12, tier="memory",
+                         reason="stale")]
+    assert newest_held(stale, A, 31, since=29) == 12
+    assert newest_held(stale, A, 31, since=30.5) is None
+
+
+def test_a_complete_copy_needs_every_node_without_peers_and_one_with_them() -> None:
+    assert complete_memory_step({"a": 12, "b": 12}, peer_restore=False) == 12
+    assert complete_memory_step({"a": 12, "b": None}, peer_restore=False) is None
+    assert complete_memory_step({"a": 12, "b": 9}, peer_restore=False) is None
+    assert complete_memory_step({"a": 12, "b": None}, peer_restore=True) == 12
+    assert complete_memory_step({"a": 12, "b": 9}, peer_restore=True) == 12
+    assert complete_memory_step({"a": None}, peer_restore=True) is None
+
+
+def test_a_shrunk_job_must_restore_the_memory_every_survivor_holds() -> None:
+    """Node b lost, not replaced: node a alone holds memory step 12 (> durable 10)."""
+    records = trained(14, 2)
+    good = [*BEFORE, ev("resume", 22, "a.0", from_step=12, tier="memory")]
+    assert check_node_resumes(good, [A, B], records, LOCAL, Loss(20, silent=False)) is None
+    durable = [*BEFORE, ev("resume", 22, "a.0", from_step=10, tier="durable")]
+    assert "although step 12 was complete" in str(
+        check_node_resumes(durable, [A, B], records, LOCAL, Loss(20, silent=False)))
+
+
+def test_a_replaced_node_means_durable_without_peers_and_memory_with_them() -> None:
+    records = trained(14, 2)
+    lives = [A, B, B_NEW]
+    durable = [*BEFORE, ev("resume", 30, "a.0", from_step=10, tier="durable")]
+    assert check_node_resumes(durable, lives, records, LOCAL, Loss(20, silent=True)) is None
+    failure = check_node_resumes(durable, lives, records, PEER, Loss(20, silent=True))
+    assert "although step 12 was complete" in str(failure)
+    from_peer = [*BEFORE, ev("resume", 30, "a.0", from_step=12, tier="memory")]
+    assert check_node_resumes(from_peer, lives, records, PEER, Loss(20, silent=True)) is None
+
+
+def test_lost_steps_are_bounded_by_the_tier_and_by_the_rescue() -> None:
+    resume = [*BEFORE, ev("resume", 22, "a.0", from_step=12, tier="memory")]
+    assert check_node_resumes(resume, [A, B], trained(15, 2), LOCAL, Loss(20, False)) is None
+    assert "lost 4 steps" in str(
+        check_node_resumes(resume, [A, B], trained(16, 2), LOCAL, Loss(20, False)))
+    # With the rescue across nodes an abrupt loss costs at most one step; a silent one
+    # (a hang, ended by the watchdog's kill) rescues nothing.
+    rescued = [*BEFORE, memory(21, "a.0", 14, 0),
+               ev("resume", 22, "a.0", from_step=14, tier="memory")]
+    assert check_node_resumes(rescued, [A, B], trained(15, 2), PEER, Loss(20, False)) is None
+    assert "allowed 1" in str(
+        check_node_resumes(resume, [A, B], trained(15, 2), PEER, Loss(20, False)))
+    assert check_node_resumes(resume, [A, B], trained(15, 2), PEER, Loss(20, True)) is None
+
+
+def test_every_launcher_not_killed_must_exit_zero() -> None:
+    assert check_agents({"a.0": [0], "b.0": [-9], "b.1": [0]}, {"b.0"}, False) is None
+    assert "did not finish" in str(check_agents({"a.0": [1], "b.0": [-9]}, {"b.0"}, False))
+    assert "timed out" in str(check_agents({"a.0": [0]}, set(), True))
+
+
+def write_records(directory: Path, steps: list[tuple[int, str, int, list[list[int]]]]) -> None:
+    """(step, world, epoch, samples per rank) → one file per (world, rank)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for n, (step, world, epoch, per_rank) in enumerate(steps):
+        for rank, samples in enumerate(per_rank):
+            line = {"world": world, "step": step, "epoch": epoch, "rank": rank,
+                    "world_size": len(per_rank), "samples": samples, "ts": n + rank / 10}
+            with open(directory / f"{world}-rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
+def test_exactly_once_across_a_shrink_and_a_redone_step(tmp_path: Path) -> None:
+    order = ElasticSampler(10, 1, seed=0).epoch_order(0)
+    steps = [(1, "w1", 0, [order[0:2], order[2:4]]),
+             (2, "w1", 0, [order[4:6], order[6:8]]),  # redone by w2 after the loss
+             (2, "w2", 0, [order[4:6]]), (3, "w2", 0, [order[6:8]]),
+             (4, "w2", 0, [order[8:10]])]
+    write_records(tmp_path / "ok", steps)
+    assert check_exactly_once(tmp_path / "ok", 10, 0, 4) is None
+    twice = [*steps[:-1], (4, "w2", 0, [order[6:8]])]
+    write_records(tmp_path / "twice", twice)
+    assert "twice" in str(check_exactly_once(tmp_path / "twice", 10, 0, 4))
+    write_records(tmp_path / "gap", steps[:3])
+    assert "never trained" in str(check_exactly_once(tmp_path / "gap", 10, 0, 4))
+    write_records(tmp_path / "torn", steps[:4])
+    with open(tmp_path / "torn" / "w3-rank0.jsonl", "w") as f:  # rank 1 of w3 never wrote
+        f.write(json.dumps({"world": "w3", "step": 4, "epoch": 0, "rank": 0, "world_size": 2,
+                            "samples": order[8:10], "ts": 9}) + "\n")
+    assert "ranks [0] of 2" in str(check_exactly_once(tmp_path / "torn", 10, 0, 4))
+
+
+def test_node_kinds_combine_only_with_storage() -> None:
+    assert parse_kinds("node,storage") == ("node", "storage")
+    with pytest.raises(ConfigError, match="node combines only with storage"):
+        parse_kinds("node,kill")
+
+
+def test_node_faults_replay_and_cover_every_variant() -> None:
+    draws = [make_schedule(4, t, ("node",), 30.0, 2, nodes=3, steps=60).node for t in range(60)]
+    assert draws == [make_schedule(4, t, ("node",), 30.0, 2, nodes=3, steps=60).node
+                     for t in range(60)]
+    assert all(d is not None for d in draws)
+    faults = [d for d in draws if d is not None]
+    assert {f.node for f in faults} == {0, 1, 2}
+    assert {(f.replace, f.silent) for f in faults} == {(a, b) for a in (0, 1) for b in (0, 1)}
+    assert any(f.at_step is None for f in faults)  # some during start-up
+    assert all(1 <= f.at_step <= 58 for f in faults if f.at_step is not None)
+    forced = [make_schedule(4, t, ("node",), 30.0, 2, nodes=2, replace=False).node
+              for t in range(20)]
+    assert {f.replace for f in forced if f is not None} == {False}
+    # The storage draws do not move when node faults are asked for beside them.
+    assert make_schedule(4, 3, ("node", "storage"), 30.0, 2).storage == make_schedule(
+        4, 3, ("storage",), 30.0, 2).storage
