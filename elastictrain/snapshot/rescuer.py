@@ -118,6 +118,10 @@ class Rescuer:
         step = record.step
         fields = {"snapshot_step": step, "tier": "memory", "error": type(error).__name__}
         reason = self._refusal(record)
+        if self._memory.saver is not None and self._memory.taken_step == step:
+            # This process writes that step's memory snapshot itself, so no rescue is
+            # needed; but its persist dies with the process unless it finishes first.
+            self._memory.saver.wait_in_flight(step)
         rngs = [] if reason else self._records(record.directory, step)
         missing = [rank for rank, state in enumerate(rngs) if state is None]
         if missing:

@@ -7,6 +7,7 @@ when the rescue's own write fails."""
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +208,36 @@ def test_an_exit_or_ctrl_c_is_not_rescued(tmp_path: Path) -> None:
         rescue.on_uncaught(KeyboardInterrupt())
     assert not [e for e in logs if e["event"].startswith("snapshot.rescue")]
     assert list_snapshot_dirs(open_store(str(tmp_path / "mem"))) == []
+
+
+def test_a_memory_save_of_the_failed_step_commits_before_the_process_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rescue is skipped when the step's own memory snapshot was taken; that
+    snapshot is still persisting, and the process must not end before it commits."""
+    from elastictrain.snapshot.rescuer import Rescuer
+    from elastictrain.storage.fsspec_store import FsspecStore
+
+    rescue_began = threading.Event()
+    real_marked = Rescuer._rescue_marked
+
+    def marked(self: Any, *args: Any) -> None:
+        rescue_began.set()
+        real_marked(self, *args)
+
+    real_write = FsspecStore.write_bytes
+
+    def commit_after_the_failure(self: Any, path: str, data: Any, *args: Any,
+                                 **kw: Any) -> Any:
+        if path.endswith(layout.MANIFEST) and str(tmp_path / "mem") in str(self.root):
+            assert rescue_began.wait(timeout=60)  # still in flight when the rescue starts
+        return real_write(self, path, data, *args, **kw)
+
+    monkeypatch.setattr(Rescuer, "_rescue_marked", marked)
+    monkeypatch.setattr(FsspecStore, "write_bytes", commit_after_the_failure)
+    parts = build(str(tmp_path / "run"), memory_every=7, memory_dir=str(tmp_path / "mem"))
+    train(*parts, until=7)  # step 7's memory snapshot is taken, its commit held
+    with capture_logs() as logs:
+        rescue.on_uncaught(_failed_step(parts))
+    (skipped,) = [e for e in logs if e["event"] == "snapshot.rescue_skipped"]
+    assert "already taken" in skipped["reason"]
+    assert list_snapshot_dirs(open_store(str(tmp_path / "mem"))) == [7]
