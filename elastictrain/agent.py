@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed.launcher.api as launcher_api
+from torch.distributed import DistStoreError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -85,6 +86,7 @@ from elastictrain.standby.context import starting_from
 log = get_logger("elastictrain.agent")
 
 NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+RENDEZVOUS_RETRIES = 2  # rounds an agent joins again after a rank exchange timed out
 # torch >= 2.12 passes torchrun's --shutdown-timeout to _shutdown; 2.11 has neither.
 _SHUTDOWN_TAKES_TIMEOUT = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
 PREEMPTED = (EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED)  # the group agreed to stop: no restart
@@ -185,7 +187,19 @@ class ElasticTrainAgent(LocalElasticAgent):
     # -- events around torchrun's steps --------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
-        super()._rendezvous(worker_group)
+        for retries_left in range(RENDEZVOUS_RETRIES, -1, -1):
+            try:
+                super()._rendezvous(worker_group)
+                break
+            except DistStoreError as error:
+                # A node lost after the round closed and before every agent published
+                # its role info: the wait for it times out. Failing here would close the
+                # rendezvous for all (a replacement node could never join); a new round
+                # forms without the lost node, or with its replacement.
+                if retries_left == 0:
+                    raise
+                log.warning("agent.rendezvous_retried", error=str(error)[:300],
+                            retries_left=retries_left)
         self._rendezvous_s = time.monotonic() - started
         world = worker_group.workers[0].world_size if worker_group.workers else None
         if self._world_size is not None and world != self._world_size:
