@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import fmt, load_average, noisy, ratio_spread, spread, write_json
+from benchlib import events_named, fmt, load_average, noisy, ratio_spread, spread, write_json
 
 from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
 
@@ -55,19 +55,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _events(path: Path, name: str) -> list[dict[str, Any]]:
-    found = []
-    for file in sorted(path.rglob("*.jsonl")):
-        for line in file.read_text(errors="replace").splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if event.get("event") == name:
-                found.append(event)
-    return found
 
 
 def run_demo(work: Path, steps: int, replicas: int) -> dict[str, Any]:
@@ -100,10 +87,10 @@ def run_demo(work: Path, steps: int, replicas: int) -> dict[str, Any]:
                 p.wait()
     if codes != [0, 0]:
         raise RuntimeError(f"the demo failed ({codes}); see {work}/node*/launcher.log")
-    progress = sorted((e for e in _events(work / "node0", "train.progress") if e["rank"] == 0),
+    progress = sorted((e for e in events_named(work / "node0", "train.progress") if e["rank"] == 0),
                       key=lambda e: e["ts"])
     first, last = progress[0], progress[-1]
-    closed = _events(work, "snapshot.records_closed")
+    closed = events_named(work, "snapshot.records_closed")
     return {"steps_per_s": (last["step"] - first["step"]) / (last["ts"] - first["ts"]),
             "window_steps": last["step"] - first["step"],
             "records_sent": sorted(int(e["sent"]) for e in closed)}

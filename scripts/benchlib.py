@@ -137,3 +137,13 @@ class CallTimer:
                 self.total_s += time.perf_counter() - started
 
         setattr(owner, name, timed)
+
+
+def events_named(directory: Path, name: str) -> list[dict[str, Any]]:
+    """Every event called ``name`` in the JSON-lines files anywhere below ``directory``
+    (a run's agents' and workers' event files), file by file in name order."""
+    from elastictrain.events_read import read_events
+
+    return [event for path in sorted(directory.rglob("*.jsonl"))
+            for event in read_events(path) if event.get("event") == name]
+

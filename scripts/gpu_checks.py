@@ -42,6 +42,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # elastictrain from this checkout, installed or not
+from benchlib import events_named  # noqa: E402  (scripts/, beside this file)
+
 JOB = REPO / "scripts" / "gpu_job.py"
 EXIT_PREEMPTED = 75
 
@@ -96,19 +98,6 @@ class Checks:
                 raise RuntimeError(f"{name}: the clean run exited {code}")
             self._clean[key] = str(self.result(root)["digest"])
         return self._clean[key]
-
-
-def events(directory: Path, name: str) -> list[dict[str, Any]]:
-    found = []
-    for path in sorted(directory.rglob("*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if event.get("event") == name:
-                found.append(event)
-    return found
 
 
 def check_snapshot(checks: Checks) -> dict[str, Any]:
@@ -221,7 +210,7 @@ def restart_check(checks: Checks, name: str, extra: list[str]) -> dict[str, Any]
     code, root, ev = checks.launch(name, ["--steps=40", "--kill-at=25", *extra], 300)
     wall = time.perf_counter() - t0
     result = checks.result(root)
-    started_by = [e.get("started_by") for e in events(ev, "agent.attempt_started")]
+    started_by = [e.get("started_by") for e in events_named(ev, "agent.attempt_started")]
     expected_backend = "gloo" if checks.dry else "nccl"
     ok = (code == 0 and result.get("digest") == clean and result.get("restart_count") == 1
           and result.get("resumed_from") == 20 and result.get("backend") == expected_backend
@@ -249,8 +238,8 @@ def check_cuda_stall(checks: Checks) -> dict[str, Any]:
         {"ELASTICTRAIN_WATCHDOG__TIMEOUT_S": str(timeout_s)})
     wall = time.perf_counter() - t0
     result = checks.result(root)
-    fired = events(ev, "watchdog.fired")
-    codes = [e.get("exit_code") for e in events(ev, "agent.worker_failed")]
+    fired = events_named(ev, "watchdog.fired")
+    codes = [e.get("exit_code") for e in events_named(ev, "agent.worker_failed")]
     ok = (code == 0 and bool(fired) and 71 in codes and result.get("digest") == clean
           and result.get("resumed_from") == 10)
     return {"ok": ok, "exit_code": code, "wall_s": round(wall, 1),
@@ -264,7 +253,7 @@ def check_notice_during_save(checks: Checks) -> dict[str, Any]:
     code, root, ev = checks.launch("notice", ["--steps=40", "--notice-at=20"], 300)
     notice_path = root / "notice.json"
     notice = json.loads(notice_path.read_text()) if notice_path.exists() else {}
-    final = events(ev, "preempt.saved")
+    final = events_named(ev, "preempt.saved")
     code2, _, _ = checks.launch("notice", ["--steps=40"], 300)
     result = checks.result(root)
     ok = (code == EXIT_PREEMPTED and code2 == 0 and result.get("digest") == clean
