@@ -26,7 +26,7 @@ def test_tiny_goodput_bench_reports_every_field(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)
     assert report["bench"] == "goodput" and report["seeds"] == [5]
-    assert report["runs"][0]["schedule"] == [{"at_s": 7.802, "rank": 1}]
+    assert report["runs"][0]["schedule"] == [{"at_s": 7.802, "rank": 1, "node": False}]
     assert isinstance(report["noisy"], bool) and report["load_avg_before"] >= 0
     (run,) = report["results"]
     assert run["config"] == "fixed:10" and run["kills"] == 1
