@@ -43,23 +43,25 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import events_named, fmt, load_average, noisy, ratio_spread, spread, write_json
+from benchlib import (
+    events_named,
+    fmt,
+    free_port,
+    load_average,
+    noisy,
+    ratio_spread,
+    spread,
+    write_json,
+)
 
 from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
 
 RUN_TIMEOUT_S = 900
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_demo(work: Path, steps: int, replicas: int) -> dict[str, Any]:
     """One two-node demo run; rank 0's step rate and the records streamed."""
-    port, run_id = _free_port(), f"peer-{uuid.uuid4().hex[:8]}"
+    port, run_id = free_port(), f"peer-{uuid.uuid4().hex[:8]}"
     storage = work / "storage"
     procs = []
     for node in (0, 1):
@@ -201,7 +203,7 @@ def bench_micro(args: argparse.Namespace, report: dict[str, Any]) -> None:
         worker.write_text(MICRO_WORKER)
         result = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-             f"--master-port={_free_port()}", str(worker), tmp, str(args.rounds),
+             f"--master-port={free_port()}", str(worker), tmp, str(args.rounds),
              str(args.block_steps), str(args.width)],
             capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -237,7 +239,7 @@ def bench_copy(args: argparse.Namespace, report: dict[str, Any]) -> None:
             out = Path(tmp) / f"recv{r}"
             result = subprocess.run(
                 [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                 f"--master-port={_free_port()}", str(worker), str(src), str(out), "7"],
+                 f"--master-port={free_port()}", str(worker), str(src), str(out), "7"],
                 capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                 env={**os.environ, "OMP_NUM_THREADS": "1"})
             lines = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]

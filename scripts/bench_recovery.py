@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import load_average, noisy
+from benchlib import load_average, noisy, read_json
 
 T_START = time.time()  # first thing: a worker's process start as seen by itself
 
@@ -232,13 +232,6 @@ def _poll(predicate: Any, timeout: float, what: str,
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
-def _json(path: Path) -> dict[str, Any] | None:
-    try:
-        return dict(json.loads(path.read_text()))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def _events(directory: Path) -> list[dict[str, Any]]:
     found = []
     for file in sorted(directory.glob("*.jsonl")):
@@ -276,7 +269,7 @@ def bench_bare(work: Path, size_mb: int, nproc: int) -> dict[str, float]:
         proc.wait(timeout=300)
     finally:
         _stop(proc)
-    recs = [_json(out / f"bare-rank{r}.json") or {} for r in range(nproc)]
+    recs = [read_json(out / f"bare-rank{r}.json") or {} for r in range(nproc)]
     last = max(recs, key=lambda r: r["t_first_step"])
     return {"total_s": last["t_first_step"] - t0,
             "launch_to_process_s": last["t_start"] - t0,
@@ -304,10 +297,10 @@ def bench_elastic(work: Path, size_mb: int, nproc: int, standby: str) -> dict[st
         victim = _poll(lambda: _first(_events(ev), "worker.start", rank=1), 60, "rank 1's pid")
         t_kill = time.time()
         os.kill(int(victim["pid"]), signal.SIGKILL)
-        _poll(lambda: all(_json(out / f"attempt1-rank{r}.json") for r in range(nproc)),
+        _poll(lambda: all(read_json(out / f"attempt1-rank{r}.json") for r in range(nproc)),
               600, "the first step after the resume", proc)
-        resumed = _json(out / "attempt1-rank0.json") or {}
-        _poll(lambda: _json(out / "steps-attempt1-rank0.json"), 600, "20 steps after resume",
+        resumed = read_json(out / "attempt1-rank0.json") or {}
+        _poll(lambda: read_json(out / "steps-attempt1-rank0.json"), 600, "20 steps after resume",
               proc)
         t_notice = time.time()
         os.kill(proc.pid, signal.SIGTERM)
@@ -335,8 +328,8 @@ def bench_elastic(work: Path, size_mb: int, nproc: int, standby: str) -> dict[st
             "final_save_s": max(e["save_s"] for e in saved) if saved else None,
             "grace_period_s": GRACE_S,
         },
-        "allreduce_per_step": _json(out / "allreduce.json"),
-        "step_ms": (_json(out / "steps-attempt1-rank0.json") or {}).get("step_ms"),
+        "allreduce_per_step": read_json(out / "allreduce.json"),
+        "step_ms": (read_json(out / "steps-attempt1-rank0.json") or {}).get("step_ms"),
         "snapshot_bytes": payload.stat().st_size if payload.exists() else None,
         "raw_read": _raw_read(payload) if payload.exists() else None,
     }
@@ -348,7 +341,7 @@ def _recovery(evs: list[dict[str, Any]], out: Path, nproc: int, t_kill: float
     failed = _first(evs, "agent.worker_failed")
     started = _first(evs, "agent.attempt_started", restart_count=1)
     assert detected and failed and started, "agent events missing"
-    recs = [_json(out / f"attempt1-rank{r}.json") or {} for r in range(nproc)]
+    recs = [read_json(out / f"attempt1-rank{r}.json") or {} for r in range(nproc)]
     last = max(recs, key=lambda r: r["t_first_step"])
     loaded = [e for e in evs if e.get("event") == "snapshot.loaded"
               and e.get("restart_count") == 1]

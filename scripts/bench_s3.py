@@ -39,7 +39,6 @@ import contextlib
 import io
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ import torch
 from benchlib import (
     busy_loop_ratio,
     fmt,
+    free_port,
     load_average,
     noisy,
     plot_curve,
@@ -97,12 +97,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if size <= 0:
             p.error(f"--sizes {size:g}: every size must be > 0 MB")
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

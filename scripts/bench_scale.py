@@ -58,7 +58,7 @@ from typing import Any
 T_START = time.time()  # first thing: a worker's start as seen by itself
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import load_average, noisy, write_json  # noqa: E402
+from benchlib import free_port, load_average, noisy, read_json, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "scale"
@@ -389,14 +389,6 @@ def _write(out: Path, name: str, record: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------
 # harness side
 # ---------------------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _poll(predicate: Any, timeout: float, what: str, procs: list[Any] = ()) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -410,22 +402,12 @@ def _poll(predicate: Any, timeout: float, what: str, procs: list[Any] = ()) -> A
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
-def _json(path: Path) -> dict[str, Any] | None:
-    try:
-        return dict(json.loads(path.read_text()))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def _events(directory: Path) -> list[dict[str, Any]]:
-    found = []
-    for file in sorted(directory.glob("*.jsonl")):
-        for line in file.read_text(errors="replace").splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                event = json.loads(line)
-                event["_file"] = file.name
-                found.append(event)
-    return found
+    """Every event in the directory's files, each tagged with its file's name."""
+    from elastictrain.events_read import read_event_files  # here: workers time their start
+
+    return [{**event, "_file": name} for name, events in read_event_files(directory)
+            for event in events]
 
 
 def _first(evs: list[dict[str, Any]], name: str, **match: Any) -> dict[str, Any] | None:
@@ -507,8 +489,8 @@ def _drive(world: int, agents: list[Any], out: Path, ev: Path, storage: Path,
     codes = [agent.wait(timeout=TIMEOUT_S) for agent in agents]
     evs = _events(ev)
     phases = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
-    records0 = [_json(out / f"attempt0-rank{r}.json") or {} for r in range(world)]
-    records1 = [_json(out / f"attempt1-rank{r}.json") or {} for r in range(world)]
+    records0 = [read_json(out / f"attempt0-rank{r}.json") or {} for r in range(world)]
+    records1 = [read_json(out / f"attempt1-rank{r}.json") or {} for r in range(world)]
     ops_local = read_local_ops(out / "ops")  # again: the final snapshot's are in it now
     return {
         "exit_codes": codes,

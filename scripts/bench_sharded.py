@@ -44,6 +44,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchlib import free_port  # noqa: E402  (scripts/, beside this file)
+
 from elastictrain.dist import DistContext  # noqa: E402
 from elastictrain.snapshot.manager import SnapshotManager  # noqa: E402
 
@@ -154,14 +156,6 @@ def _saves(ctx: DistContext, model: nn.Module, opt: Any, root: str, row: dict[st
         row[key] = {"added_mb": peak.added / 2**20, "blocking_s": blocked,
                     "durable_s": durable}
     snap.close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

@@ -84,6 +84,7 @@ from benchlib import (
     CallTimer,
     busy_loop_ratio,
     fmt,
+    free_port,
     load_average,
     noisy,
     plot_curve,
@@ -529,14 +530,6 @@ def measure_restore(root: Path, size_mb: float, reps: int, world: int) -> dict[s
 
 
 # -- the run ------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class MethodSpec:
     """A save method to build in a fresh process: ``kind`` sync, dcp or elastictrain."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -146,4 +147,19 @@ def events_named(directory: Path, name: str) -> list[dict[str, Any]]:
 
     return [event for path in sorted(directory.rglob("*.jsonl"))
             for event in read_events(path) if event.get("event") == name]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous or a test server)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object a benchmark's worker wrote, or None while it is missing or torn."""
+    try:
+        return dict(json.loads(path.read_text()))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
