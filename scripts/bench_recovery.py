@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import load_average, noisy, read_json
+from benchlib import load_average, noisy, read_json, rounded
 
 T_START = time.time()  # first thing: a worker's process start as seen by itself
 
@@ -453,16 +453,6 @@ def _medians(records: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _round(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return round(obj, 3)
-    if isinstance(obj, dict):
-        return {k: _round(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_round(v) for v in obj]
-    return obj
-
-
 def table(results: list[dict[str, Any]]) -> str:
     rows: list[tuple[str, ...]] = []
     for r in results:
@@ -526,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker_mode == "et":
         return worker_et(args)
     load_before = load_average()
-    results = [_round(run_size(size, args.nproc, args.keep, args.reps))
+    results = [rounded(run_size(size, args.nproc, args.keep, args.reps), 3)
                for size in args.size_mb]
     load_after = load_average()
     flagged = noisy(load_before, load_after, None)

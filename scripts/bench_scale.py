@@ -58,7 +58,14 @@ from typing import Any
 T_START = time.time()  # first thing: a worker's start as seen by itself
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import free_port, load_average, noisy, read_json, write_json  # noqa: E402
+from benchlib import (  # noqa: E402
+    free_port,
+    load_average,
+    noisy,
+    read_json,
+    rounded,
+    write_json,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "scale"
@@ -637,16 +644,6 @@ def _stop(agents: list[Any], ev: Path) -> None:
 # ---------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------
-def _round(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return round(obj, 4)
-    if isinstance(obj, dict):
-        return {k: _round(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_round(v) for v in obj]
-    return obj
-
-
 def table(results: list[dict[str, Any]]) -> str:
     lines = [f"{'N':>3} {'kill→step':>9} {'rdzv':>6} {'pg':>6} {'agree':>6} {'load':>6} "
              f"{'notice→commit':>13} {'step+':>7} {'save_blk':>8} {'commit':>7} "
@@ -746,7 +743,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     results = []
     for world in args.sizes:
-        results.append(_round(run_size(world, args)))
+        results.append(rounded(run_size(world, args), 4))
         print(f"N={world}: {results[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
     load_after = load_average()
     report = {"bench": "scale", "cpus": os.cpu_count(), "agents": AGENTS,
