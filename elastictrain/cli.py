@@ -54,7 +54,7 @@ def _version() -> str:
 
 def _demo(args: argparse.Namespace) -> int:
     from elastictrain.demo.runner import DemoOptions, print_result, run_demo
-    from elastictrain.ops import parse_storage_options
+    from elastictrain.storage.locations import parse_storage_options
     from elastictrain.view.live import view_wanted
 
     opts = DemoOptions(storage=args.storage, nproc=args.nproc, steps=args.steps,
@@ -73,13 +73,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _snapshots(args: argparse.Namespace) -> int:
     from elastictrain import ops
+    from elastictrain.storage.locations import open_from_cli
 
     if getattr(args, "memory", False):  # node memory, not a storage
         return ops.list_memory(args.json)
     if args.storage is None:
         print("elastictrain snapshots list: give a storage, or --memory", file=sys.stderr)
         return 2
-    store = ops.open_from_cli(args.storage, args.storage_options)
+    store = open_from_cli(args.storage, args.storage_options)
     if args.snap_cmd == "list":
         rows = ops.list_snapshots(store)
     elif args.snap_cmd == "verify":
@@ -100,7 +101,6 @@ def _snapshots(args: argparse.Namespace) -> int:
 
 
 def _goodput(args: argparse.Namespace) -> int:
-    from elastictrain import ops
     from elastictrain.accounting.split import format_split, split_run
     from elastictrain.events import is_remote
     from elastictrain.goodput import (
@@ -109,19 +109,20 @@ def _goodput(args: argparse.Namespace) -> int:
         one_figure,
         run_events_location,
     )
+    from elastictrain.storage.locations import check_location, open_from_cli
 
     remote = is_remote(args.events_dir)
     if remote:
-        store = ops.open_from_cli(args.events_dir, args.storage_options)
+        store = open_from_cli(args.events_dir, args.storage_options)
     else:
         store = None
-        ops.check_location(args.events_dir, "storage or events directory",
+        check_location(args.events_dir, "storage or events directory",
                            "a run's storage root, or its events directory "
                            "<storage>/events/<run id>")
     # A storage root (what the script gave SnapshotManager) stands for its newest run.
     events_dir = run_events_location(args.events_dir, store)
     if remote and events_dir != args.events_dir:
-        store = ops.open_from_cli(events_dir, args.storage_options)
+        store = open_from_cli(events_dir, args.storage_options)
     try:
         report = compute_goodput(events_dir, store)
         # The per-cause split reads local event files (object storage: the totals only).

@@ -26,8 +26,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-import torch
-
 from elastictrain.config import ChecksumAlgorithm
 from elastictrain.errors import (
     ObjectSizeMismatch,
@@ -221,6 +219,8 @@ def _verify_spooled(store: Store, path: str, entry: ObjectEntry, manifest: Manif
         mapped.close()
         if actual != entry.checksum:
             raise _mismatch(where, manifest.checksum_algorithm, actual, entry)
+        import torch  # here, not at the top: listing and verifying need no torch
+
         try:
             payload = torch.load(spool.name, weights_only=True, map_location="cpu", mmap=True)
         except Exception as exc:
@@ -324,6 +324,8 @@ def _load(reader: VerifyingReader) -> tuple[dict[str, Any] | None, Exception | N
     """The deserialized payload, or the exception ``torch.load`` raised for it. Whether
     that exception means corruption is decided by the checksum, afterwards; a failed
     read is a read error whatever torch made of it."""
+    import torch  # here, not at the top: listing and verifying need no torch
+
     try:
         obj = torch.load(reader, weights_only=True, map_location="cpu")  # type: ignore[arg-type]
     except Exception as exc:

@@ -19,6 +19,7 @@ from rich.live import Live
 from elastictrain import ops
 from elastictrain.errors import ConfigError
 from elastictrain.storage.api import Store
+from elastictrain.storage.locations import open_from_cli
 from elastictrain.view.live import REFRESH_S, render, view_wanted
 from elastictrain.view.model import RunState
 from elastictrain.view.tail import EventTail
@@ -71,7 +72,7 @@ def open_status(url: str, storage_options: str | None, run_id: str | None) -> Ru
     Raises:
         ConfigError: nothing of a run is there (names the URL and the fix).
     """
-    status = RunStatus(ops.open_from_cli(url, storage_options), run_id)
+    status = RunStatus(open_from_cli(url, storage_options), run_id)
     status.poll()
     if not status.runs and not status.snapshots:
         raise ConfigError(f"{url}: no events and no snapshots there; fix: pass a run's "

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.distributed
 
 JOB = str(TRAIN_JOB)
 EXIT_TIMEOUT_S = 4.0
+NOTICE_GRACE_S = 5
 
 
 def run_job(tmp_path: Path, mode: str, busy_s: float) -> tuple[int, Path, str]:
@@ -77,7 +78,9 @@ def test_a_notice_after_the_agreed_end_leaves_a_finished_run(tmp_path: Path) -> 
            "--max-restarts=2", f"--log-dir={tmp_path / 'logs'}", JOB, str(tmp_path / "s"),
            "10", "--every=5", "--exit-stall=busy", "--busy-s=600"]
     try:
+        # Rank 0 stays busy past the notice's grace: a short grace keeps the test short.
         with started(cmd, tmp_path, "launcher.log", ELASTICTRAIN_LOG__EVENTS_DIR=str(ev),
+                     ELASTICTRAIN_LAUNCH__SHUTDOWN_TIMEOUT_S=str(NOTICE_GRACE_S),
                      PYTHONPATH=str(REPO)) as launcher:
             wait_for(lambda: bool(events(ev, "run.finished")) and _rank1_gone(ev), 180,
                      "the run's end, rank 0 still busy after it")

@@ -16,6 +16,7 @@ from elastictrain import ops
 from elastictrain.errors import EXIT_USAGE, ConfigError, SnapshotCorrupt
 from elastictrain.snapshot import layout
 from elastictrain.storage import open_store
+from elastictrain.storage.locations import check_location
 from tests.helpers import run_cli
 from tests.planted import plant_snapshot
 
@@ -124,14 +125,14 @@ def test_list_refuses_a_file_or_a_mistyped_url_in_one_line(
 @pytest.mark.processes
 def test_a_directory_named_like_a_url_is_still_a_directory(tmp_path: Path) -> None:
     (tmp_path / "s3" / "bucket").mkdir(parents=True)
-    ops.check_location(str(tmp_path / "s3" / "bucket"))
+    check_location(str(tmp_path / "s3" / "bucket"))
     result = run_cli(["snapshots", "list", "s3//bucket"], tmp_path)
     assert result.returncode == 0 and "no snapshots under s3//bucket" in result.stderr
 
 
 def test_a_mistyped_url_never_shows_a_credential() -> None:
     with pytest.raises(ConfigError) as info:
-        ops.check_location("s3//AKIAX:hunter2@bucket/run")
+        check_location("s3//AKIAX:hunter2@bucket/run")
     assert "hunter2" not in str(info.value) and "s3://bucket/run" in str(info.value)
 
 

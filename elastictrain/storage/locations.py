@@ -1,0 +1,81 @@
+"""Where a command line's storage location points: its ``--storage-options`` JSON, a
+refusal of a location that cannot hold a run (with the fix), and the store opened with
+every storage setting applied. Shared by every command that takes a storage; it imports
+no torch, so that the operator commands start quickly."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from elastictrain.config import load_settings
+from elastictrain.errors import ConfigError
+from elastictrain.storage.api import Store
+from elastictrain.storage.fsspec_store import open_store
+
+# URL schemes a run's storage may use: a local path starting with one of them and a
+# slash or colon but no "://" is almost surely a mistyped URL (s3//bucket, s3:/bucket).
+_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory", "file")
+_MISTYPED_URL = re.compile(rf"^({'|'.join(_SCHEMES)})(?::/?|/+)(?=[^/])", re.IGNORECASE)
+_USER_INFO = re.compile(r"^[^/@]+@")
+
+
+def parse_storage_options(text: str | None, flag: str = "--storage-options") -> dict[str, Any]:
+    """The JSON object given on the command line ({} when absent). The error never
+    quotes the text: it may hold a secret."""
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} is not JSON ({exc.msg} at character {exc.pos}); fix: pass "
+                          'a JSON object such as \'{"anon": true}\'') from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got a {type(options).__name__}; "
+                          'fix: pass a JSON object such as \'{"anon": true}\'')
+    return options
+
+
+_RUN_ROOT_HINT = "the --storage of demo or run, which holds snapshots/ and events/"
+
+
+def check_location(url: str, what: str = "storage root", hint: str = _RUN_ROOT_HINT) -> None:
+    """Refuse a location given on the command line that cannot hold a run: a local path
+    that does not exist or is not a directory, or a URL with a mistyped scheme. A URL is
+    left to the store, which says whether its bucket exists.
+
+    Raises:
+        ConfigError: names the path, the problem and the fix.
+    """
+    if "://" in url:
+        return
+    path = Path(url)
+    if path.is_dir():
+        return  # a real directory wins, even one named like a URL
+    typo = _MISTYPED_URL.match(url)
+    if typo is not None:
+        rest = _USER_INFO.sub("", url[typo.end():])  # never echo user:secret@
+        raise ConfigError(f"{what} {url[:typo.end()] + rest!r} is neither a URL nor a "
+                          f"directory; fix: write the URL with '://', e.g. "
+                          f"{typo.group(1).lower()}://{rest}")
+    if path.exists():
+        raise ConfigError(f"{what} {url}: not a directory; fix: pass a directory ({hint})")
+    raise ConfigError(f"{what} {url}: no such directory; fix: check the path ({hint})")
+
+
+def open_from_cli(url: str, storage_options_json: str | None) -> Store:
+    """The store at ``url`` with every storage setting applied: ``ELASTICTRAIN_STORAGE__*``
+    and the config file, then ``--storage-options`` (and fsspec's ``FSSPEC_S3_*``).
+
+    Raises:
+        ConfigError: bad options or settings, or a location that cannot be a run's.
+    """
+    storage: dict[str, Any] = {"url": url}
+    options = parse_storage_options(storage_options_json)
+    if options:
+        storage["storage_options"] = options
+    settings = load_settings(storage=storage).storage
+    check_location(url)
+    return open_store(settings)
