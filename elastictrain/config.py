@@ -217,8 +217,10 @@ class WatchdogConfig(_Model):
 ModuleName = Annotated[str, Field(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")]
 # torch._dynamo: DDP and the optimizers import it on first use; s3fs (an extra) on
 # first use of S3, and is skipped where it is not installed (docs/recovery.md).
+# The package imports its API on first use, so its two heavy modules are named here.
 STANDBY_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim",
-                   "torch._dynamo", "elastictrain", "s3fs")
+                   "torch._dynamo", "elastictrain.runtime", "elastictrain.snapshot.manager",
+                   "s3fs")
 
 
 class LaunchDefaults(_Model):
