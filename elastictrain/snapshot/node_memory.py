@@ -58,6 +58,9 @@ class NodeMemory:
         self.peers: PeerCopies | None = None
         self.sharded_memory: ShardedMemory | None = None
         self._saved = False  # a memory save was started this attempt
+        # Who drops and, at the end, removes this node's snapshots: the node's lowest
+        # rank (local rank 0 under torchrun; for sharded state, its leader, below).
+        self._owner = ctx.local_rank == 0
         self._open(run_id, sharded)
         if self._config.memory_every is None:
             return
@@ -99,6 +102,7 @@ class NodeMemory:
         self.saver = ShardedMemorySaver(self.tier.store, SaverSettings.for_memory(config), ctx,
                                         model, optimizer, nodes, replicas)
         self.sharded_memory = ShardedMemory(self.tier.store, ctx, nodes, transport)
+        self._owner = self.sharded_memory.leader
 
     def _find_peers(self) -> PeerCopies | None:
         """The other nodes and the transport to them (every rank calls it together:
@@ -129,7 +133,7 @@ class NodeMemory:
 
     def drop_newer(self, step: int | None) -> None:
         """After every rank loaded ``step``: drop the newer memory snapshots."""
-        if self.saver is not None and self.store is not None and self._ctx.local_rank == 0:
+        if self.saver is not None and self.store is not None and self._owner:
             memory.drop_newer(self.store, step)
 
     def agree_outcome(self, loaded_memory_step: int | None) -> tuple[bool, bool] | None:
@@ -157,7 +161,7 @@ class NodeMemory:
                 self.saver.close()
             except SnapshotWriteFailed as exc:  # durable storage holds the run's result
                 log.warning("snapshot.memory_failed", error=str(exc), tier="memory")
-        if self.saver is not None and self._ctx.local_rank == 0:
+        if self.saver is not None and self._owner:
             assert self.tier is not None
             memory.remove_all(self.tier)
         elif self.tier is not None:

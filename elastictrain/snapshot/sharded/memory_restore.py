@@ -75,7 +75,6 @@ class ShardedMemory:
              optimizer: Any | None) -> LoadedSnapshot | None:
         """(all ranks) The newest memory step newer than durable, loaded; None (logged)
         when the durable restore must run instead."""
-        started = time.perf_counter()
         durable_step = int(self.ctx.broadcast_object(
             _newest_committed(durable) if self.ctx.is_writer else None))
         found = self.ctx.all_gather_object(holdings(self.store, durable_step)
@@ -100,9 +99,6 @@ class ShardedMemory:
             return _skipped(durable_step, f"{type(exc).__name__}: {exc}")
         if loaded is None:
             return _skipped(durable_step, f"step {choice.step} did not verify")
-        log.debug("snapshot.memory_chosen", snapshot_step=choice.step,
-                  peer_rank=self.peer_rank(choice),
-                  duration_s=round(time.perf_counter() - started, 4))
         return LoadedSnapshot(loaded.step, loaded.payload, loaded.size_bytes, "memory",
                               self.peer_rank(choice))
 

@@ -74,7 +74,8 @@ class ShardedMemorySaver(ShardedSaver):
         self.tier = "memory"
         self._nodes, self._replicas = nodes, replicas
         self._global: tuple[bytes, bytes, bytes] | None = None  # (rank 0) the step's pieces
-        self.last_replication: dict[str, Any] = {}  # bytes and time of the last exchange
+        # Per save: (step, bytes this rank sent, seconds its exchange took) (benchmarks).
+        self.replications: list[tuple[int, int, float]] = []
 
     def _commit_parts(self, meta: SnapshotMeta, token: str, parts: list[RankPart],
                       metadata_bytes: bytes, train_bytes: bytes,
@@ -136,13 +137,14 @@ class ShardedMemorySaver(ShardedSaver):
                                                      rank, targets, sources)
         except (StorageError, OSError) as exc:  # still reach the all-gather below
             received, problem, sent = [], f"{type(exc).__name__}: {exc}", 0
-        self.last_replication = {"bytes_sent": sent, "duration_s": time.perf_counter()
-                                 - exchange_started}
-        if targets or sources:
-            (log.warning if problem else log.info)(
-                "snapshot.memory_replicated", snapshot_step=meta.step, to_ranks=targets,
-                from_ranks=sources, bytes_sent=sent, error=problem,
-                duration_s=round(self.last_replication["duration_s"], 4))
+        exchange_s = time.perf_counter() - exchange_started
+        self.replications.append((meta.step, sent, exchange_s))
+        fields = {"snapshot_step": meta.step, "to_ranks": targets, "from_ranks": sources,
+                  "bytes_sent": sent, "error": problem, "duration_s": round(exchange_s, 4)}
+        if problem is not None:
+            log.warning("snapshot.memory_replicated", **fields)
+        elif targets or sources:
+            log.info("snapshot.memory_replicated", **fields)
         own = part_of(manifest, rank)
         mine = (self._nodes.node_of[rank], problem,
                 [e.name for e in ([own] if own is not None else [])] + received)
