@@ -267,8 +267,8 @@ for _ in range(steps):
 snap.wait()
 replications = list(snap._node_memory.saver.replications)
 snap.close()
-print(json.dumps({"rank": rank, "step_s": times[2 * every:], "replications": replications}),
-      flush=True)
+with open(f"{tmp}/result{rank}.json", "w") as out:  # two ranks' stdout can interleave
+    json.dump({"rank": rank, "step_s": times[2 * every:], "replications": replications}, out)
 et.shutdown()
 '''
 
@@ -282,10 +282,10 @@ def run_sharded(work: Path, args: argparse.Namespace, replicas: int) -> dict[str
          str(args.steps), str(args.size_mb), str(args.memory_every)],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
         env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    lines = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
-    if result.returncode != 0 or len(lines) != 2:
+    if result.returncode != 0:
         raise RuntimeError(result.stderr[-3000:])
-    rank0 = next(x for x in lines if x["rank"] == 0)
+    lines = [json.loads((work / f"result{rank}.json").read_text()) for rank in (0, 1)]
+    rank0 = lines[0]
     step_s = sum(rank0["step_s"]) / len(rank0["step_s"])  # the snapshot steps included
     sent = [int(b) for x in lines for _, b, _ in x["replications"]]
     exchange = [float(d) for x in lines for _, _, d in x["replications"]]
