@@ -75,8 +75,11 @@ class ShardedMemory:
              optimizer: Any | None) -> LoadedSnapshot | None:
         """(all ranks) The newest memory step newer than durable, loaded; None (logged)
         when the durable restore must run instead."""
-        durable_step = int(self.ctx.broadcast_object(
-            _newest_committed(durable) if self.ctx.is_writer else None))
+        newest, error = self.ctx.broadcast_object(
+            _newest_committed(durable) if self.ctx.is_writer else None)
+        durable_step = int(newest)
+        if error is not None:  # the durable restore meets the same error on every rank
+            return _skipped(durable_step, f"listing durable storage failed: {error}")
         found = self.ctx.all_gather_object(holdings(self.store, durable_step)
                                            if self.leader else None)
         leaders = [self.nodes.leader(n) for n in range(self.nodes.count)]
@@ -135,11 +138,16 @@ class ShardedMemory:
         return problem
 
 
-def _newest_committed(store: Store) -> int:
-    for step in list_snapshot_dirs(store):
-        if store.exists(f"{layout.step_dir(step)}/{layout.MANIFEST}"):
-            return step
-    return NO_STEP
+def _newest_committed(store: Store) -> tuple[int, str | None]:
+    """(rank 0) The newest durable step with a manifest, and the error of a failed
+    listing (sent to every rank: none may wait for a broadcast that never comes)."""
+    try:
+        for step in list_snapshot_dirs(store):
+            if store.exists(f"{layout.step_dir(step)}/{layout.MANIFEST}"):
+                return step, None
+    except StorageError as exc:
+        return NO_STEP, f"{type(exc).__name__}: {exc}"
+    return NO_STEP, None
 
 
 def _skipped(durable_step: int, reason: str) -> LoadedSnapshot | None:
