@@ -22,9 +22,20 @@ memory snapshot of that size from one memory directory to another and verifies i
 (snapshot/peer_restore.py), against reading and verifying the same snapshot from the
 local memory directory alone.
 
+Sharded state: ``--sharded``: two gloo workers (torchrun) train an FSDP2 model
+(``--size-mb`` of parameters in Linear(1024, 1024) layers, AdamW: the state is three
+times that, half on each rank), each rank with a memory directory of its own (so each
+is a node of its own), a memory snapshot every ``--memory-every`` steps and no durable
+one while measuring. ``snapshot.memory_replicas`` = 1 (each rank's part also goes to
+the other node, in the background) against 0 (parts kept on the node), fresh processes
+for each, alternating, ``--rounds`` times. Reported: the bytes each node sends per
+snapshot, the time its background exchange takes, and the step time (steps after the
+first two snapshots) replicas=0 over replicas=1 (the step rate with ÷ without).
+
     python scripts/bench_peer.py --steps 400 --rounds 3 --json
     python scripts/bench_peer.py --micro --rounds 20
     python scripts/bench_peer.py --copy-mb 256 --rounds 3
+    python scripts/bench_peer.py --sharded --size-mb 64 --rounds 3
 """
 
 from __future__ import annotations
@@ -222,6 +233,94 @@ def bench_micro(args: argparse.Namespace, report: dict[str, Any]) -> None:
           f"records sent {[x['sent'] for x in lines]}")
 
 
+SHARDED_WORKER = r'''
+import json, sys, time
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import elastictrain as et
+tmp, replicas, steps, size_mb, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
+    int(sys.argv[4]), int(sys.argv[5])
+torch.set_num_threads(1)
+rt = et.init()
+rank = rt.ctx.rank
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(max(1, size_mb // 4))])
+mesh = init_device_mesh("cpu", (rt.world_size,))
+for layer in model:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+snap = et.SnapshotManager(f"{tmp}/durable", model=model, optimizer=opt, every_steps=10**6,
+                          memory_every=every, memory_dir=f"{tmp}/mem{rank}",
+                          memory_replicas=replicas, progress_dir=False)
+snap.restore()
+x = torch.randn(8, 1024)
+times = []
+for _ in range(steps):
+    started = time.perf_counter()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    snap.step()
+    times.append(time.perf_counter() - started)
+snap.wait()
+replications = list(snap._node_memory.saver.replications)
+snap.close()
+with open(f"{tmp}/result{rank}.json", "w") as out:  # two ranks' stdout can interleave
+    json.dump({"rank": rank, "step_s": times[2 * every:], "replications": replications}, out)
+et.shutdown()
+'''
+
+
+def run_sharded(work: Path, args: argparse.Namespace, replicas: int) -> dict[str, Any]:
+    worker = work / "sharded_worker.py"
+    worker.write_text(SHARDED_WORKER)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         f"--master-port={free_port()}", str(worker), str(work), str(replicas),
+         str(args.steps), str(args.size_mb), str(args.memory_every)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr[-3000:])
+    lines = [json.loads((work / f"result{rank}.json").read_text()) for rank in (0, 1)]
+    rank0 = lines[0]
+    step_s = sum(rank0["step_s"]) / len(rank0["step_s"])  # the snapshot steps included
+    sent = [int(b) for x in lines for _, b, _ in x["replications"]]
+    exchange = [float(d) for x in lines for _, _, d in x["replications"]]
+    return {"step_s": step_s, "bytes_sent": sent, "exchange_s": exchange}
+
+
+def bench_sharded(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    step_s: dict[int, list[float]] = {1: [], 0: []}
+    sent: list[int] = []
+    exchange: list[float] = []
+    for r in range(args.rounds):
+        for replicas in ((1, 0) if r % 2 == 0 else (0, 1)):
+            with tempfile.TemporaryDirectory(prefix="bench-peer-sharded-",
+                                             dir="/dev/shm") as tmp:
+                result = run_sharded(Path(tmp), args, replicas)
+            step_s[replicas].append(result["step_s"])
+            if replicas:
+                sent += result["bytes_sent"]
+                exchange += result["exchange_s"]
+            print(f"round {r} replicas={replicas}: mean step {result['step_s']:.3f} s, "
+                  f"sent per node per snapshot {sorted(set(result['bytes_sent']))} B, "
+                  f"exchange {fmt(spread(result['exchange_s'] or [0.0]))} s, "
+                  f"load {load_average():.2f}", flush=True)
+    report["sharded"] = {
+        "size_mb": args.size_mb, "memory_every": args.memory_every, "steps": args.steps,
+        "step_s_replicas_1": spread(step_s[1]), "step_s_replicas_0": spread(step_s[0]),
+        "rate_ratio": ratio_spread(step_s[0], step_s[1]),
+        "bytes_sent_per_node_per_snapshot": spread([float(b) for b in sent]),
+        "exchange_s": spread(exchange)}
+    print(f"sharded, {args.size_mb} MB of parameters: each node sends "
+          f"{fmt(report['sharded']['bytes_sent_per_node_per_snapshot'], 0)} B per snapshot "
+          f"in {fmt(report['sharded']['exchange_s'])} s; step rate replicas=1 / 0: "
+          f"{fmt(report['sharded']['rate_ratio'])}")
+
+
 def bench_copy(args: argparse.Namespace, report: dict[str, Any]) -> None:
     import torch
 
@@ -267,12 +366,17 @@ def main() -> None:
     p.add_argument("--micro", action="store_true", help="the step cost in one job instead")
     p.add_argument("--block-steps", type=int, default=50)
     p.add_argument("--width", type=int, default=1024, help="--micro: the MLP's width")
+    p.add_argument("--sharded", action="store_true", help="an FSDP2 model's replication")
+    p.add_argument("--size-mb", type=int, default=64, help="--sharded: MB of parameters")
+    p.add_argument("--memory-every", type=int, default=5, help="--sharded: memory interval")
     p.add_argument("--json", nargs="?", const="bench_peer.json", default=None)
     args = p.parse_args()
     load_before = load_average()
     report: dict[str, Any] = {"load_before": load_before, "cpus": os.cpu_count(),
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    if args.copy_mb:
+    if args.sharded:
+        bench_sharded(args, report)
+    elif args.copy_mb:
         bench_copy(args, report)
     elif args.micro:
         bench_micro(args, report)

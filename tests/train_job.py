@@ -7,6 +7,9 @@ It restores from ROOT, trains a small model to STEPS with a snapshot policy the 
 chooses, and closes (``params.digest``); one loop for every test, which picks the model,
 the optimizer, the batch, the storage faults and where the job stops for the test:
 
+* ``--fsdp``: the model sharded with FSDP2 (``fully_shard`` on each linear layer and the
+  root, a CPU mesh of the world size) instead of DDP; rank 0 logs ``params.digest`` of
+  the full parameters (gathered) at the end, as the manager does for replicated state.
 * ``--every``, ``--memory-every``, ``--memory-dir``, ``--persister``: the snapshot
   policy; what is not given comes from ``ELASTICTRAIN_*`` (the manager is built without
   ``ctx`` or ``config``, as a user script would).
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -52,10 +56,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import elastictrain as et
 from elastictrain.launch import EVENTS_DIR_VAR
+from elastictrain.log import get_logger
 from elastictrain.storage import Store, open_store
 from tests.fault_stores import GatedStore, SwitchedStore, TricklingStore
 
@@ -74,6 +82,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="linear-nobias: one parameter, so DDP's bucket layout (the order in "
                         "which more than two ranks' gradients are summed) is the same in "
                         "every process: bit-exact at any world size")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (sharded state), not DDP")
     p.add_argument("--width", type=int, default=8, help="features of the linear model")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
@@ -136,6 +145,30 @@ def model_of(args: argparse.Namespace) -> torch.nn.Module:
     return net
 
 
+def sharded(net: torch.nn.Module, world_size: int) -> torch.nn.Module:
+    """FSDP2 over every rank (CPU, gloo): each linear layer and the root."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in net.modules():
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def full_digest(model: torch.nn.Module, rank: int) -> None:
+    """(all ranks: a gather) rank 0 logs ``params.digest`` of the full parameters."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                   cpu_offload=True))
+    if rank == 0:
+        digest = hashlib.sha256()
+        for key in sorted(state):
+            digest.update(key.encode())
+            digest.update(state[key].detach().contiguous().reshape(-1).view(torch.uint8)
+                          .numpy().tobytes())
+        get_logger("elastictrain.snapshot").info("params.digest",
+                                                 param_digest=digest.hexdigest())
+
+
 def park_on_gates(gates: Path, rank: int) -> None:
     """Tell the test where we are, then wait for it (a condition with a deadline)."""
     gates.mkdir(parents=True, exist_ok=True)
@@ -181,7 +214,10 @@ def train(args: argparse.Namespace, rt: Any) -> None:
         random.seed(rank)  # a stream of its own per rank (restored, not re-seeded)
         np.random.seed(rank)
     net = model_of(args)
-    model = DistributedDataParallel(net) if rt.ctx.initialized else net
+    if args.fsdp:
+        model = sharded(net, rt.ctx.world_size)
+    else:
+        model = DistributedDataParallel(net) if rt.ctx.initialized else net
     opt: torch.optim.Optimizer = (torch.optim.AdamW if args.optimizer == "adamw"
                                   else torch.optim.SGD)(model.parameters(), lr=args.lr)
     policy = {name: value for name, value in (
@@ -226,6 +262,8 @@ def train(args: argparse.Namespace, rt: Any) -> None:
                 park_on_gates(args.gates, rank)
     if args.final_save:
         snap.save()
+    if args.fsdp:
+        full_digest(model, rank)
     snap.close()  # logs params.digest and run.finished (final_step) on rank 0
     if args.say:
         say(done=snap.step_count)

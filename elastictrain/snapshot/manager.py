@@ -101,8 +101,7 @@ class SnapshotManager:
 
     Raises:
         ConfigError: a setting is invalid, ``WORLD_SIZE`` > 1 and no process
-            group is initialised (call ``elastictrain.init()`` first), or
-            ``memory_every`` is set for a sharded model (replicated state only).
+            group is initialised (call ``elastictrain.init()`` first).
     """
 
     def __init__(
@@ -136,7 +135,7 @@ class SnapshotManager:
                                     run_id=self.run_id, checksum=self.config.checksum,
                                     saver_holds_model=self._saver.saves_model_and_optimizer)
         self._node_memory = NodeMemory(self.config, self.run_id, self.store, self.ctx,
-                                       self.sharded)
+                                       self.sharded, unwrap(model), optimizer)
         self.memory_store = self._node_memory.store
         self._memory = self._node_memory.saver
         self._schedule = SaveSchedule(self.config, self.ctx, setup.events_dir, clock)
@@ -214,7 +213,7 @@ class SnapshotManager:
             self._memory.warm_up()
         loaded = self._saver.load_newest(LoadRequest(
             self.ctx, self.config.restore_mode, self.memory_store, self._train.in_place(),
-            self._node_memory.peers))
+            self._node_memory.peers, self._node_memory.sharded_memory))
         step = loaded.step if loaded else None
         self._rescuer.resumed_from = -1 if step is None else step
         self._node_memory.drop_newer(step)  # every rank has loaded: nobody reads them

@@ -1,6 +1,8 @@
 """The node-memory tier as the manager runs it (``snapshot.memory_every``): this node's
-memory directory (snapshot/memory.py) and, on the node's local rank 0, the saver that
-writes it; what a restore learns from it; its removal when the run finished.
+memory directory (snapshot/memory.py) and the saver that writes it (replicated state:
+on the node's local rank 0; sharded state: on every rank, its parts replicated to
+buddy nodes, snapshot/sharded/memory_save.py); what a restore learns from it; its
+removal when the run finished.
 
 A memory snapshot that fails is logged, never raised: durable storage is the truth,
 and training goes on with durable snapshots (``memory.Health`` says so once).
@@ -11,15 +13,19 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from typing import Any
 
+from torch import nn
+
 from elastictrain.config import SnapshotConfig
 from elastictrain.dist import DistContext
-from elastictrain.errors import ConfigError, SnapshotWriteFailed
+from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import get_logger
 from elastictrain.snapshot import memory, peer_transport, rescue
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.peer_restore import PeerCopies
 from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.saver_interface import SaverSettings
+from elastictrain.snapshot.sharded.memory_restore import ShardedMemory
+from elastictrain.snapshot.sharded.memory_save import ShardedMemorySaver
 from elastictrain.storage import Store
 
 log = get_logger("elastictrain.snapshot")
@@ -32,37 +38,41 @@ class NodeMemory:
         tier: the directory, held; None without the tier or when the node's tmpfs
             refused it (full): the run goes on with durable snapshots.
         store: the tier's store (every rank reads it on restore), or None.
-        saver: its saver, on the node's local rank 0 only; else None.
+        saver: its saver: replicated state, on the node's local rank 0 only; sharded
+            state, on every rank; else None.
         taken_step: the step of the last memory snapshot this attempt took, or -1.
         peers: the other nodes (restore from their memory, the rescue's records), with
-            ``memory_replicas`` > 0 on several nodes; else None.
-
-    Raises:
-        ConfigError: ``memory_every`` is set for a sharded model (replicated state only).
+            ``memory_replicas`` > 0 on several nodes; else None (replicated state).
+        sharded_memory: a sharded model's restore from the nodes' memory, or None.
     """
 
     def __init__(self, config: SnapshotConfig, run_id: str, durable: Store,
-                 ctx: DistContext, sharded: bool) -> None:
+                 ctx: DistContext, sharded: bool, model: nn.Module | None = None,
+                 optimizer: Any | None = None) -> None:
         self._config, self._durable, self._ctx = config, durable, ctx
         self.health = memory.Health()
         self.tier: memory.MemoryTier | None = None
         self.store: Store | None = None
-        self.saver: Saver | None = None
+        self.saver: Saver | ShardedMemorySaver | None = None
         self.taken_step = -1
         self.peers: PeerCopies | None = None
+        self.sharded_memory: ShardedMemory | None = None
         self._saved = False  # a memory save was started this attempt
+        # Who drops and, at the end, removes this node's snapshots: the node's lowest
+        # rank (local rank 0 under torchrun; for sharded state, its leader, below).
+        self._owner = ctx.local_rank == 0
         self._open(run_id, sharded)
-        if self._config.memory_every is not None:
+        if self._config.memory_every is None:
+            return
+        if sharded:
+            assert model is not None  # the manager passes a sharded model
+            self._open_sharded(model, optimizer)
+        else:
             self.peers = self._find_peers()
 
     def _open(self, run_id: str, sharded: bool) -> None:
-        every = self._config.memory_every
-        if every is None:
+        if self._config.memory_every is None:
             return
-        if sharded:
-            raise ConfigError(
-                f"snapshot.memory_every={every}: the memory tier holds replicated (DDP) state "
-                "and this model is sharded; fix: unset snapshot.memory_every")
         try:
             self.tier = memory.open_memory_tier(self._config, run_id, self._durable,
                                                 sweep_idle=self._ctx.local_rank == 0)
@@ -70,9 +80,29 @@ class NodeMemory:
             self.health.failed("memory directory", exc)
             return
         self.store = self.tier.store
-        if self._ctx.local_rank == 0:
+        if self._ctx.local_rank == 0 and not sharded:
             self.saver = Saver(self.tier.store, SaverSettings.for_memory(self._config),
                                tier="memory")
+
+    def _open_sharded(self, model: nn.Module, optimizer: Any | None) -> None:
+        """Every rank saves its parts (every rank calls it together): only when every
+        rank's memory directory opened, since every memory save is a collective."""
+        ctx, config = self._ctx, self._config
+        missing = int(self.tier is None)
+        if ctx.initialized:
+            (missing,) = ctx.all_reduce_max([missing])
+        if missing or self.tier is None:
+            self.store = None  # the durable tier alone (a node's tmpfs refused: degraded)
+            return
+        nodes = (peer_transport.discover(ctx, str(self.tier.path)) if ctx.initialized
+                 else peer_transport.NodeMap((0,)))
+        replicas = config.memory_replicas if nodes.count > 1 else 0
+        transport = (peer_transport.GlooTransport.create() if replicas > 0 and ctx.initialized
+                     else None)
+        self.saver = ShardedMemorySaver(self.tier.store, SaverSettings.for_memory(config), ctx,
+                                        model, optimizer, nodes, replicas)
+        self.sharded_memory = ShardedMemory(self.tier.store, ctx, nodes, transport)
+        self._owner = self.sharded_memory.leader
 
     def _find_peers(self) -> PeerCopies | None:
         """The other nodes and the transport to them (every rank calls it together:
@@ -88,7 +118,8 @@ class NodeMemory:
 
     def save(self, state: dict[str, Any], meta: SnapshotMeta, started: float,
              defer: AbstractSet[int]) -> None:
-        """(local rank 0) Report how the last memory save ended, then start this one."""
+        """(where there is a saver) Report how the last memory save ended, then start
+        this one."""
         if self.saver is None:
             return
         failure = self.saver.take_failure()
@@ -102,8 +133,8 @@ class NodeMemory:
 
     def drop_newer(self, step: int | None) -> None:
         """After every rank loaded ``step``: drop the newer memory snapshots."""
-        if self.saver is not None:
-            memory.drop_newer(self.saver.store, step)
+        if self.saver is not None and self.store is not None and self._owner:
+            memory.drop_newer(self.store, step)
 
     def agree_outcome(self, loaded_memory_step: int | None) -> tuple[bool, bool] | None:
         """Whether every node kept its memory tier since the last attempt, and whether
@@ -130,6 +161,7 @@ class NodeMemory:
                 self.saver.close()
             except SnapshotWriteFailed as exc:  # durable storage holds the run's result
                 log.warning("snapshot.memory_failed", error=str(exc), tier="memory")
+        if self.saver is not None and self._owner:
             assert self.tier is not None
             memory.remove_all(self.tier)
         elif self.tier is not None:

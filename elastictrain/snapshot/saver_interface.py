@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from elastictrain.snapshot.peer_restore import PeerCopies
     from elastictrain.snapshot.persister import SaveHandle
     from elastictrain.snapshot.restore import LoadedSnapshot
+    from elastictrain.snapshot.sharded.memory_restore import ShardedMemory
     from elastictrain.storage.api import Store
 
 
@@ -67,6 +68,7 @@ class LoadRequest:
     memory_store: Store | None
     in_place: InPlace
     peers: PeerCopies | None = None  # the other nodes' memory (snapshot/peer_restore.py)
+    sharded_memory: ShardedMemory | None = None  # a sharded model's memory tier
 
 
 class SnapshotSaver(Protocol):

@@ -167,10 +167,28 @@ def test_events_name_their_tier(tmp_path: Path) -> None:
     parts[4].close()
 
 
-def test_sharded_model_with_memory_tier_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"snapshot.memory_every=1: .*fix: unset"):
-        build(str(tmp_path / "run"), sharded=True, memory_every=1,
-              memory_dir=str(tmp_path / "mem"))
+def test_sharded_model_restores_its_memory_snapshot(tmp_path: Path) -> None:
+    """One process, sharded saver: a memory snapshot every step is this node's whole
+    step (its manifest, HELD.json, every part); the restart resumes it, bit-exact."""
+    url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
+    ref = build(url + "-ref", sharded=True)
+    ref_losses = train(*ref, until=9)
+    ref[4].close()
+    crashed = build(url, sharded=True, memory_every=1, memory_dir=mem)
+    train(*crashed, until=7)  # durable 5, memory 6 and 7; no close(): a crash
+    crashed[4].wait()
+    assert list_snapshot_dirs(open_store(mem)) == [7]  # keep=1 in memory
+    parts = build(url, sharded=True, memory_every=1, memory_dir=mem)
+    with capture_logs() as logs:
+        info = parts[4].restore()
+    assert (info.from_step, info.tier) == (7, "memory")
+    (loaded,) = [e for e in logs if e["event"] == "snapshot.loaded"]
+    assert (loaded["tier"], loaded["peer_rank"]) == ("memory", None)
+    assert train(*parts, until=9) == ref_losses[7:]
+    for got, want in zip(_params(parts[0]), _params(ref[0]), strict=True):
+        assert torch.equal(got, want)
+    parts[4].close()
+    assert not Path(mem).exists()
 
 
 def test_remote_memory_dir_is_a_config_error(tmp_path: Path) -> None:

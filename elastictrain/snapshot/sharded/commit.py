@@ -53,13 +53,9 @@ def commit_sharded(store: Store, meta: SnapshotMeta, token: str, parts: list[Ran
     """(rank 0, after every part is durable) write the metadata, the training state and
     the manifest last. Returns the manifest, or None if another writer committed first."""
     directory = layout.step_dir(meta.step)
-    algorithm = meta.checksum_algorithm
-    objects = [_part_entry(part) for part in sorted(parts, key=lambda p: p.rank)]
+    manifest = sharded_manifest(meta, token, parts, metadata_bytes, train_bytes)
     for name, data in ((metadata_name(token), metadata_bytes), (train_name(token), train_bytes)):
         store.write_bytes(f"{directory}/{name}", data)
-        objects.append(ObjectEntry(name=name, size_bytes=len(data), rank=0,
-                                   checksum=checksum_bytes(data, algorithm)))
-    manifest = build_manifest(meta, objects, SHARDED_FORMAT_VERSION)
     try:
         store.write_bytes(f"{directory}/{layout.MANIFEST}", manifest.to_json(), if_absent=True)
     except StorageConflictError:
@@ -67,6 +63,18 @@ def commit_sharded(store: Store, meta: SnapshotMeta, token: str, parts: list[Ran
                  reason="another writer committed this step first")
         return None
     return manifest
+
+
+def sharded_manifest(meta: SnapshotMeta, token: str, parts: list[RankPart],
+                     metadata_bytes: bytes, train_bytes: bytes) -> Manifest:
+    """The manifest of a sharded snapshot: every rank's part, then the DCP metadata and
+    the training state (both written by rank 0)."""
+    algorithm = meta.checksum_algorithm
+    objects = [_part_entry(part) for part in sorted(parts, key=lambda p: p.rank)]
+    for name, data in ((metadata_name(token), metadata_bytes), (train_name(token), train_bytes)):
+        objects.append(ObjectEntry(name=name, size_bytes=len(data), rank=0,
+                                   checksum=checksum_bytes(data, algorithm)))
+    return build_manifest(meta, objects, SHARDED_FORMAT_VERSION)
 
 
 def _part_entry(part: RankPart) -> ObjectEntry:

@@ -47,16 +47,20 @@ _Header = tuple[bytes, bytes, bytes]  # manifest JSON, DCP metadata, training st
 
 
 def load_newest_sharded(store: Store, ctx: DistContext, group: Any | None, model: nn.Module,
-                        optimizer: Any | None) -> LoadedSnapshot | None:
+                        optimizer: Any | None,
+                        only: list[int] | None = None) -> LoadedSnapshot | None:
     """Load the newest sharded snapshot that verifies into ``model`` and ``optimizer`` on
     every rank; return its training state (no model/optimizer), or None if there is none.
+    ``only``: the steps to try (every rank passes the same), instead of every step rank 0
+    lists (the memory tier: each rank reads its own node's directory).
 
     Raises:
         StorageError: a read failed (not corruption: the attempt fails, no fallback).
         SnapshotCorrupt: a corrupt snapshot was partly loaded and no older one verifies
             (the model is no longer the fresh one).
     """
-    steps: list[int] = ctx.broadcast_object(list_snapshot_dirs(store) if ctx.is_writer else None)
+    steps: list[int] = only if only is not None else ctx.broadcast_object(
+        list_snapshot_dirs(store) if ctx.is_writer else None)
     touched = False
     for step in steps:
         started = time.perf_counter()

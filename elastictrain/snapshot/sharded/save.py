@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
 from elastictrain.dist import DistContext
-from elastictrain.errors import SnapshotWriteFailed
+from elastictrain.errors import SnapshotCorrupt, SnapshotWriteFailed
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.commit import SnapshotMeta
@@ -172,9 +172,22 @@ class ShardedSaver(InFlightSave):
 
     def load_newest(self, request: LoadRequest) -> LoadedSnapshot | None:
         """Load the newest sharded snapshot into the model and optimizer on every rank
-        (through the background group); its training state is the payload."""
-        return load_newest_sharded(self.store, request.ctx, self._group, self._model,
-                                   self._optimizer)
+        (through the background group); its training state is the payload. With a
+        memory tier, a newer step held in the nodes' memory first
+        (sharded/memory_restore.py)."""
+        if request.sharded_memory is not None:
+            loaded = request.sharded_memory.load(self.store, self._group, self._model,
+                                                 self._optimizer)
+            if loaded is not None:
+                return loaded
+        loaded = load_newest_sharded(self.store, request.ctx, self._group, self._model,
+                                     self._optimizer)
+        if loaded is None and request.sharded_memory is not None \
+                and request.sharded_memory.touched:
+            raise SnapshotCorrupt("a memory snapshot failed half-way through loading into "
+                                  "the model and durable storage holds none; fix: start "
+                                  "again with an empty memory directory")
+        return loaded
 
     def save(self, train_state: dict[str, Any], meta: SnapshotMeta,
              started: float | None = None,
@@ -202,11 +215,8 @@ class ShardedSaver(InFlightSave):
         timing = {"persist_started": started}  # set again after staging, below
 
         def on_finish(metadata: Metadata, parts: list[RankPart]) -> None:
-            manifest = commit_sharded(self.counted_store, meta, token, parts,
-                                      dump_metadata(metadata), train_bytes)
-            committed.append(manifest)
-            if manifest is not None:
-                self._committed(meta, manifest, timing["persist_started"])
+            committed.append(self._commit_parts(meta, token, parts, dump_metadata(metadata),
+                                                train_bytes, timing["persist_started"]))
 
         writer = StoreWriter(self.counted_store, layout.step_dir(meta.step), token,
                              meta.checksum_algorithm,
@@ -231,6 +241,17 @@ class ShardedSaver(InFlightSave):
             self._finished, handle, f, meta, committed, timing["persist_started"]))
         self._last = handle
         return handle
+
+    def _commit_parts(self, meta: SnapshotMeta, token: str, parts: list[RankPart],
+                      metadata_bytes: bytes, train_bytes: bytes,
+                      started: float) -> Manifest | None:
+        """(rank 0, inside DCP's finish, every part durable) the commit: metadata, training
+        state, manifest last; then retention. None if another writer committed first."""
+        manifest = commit_sharded(self.counted_store, meta, token, parts, metadata_bytes,
+                                  train_bytes)
+        if manifest is not None:
+            self._committed(meta, manifest, started)
+        return manifest
 
     def _committed(self, meta: SnapshotMeta, manifest: Manifest, started: float) -> None:
         """(rank 0, inside DCP's finish, while the other ranks wait for its outcome) the
