@@ -108,6 +108,26 @@ def test_lost_steps_are_bounded_by_the_tier_and_by_the_rescue() -> None:
     assert check_node_resumes(resume, [A, B], trained(15, 2), PEER, Loss(20, True)) is None
 
 
+def test_a_record_still_in_flight_at_the_loss_allows_the_memory_interval() -> None:
+    """Node b died after step 15's all-reduce but before its record of 15 left: the
+    survivor skipped that rescue and the resume may lose the memory interval, but only
+    if b's records had been arriving until then."""
+    skipped = ev("snapshot.rescue_skipped", 20.5, "a.0", snapshot_step=15,
+                 reason="no record of step 15 on this node for rank(s) [1] (on another node, "
+                        "or killed while writing or sending it)")
+    stopped = ev("snapshot.records_stopped", 20.4, "a.0", direction="receive", source=1,
+                 received=14)
+    resume = [*BEFORE, skipped, ev("resume", 22, "a.0", from_step=12, tier="memory")]
+    races = [*resume[:-1], stopped, resume[-1]]
+    assert check_node_resumes(races, [A, B], trained(15, 2), PEER, Loss(20, False)) is None
+    assert "allowed 1" in str(  # no record had ever arrived: not the race
+        check_node_resumes(resume, [A, B], trained(15, 2), PEER, Loss(20, False)))
+    other_step = [*BEFORE, {**skipped, "reason": skipped["reason"].replace("15", "14")},
+                  stopped, ev("resume", 22, "a.0", from_step=12, tier="memory")]
+    assert "allowed 1" in str(
+        check_node_resumes(other_step, [A, B], trained(15, 2), PEER, Loss(20, False)))
+
+
 def test_every_launcher_not_killed_must_exit_zero() -> None:
     assert check_agents({"a.0": [0], "b.0": [-9], "b.1": [0]}, {"b.0"}, False) is None
     assert "did not finish" in str(check_agents({"a.0": [1], "b.0": [-9]}, {"b.0"}, False))
