@@ -84,6 +84,22 @@ def _two_nodes(agents: Agents, tmp_path: Path, nnodes: str, extra: tuple[str, ..
     return node_a, node_b, common
 
 
+def _last_ranks(node_ev: Path) -> list[int]:
+    """The ranks a node's workers had in the newest attempt (the rendezvous may give a
+    replacement node the lower ranks)."""
+    resumes = [e for e in events(node_ev, "resume") if e.get("from_step") is not None]
+    newest = max(e["restart_count"] for e in resumes)
+    return sorted(e["rank"] for e in resumes if e["restart_count"] == newest)
+
+
+def _from_peer(ev: Path, survivor: str, replacement: str) -> list[tuple[int, int, str, Any]]:
+    """The resumes expected when the replacement node received the survivor's copy of
+    PARK: the survivor's ranks from their own node, the others from its leader."""
+    kept, received = _last_ranks(ev / survivor), _last_ranks(ev / replacement)
+    return sorted([(r, PARK, "memory", None) for r in kept]
+                  + [(r, PARK, "memory", kept[0]) for r in received])
+
+
 def _resumes(ev: Path) -> list[tuple[int, int, str, Any]]:
     """(rank, from_step, tier, peer_rank) of the last resume of each rank."""
     last: dict[int, dict[str, Any]] = {}
@@ -115,15 +131,16 @@ def test_replaced_node_restores_from_the_surviving_nodes_memory(
         assert _resumes(ev) == [(0, EVERY, "durable", None), (1, EVERY, "durable", None)]
         assert not events(ev, "snapshot.memory_received")
         return
-    assert _resumes(ev) == [(0, PARK, "memory", None), (1, PARK, "memory", 0)]
+    assert _resumes(ev) == _from_peer(ev, "a", "b2")
+    (rank_a,), (rank_b2,) = _last_ranks(ev / "a"), _last_ranks(ev / "b2")
     (received,) = events(ev / "b2", "snapshot.memory_received")
     assert (received["snapshot_step"], received["from_rank"], received["verified"]) == \
-        (PARK, 0, True)
+        (PARK, rank_a, True)
     (sent,) = events(ev / "a", "snapshot.memory_sent")
-    assert (sent["snapshot_step"], sent["to_rank"], sent["error"]) == (PARK, 1, None)
+    assert (sent["snapshot_step"], sent["to_rank"], sent["error"]) == (PARK, rank_b2, None)
     # No durable snapshot was read after the loss (the fresh start read none either).
     assert [e for e in events(ev, "snapshot.loaded") if e["tier"] == "durable"] == []
-    assert _digest(ev / "a") == reference_digest  # bit-exact
+    assert _digest(ev) == reference_digest  # bit-exact
     assert not (tmp_path / "mem-a").exists() and not (tmp_path / "mem-b2").exists()
 
 
@@ -152,15 +169,16 @@ def test_survivor_rescues_the_step_of_a_lost_node(tmp_path: Path, agents: Agents
         events(ev / "a", "snapshot.rescue_skipped")
     resumes = [e for e in events(ev, "resume") if e.get("from_step") is not None]
     assert {e["rescued"] for e in resumes} == {True}
+    # lost_steps is null for a rank whose node held another rank before the restart (the
+    # rendezvous may swap them); every resume's from_step is checked below instead.
     lost = [e["lost_steps"] for e in resumes if e["lost_steps"] is not None]
-    assert lost and max(lost) <= 1
+    assert max(lost, default=0) <= 1
     if replaced:
-        assert _resumes(ev) == [(r, PARK, "memory", None if r < nproc else 0)
-                                for r in range(2 * nproc)]
+        assert _resumes(ev) == _from_peer(ev, "a", "b2")
         # (Four gloo ranks resumed from step 25 end on other bits than an uninterrupted
         # run even on one node, after a worker kill: no check against one here.)
         if nproc == 1:
-            assert _digest(ev / "a") == reference_digest  # bit-exact
+            assert _digest(ev) == reference_digest  # bit-exact
     else:
         assert _resumes(ev) == [(0, PARK, "memory", None)]
         (resume,) = [e for e in resumes]
