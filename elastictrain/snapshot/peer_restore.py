@@ -27,12 +27,13 @@ from typing import BinaryIO
 
 import torch
 
+from elastictrain.config import ChecksumAlgorithm
 from elastictrain.dist import DistContext
 from elastictrain.errors import SnapshotCorrupt, StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import new_hasher
-from elastictrain.snapshot.manifest import Manifest
+from elastictrain.snapshot.manifest import Manifest, ObjectEntry
 from elastictrain.snapshot.peer_transport import (
     TAG_COPY,
     NodeMap,
@@ -188,8 +189,11 @@ def receive_copy(transport: PeerTransport, store: Store, step: int, src: int) ->
     problem = None if manifest.step == step else f"its manifest says step {manifest.step}"
     buffer, view = _buffer(manifest)
     for entry in manifest.objects:
-        problem = _receive_object(transport, store, partial, entry.name, entry.size_bytes,
-                                  entry.checksum, manifest, buffer, view, src) or problem
+        refused = None if layout.is_payload(entry.name) else (
+            f"object name {entry.name!r} is no payload name")
+        problem = receive_object(transport, store, f"{partial}/{entry.name}", entry,
+                                 manifest.checksum_algorithm, (buffer, view), src, TAG_COPY,
+                                 CHUNK_BYTES, refused) or problem
     if problem is None:
         try:
             store.write_bytes(f"{partial}/{layout.MANIFEST}", raw)  # last: the commit
@@ -209,24 +213,29 @@ def receive_copy(transport: PeerTransport, store: Store, step: int, src: int) ->
     return problem is None
 
 
-def _receive_object(transport: PeerTransport, store: Store, partial: str, name: str,
-                    size: int, checksum: str, manifest: Manifest, buffer: torch.Tensor,
-                    view: memoryview, src: int) -> str | None:
-    """Receive one object into ``partial``; the problem with it, or None. Every byte
-    the manifest announced is received, whatever goes wrong here: the sender sends it."""
-    problem = None if layout.is_payload(name) else f"object name {name!r} is no payload name"
-    hasher = new_hasher(manifest.checksum_algorithm)
+def receive_object(transport: PeerTransport, store: Store, path: str, entry: ObjectEntry,
+                   algorithm: ChecksumAlgorithm, buffers: tuple[torch.Tensor, memoryview],
+                   src: int, tag: int, chunk_bytes: int,
+                   refused: str | None = None) -> str | None:
+    """Receive one object the manifest lists (``entry``: its size and checksum) from
+    ``src`` into ``path``, hashed on the way, in the sender's messages of
+    ``chunk_bytes``; the problem with it, or None. ``refused``: a problem known before
+    (its bytes are received and dropped). Every byte announced is received whatever goes
+    wrong here: the sender sends it."""
+    buffer, view = buffers
+    problem = refused
+    hasher = new_hasher(algorithm)
     try:
         with contextlib.ExitStack() as stack:
             sink: BinaryIO | None = None
             if problem is None:
                 try:
-                    sink = stack.enter_context(store.open_write(f"{partial}/{name}"))
+                    sink = stack.enter_context(store.open_write(path))
                 except (OSError, StorageError) as exc:
                     problem = f"{type(exc).__name__}: {exc}"
-            for start in range(0, size, CHUNK_BYTES):
-                n = min(CHUNK_BYTES, size - start)
-                transport.recv(buffer[:n], src, TAG_COPY)  # a peer gone: raised
+            for start in range(0, entry.size_bytes, chunk_bytes):
+                n = min(chunk_bytes, entry.size_bytes - start)
+                transport.recv(buffer[:n], src, tag)  # a peer gone: raised
                 hasher.update(view[:n])
                 if sink is not None:
                     try:
@@ -235,7 +244,7 @@ def _receive_object(transport: PeerTransport, store: Store, partial: str, name: 
                         problem, sink = f"{type(exc).__name__}: {exc}", None
     except (OSError, StorageError) as exc:  # closing the file (its last bytes) failed
         problem = problem or f"{type(exc).__name__}: {exc}"
-    if problem is None and hasher.hexdigest() != checksum:
-        problem = (f"{name}: {manifest.checksum_algorithm} {hasher.hexdigest()} does not "
-                   f"match the manifest's {checksum}")
+    if problem is None and hasher.hexdigest() != entry.checksum:
+        problem = (f"{entry.name}: {algorithm} {hasher.hexdigest()} does not match the "
+                   f"manifest's {entry.checksum}")
     return problem

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,8 +31,8 @@ from elastictrain.dist import DistContext
 from elastictrain.errors import SnapshotCorrupt, SnapshotUnloadable, StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
-from elastictrain.snapshot.checksum import new_hasher
 from elastictrain.snapshot.manifest import Manifest
+from elastictrain.snapshot.peer_restore import receive_object
 from elastictrain.snapshot.peer_transport import NodeMap, PeerTransport, recv_json, send_json
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.snapshot.restore import LoadedSnapshot
@@ -222,30 +222,10 @@ def receive_objects(transport: PeerTransport, store: Store, step: int, names: li
     directory = layout.step_dir(step)
     for name in names:
         entry = entries[name]
-        why = None if is_sharded_object(name) else f"object name {name!r} is no part name"
-        hasher = new_hasher(manifest.checksum_algorithm)
-        try:
-            with contextlib.ExitStack() as stack:
-                sink: BinaryIO | None = None
-                if why is None:
-                    try:
-                        sink = stack.enter_context(store.open_write(f"{directory}/{name}"))
-                    except (StorageError, OSError) as exc:
-                        why = f"{type(exc).__name__}: {exc}"
-                # Every byte announced is received whatever fails here: the sender sends it.
-                for start in range(0, entry.size_bytes, CHUNK_BYTES):
-                    n = min(CHUNK_BYTES, entry.size_bytes - start)
-                    transport.recv(buffer[:n], src, TAG_FETCH)  # a peer gone: raised
-                    hasher.update(view[:n])
-                    if sink is not None:
-                        try:
-                            sink.write(view[:n])
-                        except OSError as exc:  # a full tmpfs: keep receiving
-                            why, sink = f"{type(exc).__name__}: {exc}", None
-        except (StorageError, OSError) as exc:  # closing the file (its last bytes) failed
-            why = why or f"{type(exc).__name__}: {exc}"
-        if why is None and hasher.hexdigest() != entry.checksum:
-            why = f"{name}: {manifest.checksum_algorithm} does not match the manifest"
+        refused = None if is_sharded_object(name) else f"object name {name!r} is no part name"
+        why = receive_object(transport, store, f"{directory}/{name}", entry,
+                             manifest.checksum_algorithm, (buffer, view), src, TAG_FETCH,
+                             CHUNK_BYTES, refused)
         if why is None:
             kept.add(name)
         else:
