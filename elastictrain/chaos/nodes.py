@@ -35,8 +35,11 @@ from pathlib import Path
 from elastictrain.chaos.job import MARKER_VAR, Job, processes_with_marker, signal_pid
 from elastictrain.env import SHM_VAR
 from elastictrain.launch import LaunchSpec
+from elastictrain.proctree import PROC, stat_fields
 
 _POLL_S = 0.05
+STOP_WAIT_S = 5.0  # for every thread of a SIGSTOPped node to stop
+_HALTED = ("T", "t", "Z", "X")  # stopped, traced, zombie, dead
 STORE_START_S = 60.0
 
 
@@ -136,6 +139,12 @@ class NodeJob:
             for pid in found:
                 signal_pid(pid, signal.SIGSTOP)
             stopped |= found
+        # SIGSTOP takes effect once each thread leaves the system call it is in (a
+        # rename, a write into the memory directory): wipe only after every thread has
+        # stopped, or a write in flight lands in the wiped directory.
+        deadline = time.monotonic() + STOP_WAIT_S
+        while not all(halted(pid) for pid in stopped) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
         wipe(node.shm)
         return sorted(stopped)
 
@@ -158,6 +167,15 @@ class NodeJob:
             self.store = None
         if self.shm_base is not None:
             shutil.rmtree(self.shm_base, ignore_errors=True)
+
+
+def halted(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped (or the process is gone)."""
+    try:
+        tasks = list((PROC / str(pid) / "task").iterdir())
+        return all(stat_fields(f"{pid}/task/{task.name}")[0] in _HALTED for task in tasks)
+    except (OSError, IndexError):  # gone
+        return True
 
 
 def wipe(shm: Path) -> None:

@@ -223,6 +223,9 @@ class SnapshotManager:
         if agreed is not None:
             self._schedule.failures_resolved(*agreed)
         previous_high = self._progress.read() if self._progress else None
+        # The job's highest step: a replaced node's ranks know none of their own.
+        (highest,) = self.ctx.all_reduce_max([-1 if previous_high is None else previous_high])
+        previous_high = None if highest < 0 else highest
         info = apply_and_report(loaded, self._train, self.ctx, previous_high, outcome,
                                 self.config.restore_mode, started)
         if loaded is not None:

@@ -15,6 +15,9 @@ from elastictrain.log import get_logger
 log = get_logger("elastictrain.snapshot")
 
 
+_PREFIX = "progress-rank"
+
+
 class ProgressFile:
     """The highest step this rank reached, in a local file rewritten in place each step
     (a 20-byte pwrite, no fsync): after a crash the next attempt reads it to report
@@ -22,14 +25,20 @@ class ProgressFile:
 
     def __init__(self, directory: str | Path, rank: int) -> None:
         make_private_dirs(Path(directory))
-        self._path = Path(directory) / f"progress-rank{rank}"
+        self._path = Path(directory) / f"{_PREFIX}{rank}"
         self._fd: int | None = None
 
     def read(self) -> int | None:
-        try:
-            return int(self._path.read_text().strip() or "0")
-        except (FileNotFoundError, ValueError):
-            return None
+        """The highest step any rank that wrote beside this one reached (None: none
+        did). Every rank's file counts, not only this rank's: after a node is replaced
+        the rendezvous may give this node's workers other ranks than before."""
+        steps = []
+        for path in self._path.parent.glob(f"{_PREFIX}*"):
+            try:
+                steps.append(int(path.read_text().strip() or "0"))
+            except (OSError, ValueError):  # gone, or torn by a crash mid-write
+                continue
+        return max(steps, default=None)
 
     def write(self, step: int) -> None:
         if self._fd is None:

@@ -4,6 +4,10 @@ it exists for, on made-up events and records (the real jobs: test_chaos_nodes.py
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +24,11 @@ from elastictrain.chaos.nodechecks import (
     complete_memory_step,
     newest_held,
 )
+from elastictrain.chaos.nodes import halted
 from elastictrain.chaos.schedule import make_schedule, parse_kinds
 from elastictrain.data import ElasticSampler
 from elastictrain.errors import ConfigError
+from tests.helpers import wait_for
 
 LOCAL = Expectation(memory_every=3, durable_every=10)
 PEER = Expectation(memory_every=3, durable_every=10, peer_restore=True, cross_node_rescue=True)
@@ -187,3 +193,20 @@ def test_node_faults_replay_and_cover_every_variant() -> None:
     # The storage draws do not move when node faults are asked for beside them.
     assert make_schedule(4, 3, ("node", "storage"), 30.0, 2).storage == make_schedule(
         4, 3, ("storage",), 30.0, 2).storage
+
+
+@pytest.mark.processes
+def test_a_node_counts_as_halted_only_once_every_thread_stopped() -> None:
+    """The harness wipes a lost node's memory only once its processes stopped: a thread
+    still in a system call would write into the wiped directory."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert not halted(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_for(lambda: halted(proc.pid), 30, "the process to stop")
+        os.kill(proc.pid, signal.SIGCONT)
+        wait_for(lambda: not halted(proc.pid), 30, "the process to run again")
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert halted(proc.pid)  # gone

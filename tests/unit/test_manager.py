@@ -96,3 +96,14 @@ def test_lost_steps_come_from_progress_marker(tmp_path: Path) -> None:
     assert (info.from_step, info.lost_steps) == (10, 3)
     (resume,) = [e for e in logs if e["event"] == "resume"]
     assert resume["lost_steps"] == 3
+
+
+def test_lost_steps_count_another_ranks_marker_on_this_node(tmp_path: Path) -> None:
+    """After a node is replaced the rendezvous may swap ranks: the worker that ran as
+    rank 1 here comes back as rank 0, and still reports the steps this node lost."""
+    first = build(str(tmp_path / "run"), progress_dir=tmp_path / "p")
+    train(*first, until=13)
+    first[4].close()
+    (tmp_path / "p" / "progress-rank0").rename(tmp_path / "p" / "progress-rank1")
+    *_, snap = build(str(tmp_path / "run"), progress_dir=tmp_path / "p")
+    assert snap.restore().lost_steps == 3
