@@ -143,7 +143,13 @@ def _goodput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _chaos(args: argparse.Namespace) -> int:
+    import signal
+
     from elastictrain.chaos.noderun import run_node_chaos
     from elastictrain.chaos.report import format_json, format_table
     from elastictrain.chaos.runner import ChaosOptions, run_chaos
@@ -157,6 +163,9 @@ def _chaos(args: argparse.Namespace) -> int:
                         nodes=args.nodes, replace=args.replace,
                         memory_every=args.memory_every, samples=args.samples,
                         peer={"auto": None, "yes": True, "no": False}[args.peer_memory])
+    # A SIGTERM (a scheduler's, a `timeout`'s) unwinds like Ctrl-C: the harness's own
+    # cleanup then stops every process it started (agents, workers, rendezvous store).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     report = run_node_chaos(opts) if "node" in opts.faults else run_chaos(opts)
     print(format_json(report) if args.json else format_table(report))
     return 0 if report.passed else 1
@@ -302,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
         "A command line without {storage} is refused: the checks read the snapshots in "
         "the run's own directory, which the script would never write.",
         epilog="exit codes: 0 every trial passed; 1 a trial failed or the clean run failed; "
-        "2 bad input (an option, a script that does not exist, no {storage}).")
+        "2 bad input (an option, a script that does not exist, no {storage}); 130/143 "
+        "Ctrl-C/SIGTERM, after stopping every process it started.")
     chaos.add_argument("--trials", type=int, default=5,
                        help="trials after the clean run (0: the clean run only)")
     chaos.add_argument("--seed", type=int, default=0, help="trial seeds derive from it")

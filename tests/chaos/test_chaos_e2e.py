@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import run_cli, started, wait_for
 
 pytestmark = pytest.mark.distributed  # the demo under elastictrain run
 
@@ -72,3 +74,21 @@ def test_chaos_memory_and_standby_faults_on_the_demo_pass(tmp_path: Path) -> Non
     assert "standby_kill: SIGKILL standby" in injected
     assert ("shm_full: filler of" if os.geteuid() == 0 else "shm_full not injected") in injected
     assert processes_mentioning(work) == []
+
+
+def test_sigterm_stops_the_harness_and_every_process_it_started(tmp_path: Path) -> None:
+    """A scheduler's SIGTERM to ``elastictrain chaos`` in the middle of a run: it exits
+    143 and leaves no launcher, standby or worker behind."""
+    work = tmp_path / "chaos"
+    cmd = [sys.executable, "-m", "elastictrain.cli", "chaos", "--trials", "1", "--steps",
+           "2000", "--storage", str(work)]
+    with started(cmd, tmp_path, "chaos.log") as chaos:
+        wait_for(lambda: len(processes_mentioning(work)) >= 3, 180,
+                 "the clean run's launcher, standby and workers")
+        chaos.send_signal(signal.SIGTERM)
+        code = chaos.wait(timeout=120)
+    left = processes_mentioning(work)
+    for pid in left:  # never leak them, whatever the assertion says
+        os.kill(pid, signal.SIGKILL)
+    assert code == 128 + signal.SIGTERM, (tmp_path / "chaos.log").read_text()[-3000:]
+    assert left == []
