@@ -24,7 +24,8 @@ def _bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_a_tiny_run_reports_every_figure_and_replays_from_json(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
-    done = _bench("--sizes", "4", "--saves", "1", "--restore-reps", "1", "--staging-saves", "2",
+    done = _bench("--sizes", "4", "--saves", "1", "--runs", "1", "--restore-reps", "1",
+                  "--staging-saves", "2",
                   "--staging-size-mb", "1", "--skip-dcp", "--dir", str(tmp_path),
                   "--json", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -66,9 +66,9 @@ def test_notice_while_the_store_fails_exits_76_and_a_relaunch_resumes(tmp_path: 
 
 def test_slow_moving_final_upload_under_a_short_watchdog_commits_and_exits_75(
         tmp_path: Path) -> None:
-    # 4 MB of state at 32 KiB per 50 ms: each save uploads for about 6 s, six times the
+    # 4 MB of state at 64 KiB per 50 ms: each save uploads for about 3 s, three times the
     # watchdog's 1 s limit, and never stops moving for longer than about 0.4 s.
-    job = FaultsJob(tmp_path, FAULTS_JOB_TRICKLE=f"{32 << 10}:0.05", FAULTS_JOB_STEP_S="0.02",
+    job = FaultsJob(tmp_path, FAULTS_JOB_TRICKLE=f"{64 << 10}:0.05", FAULTS_JOB_STEP_S="0.02",
                     ELASTICTRAIN_SNAPSHOT__EVERY_STEPS="50",
                     ELASTICTRAIN_WATCHDOG__TIMEOUT_S="1",
                     ELASTICTRAIN_WATCHDOG__CHECK_INTERVAL_S="0.1")
@@ -83,7 +83,7 @@ def test_slow_moving_final_upload_under_a_short_watchdog_commits_and_exits_75(
     assert job.committed(step) and job.newest() == step
     assert saved[0]["save_s"] > 1.0  # the final upload outlasted the watchdog's limit
     assert not job.of("watchdog.fired")
-    result = job.run(steps=step + 3)  # ends with a final save: close() waits ~6 s for it
+    result = job.run(steps=step + 3)  # ends with a final save: close() waits ~3 s for it
     assert result.returncode == 0, result.stderr[-4000:]
     assert job.resumed_from() == step  # nothing lost
     assert job.committed(step + 3) and not job.of("watchdog.fired")
