@@ -338,7 +338,6 @@ class SnapshotManager:
         gather, then each node's local rank 0 stages and persists in the background."""
         started = time.perf_counter()
         self._schedule.memory_taken(self.step_count)
-        self._node_memory.taken_step = self.step_count
         if self._memory is not None:
             self._memory.wait_in_flight(self.step_count)
         with watchdog.busy("snapshot.save"):
@@ -346,6 +345,9 @@ class SnapshotManager:
             # since after a re-rendezvous a node may host any rank (O(N) per rank, on
             # memory saves only; the durable save gathers to the writer alone).
             rng = self.ctx.all_gather_object(capture_rng())
+            # Taken only once the gather succeeded: one that failed (a peer died) wrote
+            # nothing, so the rescue may still commit this step.
+            self._node_memory.taken_step = self.step_count
             if self._memory is None:
                 return
             self._node_memory.save(self._train.payload(rng), self._train.meta(), started,

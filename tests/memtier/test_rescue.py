@@ -241,3 +241,24 @@ def test_a_memory_save_of_the_failed_step_commits_before_the_process_ends(
     (skipped,) = [e for e in logs if e["event"] == "snapshot.rescue_skipped"]
     assert "already taken" in skipped["reason"]
     assert list_snapshot_dirs(open_store(str(tmp_path / "mem"))) == [7]
+
+
+def test_a_memory_save_whose_gather_failed_leaves_the_step_to_the_rescue(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that dies during a memory step's RNG gather: that save wrote nothing, so
+    the survivor rescues the step instead of waiting for a snapshot that never comes."""
+    parts = build(str(tmp_path / "run"), memory_every=2, memory_dir=str(tmp_path / "mem"))
+    train(*parts, until=7)
+    snap = parts[4]
+
+    def peer_gone(obj: Any) -> list[Any]:
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(snap.ctx, "all_gather_object", peer_gone)
+    with pytest.raises(RuntimeError, match="closed by peer") as failed:
+        train(*parts, until=8)
+    monkeypatch.undo()
+    with capture_logs() as logs:
+        rescue.on_uncaught(failed.value)
+    assert [e["snapshot_step"] for e in logs if e["event"] == "snapshot.rescued"] == [8], logs
+    assert list_snapshot_dirs(open_store(str(tmp_path / "mem"))) == [8]
