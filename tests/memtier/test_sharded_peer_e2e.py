@@ -33,7 +33,7 @@ from tests.memtier.test_memtier_e2e import (
     _wait_parked,
     agents,
 )
-from tests.memtier.test_peer_e2e import _kill_node, _resumes, _two_nodes
+from tests.memtier.test_peer_e2e import _kill_node, _last_ranks, _resumes, _two_nodes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.processes]
 __all__ = ["agents"]  # a fixture, used by name
@@ -134,3 +134,51 @@ def test_resized_job_restores_sharded_state_at_one_rank(tmp_path: Path, agents: 
     assert not events(ev, "snapshot.memory_received")  # A held the whole step
     assert [e for e in events(ev, "snapshot.loaded") if e["tier"] == "durable"] == []
     assert [e["final_step"] for e in events(ev / "a", "run.finished")] == [30]
+
+
+@pytest.mark.timeout(900)
+def test_two_workers_a_node_restore_sharded_state_from_the_buddy(
+        tmp_path: Path, agents: Agents) -> None:
+    """Two workers a node (world size 4, each rank one quarter of the shards): node A
+    holds its own ranks' parts and, as B's buddy, B's. A replacement B' resumes step 25
+    with all four parts from A; the result is bit-exact with an uninterrupted run of
+    four workers on one agent."""
+    started = Agents(tmp_path / "reference")
+    try:
+        ref = started.start("ref", tmp_path / "ref", tmp_path / "mem-ref", nproc=4,
+                            extra=(FSDP,))
+        assert ref.wait(timeout=600) == 0, _log(started)
+        reference = _digest(tmp_path / "reference" / "ev" / "ref")
+    finally:
+        started.stop_all()
+    node_a, node_b, common = _two_nodes(agents, tmp_path, "2", extra=(FSDP, f"--park={PARK}"),
+                                        nproc=2)
+    pids = _wait_parked(tmp_path / "gates", 4)
+    # Node leaders commit; every rank reports its parts replicated to the buddy.
+    wait_for(lambda: len({e["rank"] for e in events(tmp_path / "ev", "snapshot.memory_replicated")
+                          if e["snapshot_step"] == PARK}) == 4, 60,
+             "both nodes' memory snapshots of step 25 replicated")
+    for mem in (tmp_path / "mem-a", tmp_path / "mem-b"):
+        assert _held_here(mem, PARK) == (True, 4)  # its own two parts and its buddy's two
+    _kill_node(node_b, [pids[2], pids[3]], tmp_path / "mem-b")
+    (tmp_path / "gates" / "go").write_text("")
+    node_b2 = agents.start("b2", tmp_path / "run", tmp_path / "mem-b2", is_host=0, **common)
+    assert node_a.wait(timeout=600) == 0, _log(agents)
+    assert node_b2.wait(timeout=60) == 0, _log(agents)
+
+    ev = tmp_path / "ev"
+    on_a = {r: _last_resume_of(ev / "a", r) for r in _last_ranks(ev / "a")}
+    on_b2 = {r: _last_resume_of(ev / "b2", r) for r in _last_ranks(ev / "b2")}
+    assert len(on_a) == len(on_b2) == 2
+    assert {(e["from_step"], e["tier"], e["peer_rank"]) for e in on_a.values()} == \
+        {(PARK, "memory", None)}
+    assert {(e["from_step"], e["tier"]) for e in on_b2.values()} == {(PARK, "memory")}
+    assert {e["peer_rank"] for e in on_b2.values()} <= set(on_a)  # from node A
+    assert [e for e in events(ev, "snapshot.loaded") if e["tier"] == "durable"] == []
+    assert _digest(ev) == reference  # bit-exact
+
+
+def _last_resume_of(ev: Path, rank: int) -> dict[str, Any]:
+    resumes = [e for e in events(ev, "resume")
+               if e.get("from_step") is not None and e["rank"] == rank]
+    return max(resumes, key=lambda e: e["ts"])
