@@ -213,7 +213,8 @@ class SnapshotManager:
             self._memory.warm_up()
         loaded = self._saver.load_newest(LoadRequest(
             self.ctx, self.config.restore_mode, self.memory_store, self._train.in_place(),
-            self._node_memory.peers, self._node_memory.sharded_memory))
+            self._node_memory.peers, self._node_memory.sharded_memory,
+            memory_tier=self.config.memory_every is not None))
         step = loaded.step if loaded else None
         self._rescuer.resumed_from = -1 if step is None else step
         self._node_memory.drop_newer(step)  # every rank has loaded: nobody reads them

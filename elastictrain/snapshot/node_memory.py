@@ -138,19 +138,21 @@ class NodeMemory:
 
     def agree_outcome(self, loaded_memory_step: int | None) -> tuple[bool, bool] | None:
         """Whether every node kept its memory tier since the last attempt, and whether
-        this restore resumes a rescue (None without a memory tier): what the failures
-        since then were (every rank calls it together)."""
-        if self.tier is None:
+        this restore resumes a rescue (None when no memory tier is configured): what
+        the failures since then were (every rank calls it together)."""
+        if self._config.memory_every is None:
             return None
-        marks = self.tier.boundary
-        rescued = (loaded_memory_step is not None
-                   and rescue.was_rescued(marks, loaded_memory_step))
+        # Every rank takes part, also one whose node's directory refused (a full tmpfs:
+        # no tier here), which counts as a node that did not keep its memory.
+        tier = self.tier
+        rescued = (tier is not None and loaded_memory_step is not None
+                   and rescue.was_rescued(tier.boundary, loaded_memory_step))
         # Rescued when the node whose copy was loaded says so (a node that received
         # that copy from it holds no mark).
-        lost, rescued_anywhere = self._ctx.all_reduce_max([int(not self.tier.kept),
-                                                            int(rescued)])
-        if self.saver is not None:  # every rank has read its node's mark
-            rescue.clear_marks(marks)
+        lost, rescued_anywhere = self._ctx.all_reduce_max(
+            [int(tier is None or not tier.kept), int(rescued)])
+        if self.saver is not None and tier is not None:  # every rank has read the mark
+            rescue.clear_marks(tier.boundary)
         return not lost, bool(rescued_anywhere)
 
     def close(self) -> None:

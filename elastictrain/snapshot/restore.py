@@ -108,7 +108,8 @@ def resolve_mode(store: Store, mode: str) -> str:
 def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
                 memory_store: Store | None = None,
                 in_place: InPlace | None = None,
-                peers: PeerCopies | None = None) -> LoadedSnapshot | None:
+                peers: PeerCopies | None = None,
+                memory_tier: bool = False) -> LoadedSnapshot | None:
     """The newest snapshot that verifies on every rank, loaded everywhere; None if none.
 
     Args:
@@ -120,6 +121,9 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
             local payload itself (module docstring).
         peers: the other nodes: memory is then chosen when some node holds the newest
             step, and copied to the nodes lacking it (snapshot/peer_restore.py).
+        memory_tier: the memory tier is configured (alike on every rank), also where
+            this rank has no ``memory_store`` (its node's directory refused): the
+            ranks agree on memory together, and such a rank holds no step.
 
     Raises:
         StorageError: a read failed on some rank (after the store's retries); every
@@ -131,7 +135,7 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
     mode = resolve_mode(store, mode)
     manifests = _discover(store, ctx)
     written = _Written(ctx, in_place)
-    if memory_store is not None or peers is not None:
+    if memory_tier or memory_store is not None or peers is not None:
         durable_step = manifests[0].step if manifests else memory.NO_STEP
         loaded = _load_memory(memory_store, ctx, durable_step, written, peers)
         if loaded is not None:
@@ -198,7 +202,6 @@ def _load_memory(store: Store | None, ctx: DistContext, durable_step: int, writt
     step = manifest.step if manifest is not None else memory.NO_STEP
     peer_rank: int | None = None
     if peers is None:
-        assert store is not None
         highest, neg_lowest = ctx.all_reduce_max([step, -step])
         reason = memory.skip_reason(highest, -neg_lowest, durable_step)
     else:

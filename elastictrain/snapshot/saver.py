@@ -261,7 +261,8 @@ class Saver(InFlightSave):
         """The newest verified snapshot of this saver's store (or, newer, of the memory
         tier's) as a payload that holds the model and optimizer state too."""
         return load_newest(self.store, request.ctx, request.restore_mode,
-                           request.memory_store, request.in_place, request.peers)
+                           request.memory_store, request.in_place, request.peers,
+                           request.memory_tier)
 
     def close(self) -> None:
         """Wait for the save in flight and stop the persister; raise a failure not yet raised."""

@@ -69,6 +69,7 @@ class LoadRequest:
     in_place: InPlace
     peers: PeerCopies | None = None  # the other nodes' memory (snapshot/peer_restore.py)
     sharded_memory: ShardedMemory | None = None  # a sharded model's memory tier
+    memory_tier: bool = False  # configured: every rank agrees on memory, store or not
 
 
 class SnapshotSaver(Protocol):
