@@ -13,6 +13,7 @@ only rank 0's shards: both resume durable step 20.
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,10 @@ def test_two_workers_a_node_restore_sharded_state_from_the_buddy(
              "both nodes' memory snapshots of step 25 replicated")
     for mem in (tmp_path / "mem-a", tmp_path / "mem-b"):
         assert _held_here(mem, PARK) == (True, 4)  # its own two parts and its buddy's two
+        # Parts written and parts received alike are the user's alone.
+        loose = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in [mem, *mem.rglob("*")]
+                 if stat.S_IMODE(p.stat().st_mode) != (0o700 if p.is_dir() else 0o600)}
+        assert not loose, loose
     _kill_node(node_b, [pids[2], pids[3]], tmp_path / "mem-b")
     (tmp_path / "gates" / "go").write_text("")
     node_b2 = agents.start("b2", tmp_path / "run", tmp_path / "mem-b2", is_host=0, **common)
