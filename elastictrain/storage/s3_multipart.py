@@ -23,6 +23,8 @@ transport copies what the kernel did not take at once a third time). Where the
 client sends CRC32 checksums (botocore's default), each part's is computed here
 with ISA-L, in the upload thread, and sent with it: botocore would compute the
 same on the event loop that every upload shares, with zlib, several times slower.
+The upload then names CRC32 when it starts and every part's checksum when it
+completes: the object's checksum is the composite of the parts' (docs/storage.md).
 
 Lifecycle (``UploadState``)::
 
@@ -109,7 +111,8 @@ class MultipartWriter(io.RawIOBase):
         self._upload_id: str | None = None
         self._next_part = 1
         self._etags: dict[int, str] = {}
-        self._pending: set[Future[tuple[int, str]]] = set()
+        self._part_crcs: dict[int, str] = {}  # each part's CRC32, where checksums are sent
+        self._pending: set[Future[tuple[int, str, str | None]]] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._kept = KeptMemory()
         self._send_crc: bool | None = None  # whether the client sends checksums; known later
@@ -163,8 +166,13 @@ class MultipartWriter(io.RawIOBase):
 
     def _send_part(self) -> None:
         if self._upload_id is None:
+            # Naming the parts' algorithm makes the object's checksum a composite of
+            # the parts' (which the store checks as each part arrives), as boto3's
+            # transfer manager does; without it a store computes a whole-object
+            # checksum at completion (moto copies the whole object to do so).
+            algorithm = {"ChecksumAlgorithm": "CRC32"} if self._sends_crc() else {}
             created = self._call("start multipart upload of", lambda: self._s3(
-                "create_multipart_upload", Bucket=self._bucket, Key=self._key))
+                "create_multipart_upload", Bucket=self._bucket, Key=self._key, **algorithm))
             self._upload_id = str(created["UploadId"])
             self._pool = ThreadPoolExecutor(self._concurrency, thread_name_prefix="et-upload")
         if self._next_part > MAX_PARTS:
@@ -178,23 +186,27 @@ class MultipartWriter(io.RawIOBase):
         context = contextvars.copy_context()
         self._pending.add(self._pool.submit(context.run, self._upload_part, number, body))
 
-    def _upload_part(self, number: int, body: PartBuffer) -> tuple[int, str]:
+    def _upload_part(self, number: int, body: PartBuffer) -> tuple[int, str, str | None]:
         checksum = self._checksum_of(body)  # once, not per attempt
         out = self._call(f"upload part {number} of", lambda: self._s3(
             "upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
             PartNumber=number, Body=RequestBody(body.pieces), **checksum))
-        return number, str(out["ETag"])
+        return number, str(out["ETag"]), checksum.get("ChecksumCRC32")
 
-    def _checksum_of(self, body: PartBuffer) -> dict[str, str]:
-        """The request's CRC32 where the client would send one (botocore's default,
-        ``request_checksum_calculation="when_supported"``); nothing where it would not
-        (a store that rejects checksums is configured ``when_required``)."""
+    def _sends_crc(self) -> bool:
+        """Whether the client sends CRC32 checksums (botocore's default,
+        ``request_checksum_calculation="when_supported"``); not where it would not (a
+        store that rejects checksums is configured ``when_required``)."""
         if self._send_crc is None:
             config = getattr(getattr(getattr(self._fs, "s3", None), "meta", None), "config",
                              None)
             self._send_crc = (getattr(config, "request_checksum_calculation", None)
                               == "when_supported")
-        if not self._send_crc:
+        return self._send_crc
+
+    def _checksum_of(self, body: PartBuffer) -> dict[str, str]:
+        """The request's CRC32 header where the client sends checksums, else nothing."""
+        if not self._sends_crc():
             return {}
         return {"ChecksumCRC32": RequestBody(body.pieces).crc32_base64()}
 
@@ -204,8 +216,10 @@ class MultipartWriter(io.RawIOBase):
             done, _ = wait(self._pending, return_when=FIRST_COMPLETED)
             for future in done:
                 self._pending.discard(future)
-                number, etag = future.result()
+                number, etag, crc = future.result()
                 self._etags[number] = etag
+                if crc is not None:
+                    self._part_crcs[number] = crc
 
     def _s3(self, method: str, **kwargs: Any) -> Any:
         return self._fs.call_s3(method, **kwargs)
@@ -223,7 +237,10 @@ class MultipartWriter(io.RawIOBase):
             if self._buf is not None and self._buf.nbytes:
                 self._send_part()
             self._collect(below=1)
-            parts = [{"PartNumber": n, "ETag": e} for n, e in sorted(self._etags.items())]
+            # With a checksum algorithm named at the start, S3 wants each part's again.
+            parts = [{"PartNumber": n, "ETag": e}
+                     | ({"ChecksumCRC32": self._part_crcs[n]} if n in self._part_crcs else {})
+                     for n, e in sorted(self._etags.items())]
             self._call("complete multipart upload of", lambda: self._s3(
                 "complete_multipart_upload", Bucket=self._bucket, Key=self._key,
                 UploadId=self._upload_id, MultipartUpload={"Parts": parts}))
