@@ -515,6 +515,9 @@ def restore_worker(rank: int, world: int, port: int, root: str, size_mb: float, 
                 results.setdefault(f"restore_{mode}_{tag}", []).append(float(elapsed[0]))
                 results.setdefault(f"restore_rss_growth_{mode}_{tag}", []).append(
                     float(elapsed[1]))
+                # restore() starts allocating the first save's staging in the background:
+                # let it end here, not pile up over the repetitions or outlive the process.
+                manager.close()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -269,6 +269,7 @@ class Saver(InFlightSave):
         try:
             self.wait()
         finally:
+            self.staging.wait_prepared()
             self._copier.close()
             if self._persister is not None:
                 self._persister.close()

@@ -85,10 +85,18 @@ class StagingBuffers:
             _collect(state, (), leaves, registered_types())  # on the caller's thread
         except UnsafeStateError:
             return
+        # Not a daemon: a process that exits right after restore() (a run resumed at
+        # its last step) waits for the allocation instead of tearing it down midway.
         self._preparing = threading.Thread(target=self._prepare_after,
                                            args=(self._preparing, leaves),
-                                           name="et-staging-prepare", daemon=True)
+                                           name="et-staging-prepare")
         self._preparing.start()
+
+    def wait_prepared(self) -> None:
+        """Wait for the allocation :meth:`prepare_async` started, if any."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
 
     def _prepare_after(self, previous: threading.Thread | None,
                        leaves: dict[tuple[Any, ...], torch.Tensor]) -> None:
@@ -119,9 +127,7 @@ class StagingBuffers:
             UnsafeStateError: a value or dict key that ``torch.load(weights_only=True)``
                 would refuse (checked before anything is copied).
         """
-        if self._preparing is not None:
-            self._preparing.join()
-            self._preparing = None
+        self.wait_prepared()
         self.staged = True
         leaves: dict[tuple[Any, ...], torch.Tensor] = {}
         _collect(state, (), leaves, registered_types())

@@ -111,3 +111,18 @@ def test_restore_prepares_staging_before_the_loop_starts(tmp_path: Path,
     snap.wait()
     assert staging.allocations == before_save
     snap.close()
+
+
+def test_close_right_after_restore_waits_for_the_allocation(tmp_path: Path) -> None:
+    """A run resumed at its last step closes right after ``restore()``: the allocation
+    that restore started ends before close returns (and is no daemon thread, which the
+    interpreter's exit would tear down in the middle of an allocation)."""
+    model, opt, snap = make(str(tmp_path / "run"), every_steps=2)
+    train(model, opt, snap, until=2)
+    snap.close()
+    model, opt, snap = make(str(tmp_path / "run"), every_steps=2, seed=1)
+    snap.restore()
+    thread = snap._saver.staging._preparing
+    assert thread is not None and not thread.daemon
+    snap.close()
+    assert not thread.is_alive()
