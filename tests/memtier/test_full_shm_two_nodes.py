@@ -33,15 +33,14 @@ from tests.memtier.test_memtier_e2e import (
     _memory_committed,
     _wait_parked,
     agents,
-    reference_digest,
 )
 from tests.memtier.test_node_full_shm import fill
 from tests.memtier.test_peer_e2e import _from_peer, _kill_node, _resumes
-from tests.memtier.test_sharded_peer_e2e import FSDP, fsdp_reference
+from tests.memtier.test_sharded_peer_e2e import FSDP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.processes,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")]
-__all__ = ["agents", "fsdp_reference", "reference_digest"]  # fixtures, used by name
+__all__ = ["agents"]  # a fixture, used by name
 
 
 @pytest.fixture

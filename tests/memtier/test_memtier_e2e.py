@@ -98,21 +98,6 @@ def agents(tmp_path: Path) -> Iterator[Agents]:
         started.stop_all()
 
 
-@pytest.fixture(scope="module")
-def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The final parameters' digest of an uninterrupted two-worker run, shared by the
-    bit-exact checks: a run's parameters do not depend on its snapshot policy (this run
-    takes a memory snapshot every step, the rescue runs one every 1000 steps)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    agents = Agents(tmp)
-    try:
-        ref = agents.start("ref", tmp / "ref", tmp / "mem-ref", nproc=2)
-        assert ref.wait(timeout=300) == 0, _log(agents)
-        yield _digest(tmp / "ev" / "ref")
-    finally:
-        agents.stop_all()
-
-
 def _log(agents: Agents) -> str:
     return "\n".join((d / "launcher.log").read_text(errors="replace")[-3000:]
                      for d in agents.event_dirs)

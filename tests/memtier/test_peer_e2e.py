@@ -37,11 +37,10 @@ from tests.memtier.test_memtier_e2e import (
     _memory_committed,
     _wait_parked,
     agents,
-    reference_digest,
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.processes]
-__all__ = ["agents", "reference_digest"]  # fixtures, used by name
+__all__ = ["agents"]  # a fixture, used by name
 
 
 def _tree(root: int) -> list[int]:

@@ -14,7 +14,6 @@ only rank 0's shards: both resume durable step 20.
 from __future__ import annotations
 
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +39,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.processes]
 __all__ = ["agents"]  # a fixture, used by name
 
 FSDP = "--fsdp"
-
-
-@pytest.fixture(scope="module")
-def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The final parameters' digest of an uninterrupted two-worker FSDP run."""
-    tmp = tmp_path_factory.mktemp("fsdp-reference")
-    started = Agents(tmp)
-    try:
-        ref = started.start("ref", tmp / "ref", tmp / "mem-ref", nproc=2, extra=(FSDP,))
-        assert ref.wait(timeout=400) == 0, _log(started)
-        yield _digest(tmp / "ev" / "ref")
-    finally:
-        started.stop_all()
 
 
 def _last_resume(ev: Path) -> dict[str, Any]:
