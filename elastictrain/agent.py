@@ -52,6 +52,7 @@ the run (torchrun has no hook for the agent class).
 from __future__ import annotations
 
 import inspect
+import json
 import signal
 import time
 from collections.abc import Iterator, Sequence
@@ -265,6 +266,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         if after_end is not None:
             return after_end
         self._kill_survivors_of_a_failure()
+        self._set_aside_torn_error_files()
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and result.failures:
             self._on_failures(result.failures)
@@ -480,6 +482,27 @@ class ElasticTrainAgent(LocalElasticAgent):
             log.warning("agent.workers_stopped", outcome=self.outcome,
                         exit_codes={str(pid): code for pid, code in
                                     self.worker_exit_codes.items()})
+
+    def _set_aside_torn_error_files(self) -> None:
+        """An exited worker's error file that is not JSON (the worker was killed while
+        writing it) is moved aside: torch's agent would die reading it (JSONDecodeError)
+        instead of restarting the group. The failure then counts by its exit code."""
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        error_files = getattr(self._pcontext, "error_files", None) or {}
+        for local_rank, handler in handlers.items():
+            path = error_files.get(local_rank)
+            if path is None or handler.proc.poll() is None:
+                continue
+            try:
+                raw = Path(path).read_bytes()
+            except OSError:  # none written: the usual case
+                continue
+            try:
+                json.loads(raw)
+            except ValueError:
+                Path(path).replace(f"{path}.torn")
+                log.warning("agent.error_file_torn", local_rank=local_rank,
+                            size_bytes=len(raw), path=f"{path}.torn")
 
     def _worker_codes(self) -> dict[int, int | None]:
         """pid -> exit code (None while running) of the current workers."""

@@ -269,7 +269,11 @@ def record_failure(failure: dict[str, Any], tb: TracebackType | None,
             "elastictrain": {**failure, "ts": time.time()}}
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, default=str), encoding="utf-8")
+        # Whole or absent, never torn: the agent reads it once this process exits, and
+        # a kill during the write would otherwise leave it half written.
+        partial = Path(f"{path}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(data, default=str), encoding="utf-8")
+        partial.replace(path)
     except OSError:
         pass
 

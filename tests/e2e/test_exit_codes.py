@@ -74,3 +74,19 @@ def test_sigint_to_the_launcher_is_a_notice(tmp_path: Path) -> None:
     assert assert_preempted(job, code) > 10
     forwarded = job.of("agent.signal_forwarded")
     assert forwarded[0]["received"] == "SIGINT" and forwarded[0]["signal"] == "SIGTERM"
+
+
+def test_a_torn_error_file_is_set_aside_and_the_group_restarts(tmp_path: Path) -> None:
+    """torch's agent dies on a worker's error file that is not JSON (JSONDecodeError, the
+    launcher exits 1 and nothing restarts): elastictrain's agent moves it aside first,
+    and the failure counts by its exit code."""
+    job = str(REPO / "tests" / "e2e" / "torn_error_job.py")
+    result = run_cli(["run", "--nproc-per-node=1", "--max-restarts=1",
+                      f"--log-dir={tmp_path / 'logs'}", job], tmp_path, timeout=240,
+                     **job_env(tmp_path))
+    assert result.returncode == 0, result.stderr[-4000:]
+    ev = tmp_path / "ev"
+    (torn,) = events(ev, "agent.error_file_torn")
+    assert torn["local_rank"] == 0 and torn["size_bytes"] == len('{"message": {"message": "cut sh')
+    assert Path(torn["path"]).exists()
+    assert len(events(ev, "agent.attempt_started")) == 2

@@ -87,6 +87,8 @@ def test_the_error_reaches_torchruns_error_file(hook: None, tmp_path: Path,
     ours = data["elastictrain"]
     assert (ours["error"], ours["message"]) == ("StorageError", "read x/state.pt: timed out")
     assert "test_exit_hook.py:" in ours["where"]
+    # Written whole beside it, then renamed over it: nothing partial left behind.
+    assert [p.name for p in error_file.parent.iterdir()] == ["error.json"]
 
 
 class _Ctx:
