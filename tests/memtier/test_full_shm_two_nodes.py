@@ -14,8 +14,6 @@ each, gloo on CPU).
 from __future__ import annotations
 
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,24 +32,13 @@ from tests.memtier.test_memtier_e2e import (
     _wait_parked,
     agents,
 )
-from tests.memtier.test_node_full_shm import fill
+from tests.memtier.test_node_full_shm import fill, small_tmpfs
 from tests.memtier.test_peer_e2e import _from_peer, _kill_node, _resumes
 from tests.memtier.test_sharded_peer_e2e import FSDP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.processes,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")]
-__all__ = ["agents"]  # a fixture, used by name
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "shm"
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "--lazy", str(path)], check=True)
+__all__ = ["agents", "small_tmpfs"]  # fixtures, used by name
 
 
 def _two_nodes_b_on(agents: Agents, tmp_path: Path, mem_b: Path,

@@ -30,7 +30,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     try:
         yield path
     finally:
-        subprocess.run(["umount", str(path)], check=True)
+        subprocess.run(["umount", "--lazy", str(path)], check=True)  # a straggler may hold a file
 
 
 def fill(path: Path) -> None:
