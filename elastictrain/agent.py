@@ -487,9 +487,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         """An exited worker's error file that is not JSON (the worker was killed while
         writing it) is moved aside: torch's agent would die reading it (JSONDecodeError)
         instead of restarting the group. The failure then counts by its exit code."""
-        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
         error_files = getattr(self._pcontext, "error_files", None) or {}
-        for local_rank, handler in handlers.items():
+        for local_rank, handler in self._handlers().items():
             path = error_files.get(local_rank)
             if path is None or handler.proc.poll() is None:
                 continue
@@ -504,10 +503,13 @@ class ElasticTrainAgent(LocalElasticAgent):
                 log.warning("agent.error_file_torn", local_rank=local_rank,
                             size_bytes=len(raw), path=f"{path}.torn")
 
+    def _handlers(self) -> dict[int, Any]:
+        """local rank -> the current workers' process handlers (none before a start)."""
+        return getattr(self._pcontext, "subprocess_handlers", None) or {}
+
     def _worker_codes(self) -> dict[int, int | None]:
         """pid -> exit code (None while running) of the current workers."""
-        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-        return {h.proc.pid: h.proc.poll() for h in handlers.values()}
+        return {h.proc.pid: h.proc.poll() for h in self._handlers().values()}
 
 
 def on_grace_expired(signum: int) -> tuple[list[int], int]:

@@ -110,9 +110,10 @@ class MultipartWriter(io.RawIOBase):
         self._size = 0  # capacity of the current part buffer
         self._upload_id: str | None = None
         self._next_part = 1
-        self._etags: dict[int, str] = {}
-        self._part_crcs: dict[int, str] = {}  # each part's CRC32, where checksums are sent
-        self._pending: set[Future[tuple[int, str, str | None]]] = set()
+        # Each uploaded part as CompleteMultipartUpload lists it: number, ETag, and its
+        # CRC32 where checksums are sent (named at the start, S3 wants them again).
+        self._parts: dict[int, dict[str, Any]] = {}
+        self._pending: set[Future[dict[str, Any]]] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._kept = KeptMemory()
         self._send_crc: bool | None = None  # whether the client sends checksums; known later
@@ -186,12 +187,12 @@ class MultipartWriter(io.RawIOBase):
         context = contextvars.copy_context()
         self._pending.add(self._pool.submit(context.run, self._upload_part, number, body))
 
-    def _upload_part(self, number: int, body: PartBuffer) -> tuple[int, str, str | None]:
+    def _upload_part(self, number: int, body: PartBuffer) -> dict[str, Any]:
         checksum = self._checksum_of(body)  # once, not per attempt
         out = self._call(f"upload part {number} of", lambda: self._s3(
             "upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
             PartNumber=number, Body=RequestBody(body.pieces), **checksum))
-        return number, str(out["ETag"]), checksum.get("ChecksumCRC32")
+        return {"PartNumber": number, "ETag": str(out["ETag"]), **checksum}
 
     def _sends_crc(self) -> bool:
         """Whether the client sends CRC32 checksums (botocore's default,
@@ -216,10 +217,8 @@ class MultipartWriter(io.RawIOBase):
             done, _ = wait(self._pending, return_when=FIRST_COMPLETED)
             for future in done:
                 self._pending.discard(future)
-                number, etag, crc = future.result()
-                self._etags[number] = etag
-                if crc is not None:
-                    self._part_crcs[number] = crc
+                part = future.result()
+                self._parts[part["PartNumber"]] = part
 
     def _s3(self, method: str, **kwargs: Any) -> Any:
         return self._fs.call_s3(method, **kwargs)
@@ -237,10 +236,7 @@ class MultipartWriter(io.RawIOBase):
             if self._buf is not None and self._buf.nbytes:
                 self._send_part()
             self._collect(below=1)
-            # With a checksum algorithm named at the start, S3 wants each part's again.
-            parts = [{"PartNumber": n, "ETag": e}
-                     | ({"ChecksumCRC32": self._part_crcs[n]} if n in self._part_crcs else {})
-                     for n, e in sorted(self._etags.items())]
+            parts = [self._parts[n] for n in sorted(self._parts)]
             self._call("complete multipart upload of", lambda: self._s3(
                 "complete_multipart_upload", Bucket=self._bucket, Key=self._key,
                 UploadId=self._upload_id, MultipartUpload={"Parts": parts}))
@@ -265,7 +261,7 @@ class MultipartWriter(io.RawIOBase):
             # parts are invisible anyway; a lifecycle rule reclaims them.
             self._s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key,
                      UploadId=self._upload_id)
-            log.info("storage.upload_aborted", path=self._where, parts=len(self._etags),
+            log.info("storage.upload_aborted", path=self._where, parts=len(self._parts),
                      reason=reason)
         except Exception as exc:
             log.warning("storage.upload_abort_failed", path=self._where,

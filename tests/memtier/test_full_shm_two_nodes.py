@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
-from tests.helpers import events, free_port, wait_for
+from tests.helpers import events, wait_for
 from tests.memtier.test_memtier_e2e import (
     EVERY,
     PARK,
@@ -33,22 +32,12 @@ from tests.memtier.test_memtier_e2e import (
     agents,
 )
 from tests.memtier.test_node_full_shm import fill, small_tmpfs
-from tests.memtier.test_peer_e2e import _from_peer, _kill_node, _resumes
+from tests.memtier.test_peer_e2e import _from_peer, _kill_node, _resumes, _two_nodes
 from tests.memtier.test_sharded_peer_e2e import FSDP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.processes,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")]
 __all__ = ["agents", "small_tmpfs"]  # fixtures, used by name
-
-
-def _two_nodes_b_on(agents: Agents, tmp_path: Path, mem_b: Path,
-                    extra: tuple[str, ...] = (FSDP,)) -> tuple[Any, Any, dict[str, Any]]:
-    """Nodes A and B parking after step 25; B's memory directory is ``mem_b``."""
-    common: dict[str, Any] = {"nnodes": "2", "endpoint": f"127.0.0.1:{free_port()}",
-                              "gates": tmp_path / "gates", "extra": (*extra, f"--park={PARK}")}
-    node_a = agents.start("a", tmp_path / "run", tmp_path / "mem-a", is_host=1, **common)
-    node_b = agents.start("b", tmp_path / "run", mem_b, is_host=0, **common)
-    return node_a, node_b, common
 
 
 def _degraded(ev: Path) -> set[str]:
@@ -64,8 +53,9 @@ def test_full_from_the_start_and_a_lost_node(tmp_path: Path, agents: Agents,
     the replacement receives step 25 from A; with FSDP the tier is off everywhere and
     the job resumes durable step 20."""
     fill(small_tmpfs)
-    node_a, node_b, common = _two_nodes_b_on(agents, tmp_path, small_tmpfs / "mem",
-                                             (FSDP,) if sharded else ())
+    node_a, node_b, common = _two_nodes(agents, tmp_path, "2",
+                                        ((FSDP,) if sharded else ()) + (f"--park={PARK}",),
+                                        mem_b=small_tmpfs / "mem")
     pids = _wait_parked(tmp_path / "gates", 2)
     ev = tmp_path / "ev"
     wait_for(lambda: list_snapshot_dirs(open_store(str(tmp_path / "run"))) == [EVERY], 60,
@@ -92,7 +82,8 @@ def test_full_from_the_start_and_a_lost_node(tmp_path: Path, agents: Agents,
 @pytest.mark.timeout(900)
 def test_filled_while_running_fails_memory_saves_and_training_goes_on(
         tmp_path: Path, agents: Agents, fsdp_reference: str, small_tmpfs: Path) -> None:
-    node_a, node_b, _ = _two_nodes_b_on(agents, tmp_path, small_tmpfs / "mem")
+    node_a, node_b, _ = _two_nodes(agents, tmp_path, "2", (FSDP, f"--park={PARK}"),
+                                   mem_b=small_tmpfs / "mem")
     _wait_parked(tmp_path / "gates", 2)
     ev = tmp_path / "ev"
     wait_for(lambda: len({e["rank"] for e in events(ev, "snapshot.memory_replicated")

@@ -72,14 +72,15 @@ def _kill_node(agent: Any, workers: list[int], mem: Path) -> None:
 
 
 def _two_nodes(agents: Agents, tmp_path: Path, nnodes: str, extra: tuple[str, ...] = (),
-               env: dict[str, str] | None = None,
-               nproc: int = 1) -> tuple[Any, Any, dict[str, Any]]:
+               env: dict[str, str] | None = None, nproc: int = 1,
+               mem_b: Path | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    """Nodes A and B; B's memory directory is ``mem_b`` (default ``mem-b``)."""
     common: dict[str, Any] = {"nnodes": nnodes, "endpoint": f"127.0.0.1:{free_port()}",
                               "gates": tmp_path / "gates", "extra": extra, "env": env,
                               "nproc": nproc}
     root = tmp_path / "run"
     node_a = agents.start("a", root, tmp_path / "mem-a", is_host=1, **common)
-    node_b = agents.start("b", root, tmp_path / "mem-b", is_host=0, **common)
+    node_b = agents.start("b", root, mem_b or tmp_path / "mem-b", is_host=0, **common)
     return node_a, node_b, common
 
 

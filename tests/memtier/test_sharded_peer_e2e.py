@@ -41,9 +41,10 @@ __all__ = ["agents"]  # a fixture, used by name
 FSDP = "--fsdp"
 
 
-def _last_resume(ev: Path) -> dict[str, Any]:
-    """The last resume from a snapshot logged on one node."""
-    resumes = [e for e in events(ev, "resume") if e.get("from_step") is not None]
+def _last_resume(ev: Path, rank: int | None = None) -> dict[str, Any]:
+    """The last resume from a snapshot logged on one node (by ``rank``, if given)."""
+    resumes = [e for e in events(ev, "resume") if e.get("from_step") is not None
+               and rank in (None, e["rank"])]
     return max(resumes, key=lambda e: e["ts"])
 
 
@@ -158,8 +159,8 @@ def test_two_workers_a_node_restore_sharded_state_from_the_buddy(
     assert node_b2.wait(timeout=60) == 0, _log(agents)
 
     ev = tmp_path / "ev"
-    on_a = {r: _last_resume_of(ev / "a", r) for r in _last_ranks(ev / "a")}
-    on_b2 = {r: _last_resume_of(ev / "b2", r) for r in _last_ranks(ev / "b2")}
+    on_a = {r: _last_resume(ev / "a", r) for r in _last_ranks(ev / "a")}
+    on_b2 = {r: _last_resume(ev / "b2", r) for r in _last_ranks(ev / "b2")}
     assert len(on_a) == len(on_b2) == 2
     assert {(e["from_step"], e["tier"], e["peer_rank"]) for e in on_a.values()} == \
         {(PARK, "memory", None)}
@@ -168,8 +169,3 @@ def test_two_workers_a_node_restore_sharded_state_from_the_buddy(
     assert [e for e in events(ev, "snapshot.loaded") if e["tier"] == "durable"] == []
     assert _digest(ev) == reference  # bit-exact
 
-
-def _last_resume_of(ev: Path, rank: int) -> dict[str, Any]:
-    resumes = [e for e in events(ev, "resume")
-               if e.get("from_step") is not None and e["rank"] == rank]
-    return max(resumes, key=lambda e: e["ts"])
