@@ -102,6 +102,7 @@ from elastictrain.storage import open_store
 
 TARGETS = {"blocking_ratio_vs_sync": ("<=", 0.02),
            "step_rate_ratio_during_persist": (">=", 0.95),
+           "step_rate_ratio_during_persist_paced": (">=", 0.95),
            "persist_vs_raw_write": (">=", 0.90), "restore_vs_raw_read": ("<=", 1.25),
            "restore_vs_raw_read_warm": ("<=", 1.25),
            "restore_vs_raw_read_1rank": ("<=", 1.25),
@@ -220,16 +221,19 @@ class DcpAsyncSave:
 
 class ElasticTrainAsync:
     def __init__(self, root: Path, trainer: Trainer, persister: str, default: bool,
-                 copy_at_once: bool = False) -> None:
+                 copy_at_once: bool = False, paced_mb_s: float | None = None) -> None:
         self.name = (f"elastictrain async ({persister}){', copy at once' if copy_at_once else ''}"
+                     f"{f', paced {paced_mb_s:g} MB/s' if paced_mb_s else ''}"
                      f"{' [default]' if default else ''}")
         self.trainer = trainer
-        suffix = "-at-once" if copy_at_once else ""
+        suffix = ("-at-once" if copy_at_once else "") + (f"-paced{paced_mb_s:g}"
+                                                         if paced_mb_s else "")
         self.manager = SnapshotManager(str(root / f"et-{persister}{suffix}"),
                                        model=trainer.model, optimizer=trainer.opt,
                                        every_steps=10**9, keep=1, mode="async",
                                        persister=persister,
-                                       overlap_copy=False if copy_at_once else "auto")
+                                       overlap_copy=False if copy_at_once else "auto",
+                                       persist_max_mb_s=paced_mb_s)
         self._fenced = 0.0
         # The optimizer's step pre-hook calls the fence: timed around that call.
         self._fence = CallTimer(self.manager._fence, "wait")
@@ -542,6 +546,7 @@ class MethodSpec:
     default: bool = False
     copy_at_once: bool = False
     run: int = 0  # elastictrain's default is measured in several processes
+    paced_mb_s: float | None = None  # snapshot.persist_max_mb_s
 
     def build(self, root: Path, trainer: Trainer) -> Any:
         if self.kind == "sync":
@@ -549,7 +554,7 @@ class MethodSpec:
         if self.kind == "dcp":
             return DcpAsyncSave(root, trainer, self.mode)
         return ElasticTrainAsync(root / f"run{self.run}", trainer, self.mode, self.default,
-                                 copy_at_once=self.copy_at_once)
+                                 copy_at_once=self.copy_at_once, paced_mb_s=self.paced_mb_s)
 
 
 def method_process(spec: MethodSpec, size_mb: float, batch: int, saves: int, root: str,
@@ -577,7 +582,8 @@ def method_process(spec: MethodSpec, size_mb: float, batch: int, saves: int, roo
 
 def measure_apart(spec: MethodSpec, args: argparse.Namespace, root: Path,
                   size_mb: float) -> dict[str, Any]:
-    out = root / f"method-{spec.kind}-{spec.mode}-{spec.copy_at_once}-{spec.run}.json"
+    out = (root / f"method-{spec.kind}-{spec.mode}-{spec.copy_at_once}-{spec.run}"
+                  f"-{spec.paced_mb_s}.json")
     os.sync()  # no dirty pages of the method before: their write-back is not this one's
     proc = torch_mp.get_context("spawn").Process(
         target=method_process, args=(spec, size_mb, args.batch, args.saves, str(root), str(out)))
@@ -595,8 +601,14 @@ def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
     default = SnapshotConfig().persister
     dcp = [] if args.skip_dcp else [MethodSpec("dcp", "process"), MethodSpec("dcp", "thread")]
     ours_runs = [MethodSpec("elastictrain", default, True, run=k) for k in range(args.runs)]
+    # --paced-mb-s: as many runs of the default persister paced, each right after an
+    # unpaced run, so a drift of the machine reaches both alike.
+    paced_runs = ([MethodSpec("elastictrain", default, run=k, paced_mb_s=args.paced_mb_s)
+                   for k in range(args.runs)] if args.paced_mb_s else [])
+    interleaved = [spec for k, ours in enumerate(ours_runs)
+                   for spec in (ours, *paced_runs[k:k + 1])]
     other = "process" if default == "thread" else "thread"
-    methods = [MethodSpec("sync"), *dcp, *ours_runs, MethodSpec("elastictrain", other),
+    methods = [MethodSpec("sync"), *dcp, *interleaved, MethodSpec("elastictrain", other),
                MethodSpec("elastictrain", "thread", copy_at_once=True)]
     # Every method runs in a fresh process; --order reversed shows whether the order
     # still matters (the disk's and the page cache's state remain shared).
@@ -606,9 +618,13 @@ def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
     raw_w = statistics.median(f["raw_write_s"] for f in found.values())
     free_core = min(f["free_core"] for f in found.values())
     runs = [found[spec]["result"] for spec in ours_runs]
-    results = [found[spec]["result"] for spec in methods if spec not in ours_runs[1:]]
+    results = [found[spec]["result"] for spec in methods
+               if spec not in ours_runs[1:] and spec not in paced_runs[1:]]
     ratios = [r.step_rate_ratio_during_persist for r in runs
               if r.step_rate_ratio_during_persist is not None]
+    paced = [found[spec]["result"] for spec in paced_runs]
+    paced_ratios = [r.step_rate_ratio_during_persist for r in paced
+                    if r.step_rate_ratio_during_persist is not None]
     et_root = root / f"run{ours_runs[-1].run}" / f"et-{default}"
     staging_main = (found[ours_runs[0]]["staging_bytes"] or 0) / state
     fwd_bwd = [found[spec]["fwd_bwd_s"] for spec in ours_runs]
@@ -631,6 +647,8 @@ def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
         "blocking_ratio_vs_sync": statistics.median(r.blocking_s for r in runs) / sync.blocking_s,
         "blocking_ratio_vs_sync_copy_at_once": at_once.blocking_s / sync.blocking_s,
         "step_rate_ratio_during_persist": statistics.median(ratios) if ratios else None,
+        "step_rate_ratio_during_persist_paced": (statistics.median(paced_ratios)
+                                                 if paced_ratios else None),
         "persist_vs_raw_write": ours.persist_vs_raw_write,
         "restore_vs_raw_read": restore[f"restore_{restore_mode}_cold"] / restore["raw_read_cold"],
         "restore_vs_raw_read_warm": (restore[f"restore_{restore_mode}_warm"]
@@ -654,6 +672,11 @@ def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
                  "blocking_floor_s": floor,
                  "blocking_floor_ratio_vs_sync": floor / sync.blocking_s,
                  "fwd_bwd_s": fwd_bwd},
+        "paced_runs": {"persist_max_mb_s": args.paced_mb_s, "count": len(paced),
+                       "step_rate_ratio_during_persist": paced_ratios,
+                       "step_rate_ratio_spread": spread(paced_ratios) if paced_ratios else None,
+                       "blocking_s": [r.blocking_s for r in paced],
+                       "durable_s": [r.durable_s for r in paced]},
         "targets": {k: {"target": f"{op} {v}", "met": _met(summary.get(k), op, v)}
                     for k, (op, v) in TARGETS.items()},
         "setup": {"size_mb": size_mb, "state_bytes": state, "saves": args.saves,
@@ -738,6 +761,13 @@ def table(report: dict[str, Any]) -> str:
         + ", ".join(f"{x:.1%}" for x in runs["step_rate_ratio_during_persist"])
         + f"; blocking s {', '.join(f'{x:.3f}' for x in runs['blocking_s'])}; durable s "
         + ", ".join(f"{x:.2f}" for x in runs["durable_s"]),
+        *([] if not report["paced_runs"]["count"] else [
+            f"paced at {report['paced_runs']['persist_max_mb_s']:g} MB/s "
+            f"(snapshot.persist_max_mb_s) in {report['paced_runs']['count']} fresh processes, "
+            "each right after one above: step rate while persisting "
+            + ", ".join(f"{x:.1%}" for x in report["paced_runs"]["step_rate_ratio_during_persist"])
+            + "; durable s "
+            + ", ".join(f"{x:.2f}" for x in report["paced_runs"]["durable_s"])]),
         f"blocking floor (the copy behind outlasting forward+backward, fwd+bwd "
         f"{', '.join(f'{x:.3f}' for x in runs['fwd_bwd_s'] if x is not None)} s): "
         f"{runs['blocking_floor_s']:.3f} s = {runs['blocking_floor_ratio_vs_sync']:.4f} of "
@@ -830,6 +860,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fresh processes measuring the default elastictrain method (the "
                         "step-rate and blocking figures are medians over them)")
     p.add_argument("--batch", type=int, default=8, help="rows per training step (its compute)")
+    p.add_argument("--paced-mb-s", type=float, default=None, metavar="RATE",
+                   help="also measure the default method with snapshot.persist_max_mb_s=RATE, "
+                        "--runs times, each run right after an unpaced one")
     p.add_argument("--staging-saves", type=int, default=50)
     p.add_argument("--staging-size-mb", type=float, default=32)
     p.add_argument("--restore-reps", type=int, default=3)

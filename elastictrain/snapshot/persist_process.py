@@ -42,9 +42,10 @@ from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import configure_forwarding, get_logger, log_forwarded
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
+    DEFAULT_BACKGROUND,
+    Background,
     CommitGate,
     PersistOutcome,
-    Priority,
     RetryPolicy,
     SaveHandle,
     SaveState,
@@ -74,11 +75,11 @@ class ProcessPersister:
     """
 
     def __init__(self, store: Store, keep: int, policy: RetryPolicy,
-                 priority: Priority = "normal") -> None:
+                 background: Background = DEFAULT_BACKGROUND) -> None:
         mp = torch_mp.get_context("spawn")
         self._conn, child_conn = mp.Pipe(duplex=True)
         self._proc = mp.Process(target=helper_main, name="elastictrain-persister", daemon=True,
-                                args=(child_conn, store, keep, policy, os.getpid(), priority))
+                                args=(child_conn, store, keep, policy, os.getpid(), background))
         with _main_module_hidden():
             self._proc.start()
         child_conn.close()
@@ -229,10 +230,10 @@ def _main_module_hidden() -> Iterator[None]:
 
 # -- the helper process -------------------------------------------------------------
 def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_pid: int,
-                priority: Priority = "normal") -> None:
+                background: Background = DEFAULT_BACKGROUND) -> None:
     """The helper's loop: receive a staged save, persist it, report the outcome."""
     _die_with_parent(parent_pid)
-    lower_priority(priority)  # before any thread starts: they inherit it
+    lower_priority(background.priority)  # before any thread starts: they inherit it
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: stacks
     torch.set_num_threads(1)  # the worker's training loop owns the other cores
     configure_forwarding(lambda event: conn.send(("log", event)))
@@ -250,7 +251,7 @@ def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_
         storages.update(new)
         gate = functools.partial(_ask_gate, conn) if gated else None
         outcome = _persist(store, from_views(skeleton, storages), meta, policy, parent_pid,
-                           gate)
+                           gate, background.max_bytes_per_s)
         conn.send(("done", outcome))  # durable now; the worker may stage the next save
         prune_after(store, keep, meta.step, outcome)
     conn.close()
@@ -260,11 +261,12 @@ def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_
 
 
 def _persist(store: Store, payload: Any, meta: SnapshotMeta, policy: RetryPolicy,
-             parent_pid: int, gate: CommitGate | None) -> PersistOutcome:
+             parent_pid: int, gate: CommitGate | None,
+             max_bytes_per_s: float | None) -> PersistOutcome:
     try:
         return persist_with_retries(store, payload, meta, policy,
                                     before_commit=lambda: _exit_if_orphaned(parent_pid),
-                                    gate=gate)
+                                    gate=gate, max_bytes_per_s=max_bytes_per_s)
     except BaseException as exc:  # report, never leave the worker's handle pending
         return PersistOutcome(SaveState.FAILED, error=f"{type(exc).__name__}: {exc}")
 

@@ -17,9 +17,10 @@ from typing import Any
 
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
+    DEFAULT_BACKGROUND,
+    Background,
     CommitGate,
     PersistOutcome,
-    Priority,
     RetryPolicy,
     SaveHandle,
     SaveState,
@@ -42,11 +43,11 @@ class ThreadPersister:
     """
 
     def __init__(self, store: Store, keep: int, policy: RetryPolicy,
-                 priority: Priority = "normal") -> None:
+                 background: Background = DEFAULT_BACKGROUND) -> None:
         self._store = store
         self._keep = keep
         self._policy = policy
-        self._priority = priority
+        self._background = background
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="elastictrain-persist",
                                         daemon=True)
@@ -65,12 +66,13 @@ class ThreadPersister:
             self._thread.join()
 
     def _run(self) -> None:
-        lower_priority(self._priority)  # this thread's only: the loop keeps its own
+        lower_priority(self._background.priority)  # this thread's only: the loop keeps its own
         while (job := self._jobs.get()) is not None:
             payload, meta, handle, context, gate = job
             try:
                 outcome = context.run(persist_with_retries, self._store, payload, meta,
-                                      self._policy, None, gate)
+                                      self._policy, None, gate,
+                                      self._background.max_bytes_per_s)
             except BaseException as exc:  # never leave a handle pending: wait() would hang
                 outcome = PersistOutcome(SaveState.FAILED, error=f"{type(exc).__name__}: {exc}")
             handle._finish_with(outcome)  # durable now; the next save may stage meanwhile

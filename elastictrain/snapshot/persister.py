@@ -44,6 +44,19 @@ log = get_logger("elastictrain.snapshot")
 
 Priority = Literal["low", "normal"]
 
+
+@dataclass(frozen=True)
+class Background:
+    """How a background persister shares the machine with the training loop: its CPU and
+    I/O priority (``lower_priority``) and the byte rate its writes are held to (None:
+    as fast as they go; snapshot/pacing.py)."""
+
+    priority: Priority = "normal"
+    max_bytes_per_s: float | None = None
+
+
+DEFAULT_BACKGROUND = Background()
+
 # Background work at "low" priority: CPU nice +10, I/O best-effort level 7 (Linux).
 _LOW_NICE = 10
 _IOPRIO_CLASS_BE, _IOPRIO_CLASS_SHIFT, _IOPRIO_LOWEST_BE = 2, 13, 7
@@ -247,7 +260,8 @@ class Persister(Protocol):
 
 def persist_with_retries(store: Store, payload: Any, meta: SnapshotMeta, policy: RetryPolicy,
                          before_commit: Callable[[], None] | None = None,
-                         gate: CommitGate | None = None) -> PersistOutcome:
+                         gate: CommitGate | None = None,
+                         max_bytes_per_s: float | None = None) -> PersistOutcome:
     """Persist and commit one snapshot, retrying failed attempts with backoff.
 
     Logs ``snapshot.failed`` per failed attempt and ``snapshot.committed`` on
@@ -256,13 +270,15 @@ def persist_with_retries(store: Store, payload: Any, meta: SnapshotMeta, policy:
     Retention is separate (``prune_after``): a save is durable at its commit,
     and deleting old snapshots need not delay the next save. ``gate``, asked after
     ``before_commit``, may drop the save (``skipped``, logged by whoever decided).
+    ``max_bytes_per_s`` paces each attempt's write (``Background``).
     """
     check = _gated(before_commit, gate)
     failures = 0
     while True:
         started = time.perf_counter()
         try:
-            manifest = persist_snapshot(store, payload, meta, before_commit=check)
+            manifest = persist_snapshot(store, payload, meta, before_commit=check,
+                                        max_bytes_per_s=max_bytes_per_s)
         except CommitDropped:
             return PersistOutcome(SaveState.SKIPPED, attempts=failures + 1)
         except Exception as exc:

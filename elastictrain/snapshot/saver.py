@@ -54,6 +54,7 @@ from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import get_logger
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persister import (
+    Background,
     CommitGate,
     CountingStore,
     Persister,
@@ -158,7 +159,8 @@ class Saver(InFlightSave):
         super().__init__(store, tier)
         self._keep = settings.keep
         self._policy = RetryPolicy(settings.max_consecutive_failures, settings.retry_backoff_s)
-        self._priority = settings.persister_priority
+        self._background = Background(settings.persister_priority,
+                                      settings.persist_max_bytes_per_s)
         self._persister: Persister | None = None
         self._behind: _CopyBehind | None = None
         self._copier = _CopyThread()
@@ -283,10 +285,10 @@ class Saver(InFlightSave):
             from elastictrain.snapshot.persist_thread import ThreadPersister
 
             log.info("snapshot.persister_started", kind="thread")
-            return ThreadPersister(store, self._keep, self._policy, self._priority)
+            return ThreadPersister(store, self._keep, self._policy, self._background)
         from elastictrain.snapshot.persist_process import ProcessPersister
 
-        return ProcessPersister(store, self._keep, self._policy, self._priority)
+        return ProcessPersister(store, self._keep, self._policy, self._background)
 
 
 class _CopyThread:

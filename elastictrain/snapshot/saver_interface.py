@@ -37,18 +37,21 @@ class SaverSettings:
     max_consecutive_failures: int
     retry_backoff_s: float
     persister_priority: Literal["low", "normal"] = "normal"
+    persist_max_bytes_per_s: float | None = None  # background writes only
 
     @classmethod
     def for_durable(cls, config: SnapshotConfig) -> SaverSettings:
+        rate = None if config.persist_max_mb_s is None else config.persist_max_mb_s * 1e6
         return cls(config.keep, config.mode, config.persister,
                    config.max_consecutive_failures, config.retry_backoff_s,
-                   config.persister_priority)
+                   config.persister_priority, rate)
 
     @classmethod
     def for_memory(cls, config: SnapshotConfig) -> SaverSettings:
         """Keep one, always in the background, one try: a memory save that failed (a
         full tmpfs) is not retried with a back-off the next one would wait for; the
-        next memory save is the retry."""
+        next memory save is the retry. Not paced: a memory snapshot is what a rescue or
+        a peer falls back to, so it should be complete soon."""
         return cls(1, "async", config.persister, 1, config.retry_backoff_s,
                    config.persister_priority)
 

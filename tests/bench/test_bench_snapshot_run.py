@@ -26,7 +26,8 @@ def test_a_tiny_run_reports_every_figure_and_replays_from_json(tmp_path: Path) -
     out = tmp_path / "run.json"
     done = _bench("--sizes", "4", "--saves", "1", "--runs", "1", "--restore-reps", "1",
                   "--staging-saves", "2",
-                  "--staging-size-mb", "1", "--skip-dcp", "--dir", str(tmp_path),
+                  "--staging-size-mb", "1", "--skip-dcp", "--paced-mb-s", "500",
+                  "--dir", str(tmp_path),
                   "--json", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -43,6 +44,10 @@ def test_a_tiny_run_reports_every_figure_and_replays_from_json(tmp_path: Path) -
     names = [m["name"] for m in point["methods"]]
     assert not any(n.startswith("dcp") for n in names)  # --skip-dcp
     assert all(m["first_blocking_s"] > 0 for m in point["methods"])
+    assert "elastictrain async (thread), paced 500 MB/s" in names
+    assert point["paced_runs"]["persist_max_mb_s"] == 500
+    assert len(point["paced_runs"]["durable_s"]) == 1
+    assert "step_rate_ratio_during_persist_paced" in point["targets"]
     # The table is printed too, with the 1-rank restore line.
     assert "restore (1 rank)" in done.stdout
 

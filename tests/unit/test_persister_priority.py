@@ -13,7 +13,7 @@ import torch
 
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.persist_thread import ThreadPersister
-from elastictrain.snapshot.persister import lower_priority
+from elastictrain.snapshot.persister import Background, lower_priority
 from elastictrain.storage import open_store
 from elastictrain.storage.retry import RetryPolicy
 
@@ -57,7 +57,7 @@ def test_normal_changes_nothing() -> None:
 def test_thread_persister_persists_at_low_priority(tmp_path: Path) -> None:
     before = _nice(threading.get_native_id())
     persister = ThreadPersister(open_store(str(tmp_path)), keep=1,
-                                policy=RetryPolicy(1, 0.01), priority="low")
+                                policy=RetryPolicy(1, 0.01), background=Background("low"))
     try:
         meta = SnapshotMeta(run_id="r", step=1, epoch=0, world_size=1,
                             checksum_algorithm="crc32")

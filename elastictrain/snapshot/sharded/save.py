@@ -218,9 +218,11 @@ class ShardedSaver(InFlightSave):
             committed.append(self._commit_parts(meta, token, parts, dump_metadata(metadata),
                                                 train_bytes, timing["persist_started"]))
 
+        paced = self._settings.persist_max_bytes_per_s if self._settings.mode == "async" else None
         writer = StoreWriter(self.counted_store, layout.step_dir(meta.step), token,
                              meta.checksum_algorithm,
-                             lambda metadata, parts: context.run(on_finish, metadata, parts))
+                             lambda metadata, parts: context.run(on_finish, metadata, parts),
+                             max_bytes_per_s=paced)
         self._writer = writer
         kwargs: dict[str, Any] = {"storage_writer": writer, "planner": DefaultSavePlanner(),
                                   "process_group": self._group,
