@@ -108,9 +108,9 @@ class SnapshotConfig(_Model):
     # priorities (docs/performance.md#background-priority).
     persister_priority: Literal["low", "normal"] = "normal"
     # The durable tier's background writes held to this many MB (10^6 bytes) a second,
-    # checksum and copy included; None: as fast as they go. Where the persist's memory
-    # traffic slows the loop, pacing gives the loop its rate back and makes each snapshot
-    # durable later (docs/performance.md#pacing-the-persist).
+    # checksum and copy included; None: as fast as they go. Lifted when the run ends
+    # (close, a preemption notice). Trades a snapshot durable later for the loop's rate
+    # where the persist's memory traffic slows it (docs/performance.md#pacing-the-persist).
     persist_max_mb_s: float | None = Field(default=None, gt=0)
     checksum: ChecksumAlgorithm = "crc32"
     # auto: "each" on a local file system, "broadcast" elsewhere (snapshot/restore.py)

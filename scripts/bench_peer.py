@@ -167,13 +167,15 @@ MICRO_WORKER = r'''
 import json, os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
+from elastictrain.dist import DistContext
 from elastictrain.snapshot.peer_records import RecordStream
-from elastictrain.snapshot.peer_transport import GlooTransport
+from elastictrain.snapshot.record_links import connect_record_links
 from elastictrain.snapshot.rescue import BoundaryRecord
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-transport = GlooTransport.create()
+ctx = DistContext(rank, 2, rank, "gloo", torch.device("cpu"), True)
+links = connect_record_links(ctx, [1 - rank], [1 - rank])
 where = Path(sys.argv[1]) / f"boundary{rank}"
 where.mkdir(mode=0o700)
 rounds, block, width = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -183,7 +185,7 @@ model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(),
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 x = torch.randn(32, width)
 record = BoundaryRecord(where, rank, (2, 0, -1), lambda: list(model.parameters()))
-stream = RecordStream(transport, rank, [1 - rank], [1 - rank], where, print)
+stream = RecordStream(links, rank, where, print)
 times = {"with": [], "without": []}
 step = 0
 for r in range(2 * rounds + 1):

@@ -40,7 +40,7 @@ from elastictrain.log import get_logger
 from elastictrain.snapshot import layout, signing
 from elastictrain.snapshot.checksum import HashingWriter
 from elastictrain.snapshot.manifest import FORMAT_VERSION, Manifest, ObjectEntry
-from elastictrain.snapshot.pacing import PacedWriter
+from elastictrain.snapshot.pacing import Pace, PacedWriter
 from elastictrain.snapshot.reader import read_manifest, verify_snapshot
 from elastictrain.snapshot.views import StorageIndex, as_bytes, to_views
 from elastictrain.storage.api import Store
@@ -63,7 +63,7 @@ class SnapshotMeta:
 
 
 def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm,
-                      max_bytes_per_s: float | None = None) -> tuple[int, str]:
+                      pace: Pace | None = None) -> tuple[int, str]:
     """``torch.save`` into ``sink`` while hashing; returns (bytes, checksum).
 
     torch's own zip CRC32 is switched off: it cost several times the write
@@ -73,13 +73,13 @@ def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm,
     final fsync. A sink that can keep references (an S3 upload) is told where the
     payload's tensors live, and sends their bytes from there instead of copying
     them: the payload must not change until the sink is closed (a staged payload
-    belongs to the persister until its save is done). ``max_bytes_per_s`` paces the
-    whole pipeline (checksum, copy, write) to that rate (snapshot/pacing.py).
+    belongs to the persister until its save is done). ``pace`` holds the whole
+    pipeline (checksum, copy, write) to its rate (snapshot/pacing.py).
     """
     keep = getattr(sink, "keep_references_to", None)
     if keep is not None:
         keep(_cpu_storages(payload))
-    writer = HashingWriter(PacedWriter.wrap(EarlyWriteback.wrap(sink), max_bytes_per_s),
+    writer = HashingWriter(PacedWriter.wrap(EarlyWriteback.wrap(sink), pace),
                            algorithm)
     with serialization_config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
         torch.save(payload, writer)  # type: ignore[arg-type]
@@ -138,7 +138,7 @@ class EarlyWriteback:
 
 def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta,
                      before_commit: Callable[[], None] | None = None,
-                     max_bytes_per_s: float | None = None) -> Manifest | None:
+                     pace: Pace | None = None) -> Manifest | None:
     """Write and commit one snapshot. Returns its manifest, or None if the same step
     was already committed (by an earlier attempt or another writer) and verifies.
 
@@ -148,7 +148,7 @@ def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta,
 
     ``before_commit`` runs after the payload is durable and before the commit
     marker: raising there leaves an uncommitted (ignored, later pruned) write.
-    ``max_bytes_per_s`` paces the payload's write (``serialize_payload``)."""
+    ``pace`` paces the payload's write (``serialize_payload``)."""
     final = layout.step_dir(meta.step)
     if _is_committed(store, final):
         if _committed_copy_verifies(store, meta.step):
@@ -157,8 +157,8 @@ def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta,
         store.delete(final, recursive=True)
     check = before_commit or _no_check
     if store.supports_rename:
-        return _persist_by_rename(store, payload, meta, final, check, max_bytes_per_s)
-    return _persist_manifest_last(store, payload, meta, final, check, max_bytes_per_s)
+        return _persist_by_rename(store, payload, meta, final, check, pace)
+    return _persist_manifest_last(store, payload, meta, final, check, pace)
 
 
 def _is_committed(store: Store, final: str) -> bool:
@@ -220,12 +220,12 @@ def _manifest(meta: SnapshotMeta, size: int, checksum: str,
 
 def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: str,
                        before_commit: Callable[[], None],
-                       max_bytes_per_s: float | None) -> Manifest | None:
+                       pace: Pace | None) -> Manifest | None:
     partial = layout.partial_dir(meta.step, uuid.uuid4().hex[:12])
     try:
         with store.open_write(f"{partial}/{layout.PAYLOAD}") as sink:
             size, checksum = serialize_payload(payload, sink, meta.checksum_algorithm,
-                                               max_bytes_per_s)
+                                               pace)
         manifest = _manifest(meta, size, checksum)
         store.write_bytes(f"{partial}/{layout.MANIFEST}", manifest.to_json())
         before_commit()
@@ -244,11 +244,11 @@ def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: st
 
 def _persist_manifest_last(store: Store, payload: Any, meta: SnapshotMeta,
                            final: str, before_commit: Callable[[], None],
-                           max_bytes_per_s: float | None) -> Manifest | None:
+                           pace: Pace | None) -> Manifest | None:
     name = layout.payload_name(uuid.uuid4().hex[:12])
     with store.open_write(f"{final}/{name}") as sink:
         size, checksum = serialize_payload(payload, sink, meta.checksum_algorithm,
-                                           max_bytes_per_s)
+                                           pace)
     manifest = _manifest(meta, size, checksum, name)
     before_commit()
     try:

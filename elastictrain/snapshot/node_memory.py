@@ -22,6 +22,7 @@ from elastictrain.log import get_logger
 from elastictrain.snapshot import memory, peer_transport, rescue
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.peer_restore import PeerCopies
+from elastictrain.snapshot.record_links import RecordLinks, connect_record_links
 from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.snapshot.sharded.memory_restore import ShardedMemory
@@ -114,7 +115,11 @@ class NodeMemory:
         nodes = peer_transport.discover(ctx, str(path))
         if nodes.count == 1:
             return None
-        return PeerCopies(ctx, nodes, peer_transport.GlooTransport.create())
+        replicas = self._config.memory_replicas
+        links = (connect_record_links(ctx, nodes.record_targets(ctx.rank, replicas),
+                                      nodes.record_sources(ctx.rank, replicas))
+                 if self._config.rescue else RecordLinks())
+        return PeerCopies(ctx, nodes, peer_transport.GlooTransport.create(), links)
 
     def save(self, state: dict[str, Any], meta: SnapshotMeta, started: float,
              defer: AbstractSet[int]) -> None:

@@ -41,6 +41,7 @@ from elastictrain.snapshot.peer_transport import (
     recv_json,
     send_json,
 )
+from elastictrain.snapshot.record_links import RecordLinks
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
@@ -86,8 +87,11 @@ class PeerCopies:
     """The memory tier's view of the other nodes at restore: who holds what, and the
     copy of the chosen step to the nodes lacking it."""
 
-    def __init__(self, ctx: DistContext, nodes: NodeMap, transport: PeerTransport) -> None:
+    def __init__(self, ctx: DistContext, nodes: NodeMap, transport: PeerTransport,
+                 record_links: RecordLinks | None = None) -> None:
         self.ctx, self.nodes, self.transport = ctx, nodes, transport
+        # The rescue's connections for boundary records (snapshot/record_links.py).
+        self.record_links = record_links if record_links is not None else RecordLinks()
 
     @property
     def node(self) -> int:

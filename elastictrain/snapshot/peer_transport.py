@@ -24,10 +24,10 @@ import torch.distributed as torch_dist
 
 from elastictrain.dist import DistContext
 
-# Tags keep the two kinds of traffic apart on the one group: a restore's copy of a
-# snapshot and the rescue's stream of boundary records (snapshot/peer_records.py).
+# Tags keep kinds of traffic apart on the one group: a restore's copy of a snapshot,
+# and a sharded model's parts (snapshot/sharded/memory_save.py). The rescue's boundary
+# records travel on connections of their own (snapshot/record_links.py).
 TAG_COPY = 11
-TAG_RECORDS = 12
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import torch.multiprocessing as torch_mp
 from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import configure_forwarding, get_logger, log_forwarded
 from elastictrain.snapshot.commit import SnapshotMeta
+from elastictrain.snapshot.pacing import Pace
 from elastictrain.snapshot.persister import (
     DEFAULT_BACKGROUND,
     Background,
@@ -251,7 +252,7 @@ def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_
         storages.update(new)
         gate = functools.partial(_ask_gate, conn) if gated else None
         outcome = _persist(store, from_views(skeleton, storages), meta, policy, parent_pid,
-                           gate, background.max_bytes_per_s)
+                           gate, background.pace)
         conn.send(("done", outcome))  # durable now; the worker may stage the next save
         prune_after(store, keep, meta.step, outcome)
     conn.close()
@@ -262,11 +263,11 @@ def helper_main(conn: Any, store: Store, keep: int, policy: RetryPolicy, parent_
 
 def _persist(store: Store, payload: Any, meta: SnapshotMeta, policy: RetryPolicy,
              parent_pid: int, gate: CommitGate | None,
-             max_bytes_per_s: float | None) -> PersistOutcome:
+             pace: Pace | None) -> PersistOutcome:
     try:
         return persist_with_retries(store, payload, meta, policy,
                                     before_commit=lambda: _exit_if_orphaned(parent_pid),
-                                    gate=gate, max_bytes_per_s=max_bytes_per_s)
+                                    gate=gate, pace=pace)
     except BaseException as exc:  # report, never leave the worker's handle pending
         return PersistOutcome(SaveState.FAILED, error=f"{type(exc).__name__}: {exc}")
 

@@ -72,7 +72,7 @@ class ThreadPersister:
             try:
                 outcome = context.run(persist_with_retries, self._store, payload, meta,
                                       self._policy, None, gate,
-                                      self._background.max_bytes_per_s)
+                                      self._background.pace)
             except BaseException as exc:  # never leave a handle pending: wait() would hang
                 outcome = PersistOutcome(SaveState.FAILED, error=f"{type(exc).__name__}: {exc}")
             handle._finish_with(outcome)  # durable now; the next save may stage meanwhile

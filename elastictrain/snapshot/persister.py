@@ -36,6 +36,7 @@ from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import get_logger
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.manifest import Manifest
+from elastictrain.snapshot.pacing import Pace
 from elastictrain.snapshot.retention import prune
 from elastictrain.storage.api import Store
 from elastictrain.storage.retry import RetryPolicy
@@ -48,11 +49,11 @@ Priority = Literal["low", "normal"]
 @dataclass(frozen=True)
 class Background:
     """How a background persister shares the machine with the training loop: its CPU and
-    I/O priority (``lower_priority``) and the byte rate its writes are held to (None:
-    as fast as they go; snapshot/pacing.py)."""
+    I/O priority (``lower_priority``) and the pace its writes are held to (None: as
+    fast as they go; snapshot/pacing.py)."""
 
     priority: Priority = "normal"
-    max_bytes_per_s: float | None = None
+    pace: Pace | None = None
 
 
 DEFAULT_BACKGROUND = Background()
@@ -261,7 +262,7 @@ class Persister(Protocol):
 def persist_with_retries(store: Store, payload: Any, meta: SnapshotMeta, policy: RetryPolicy,
                          before_commit: Callable[[], None] | None = None,
                          gate: CommitGate | None = None,
-                         max_bytes_per_s: float | None = None) -> PersistOutcome:
+                         pace: Pace | None = None) -> PersistOutcome:
     """Persist and commit one snapshot, retrying failed attempts with backoff.
 
     Logs ``snapshot.failed`` per failed attempt and ``snapshot.committed`` on
@@ -270,7 +271,7 @@ def persist_with_retries(store: Store, payload: Any, meta: SnapshotMeta, policy:
     Retention is separate (``prune_after``): a save is durable at its commit,
     and deleting old snapshots need not delay the next save. ``gate``, asked after
     ``before_commit``, may drop the save (``skipped``, logged by whoever decided).
-    ``max_bytes_per_s`` paces each attempt's write (``Background``).
+    ``pace`` paces each attempt's write (``Background``).
     """
     check = _gated(before_commit, gate)
     failures = 0
@@ -278,7 +279,7 @@ def persist_with_retries(store: Store, payload: Any, meta: SnapshotMeta, policy:
         started = time.perf_counter()
         try:
             manifest = persist_snapshot(store, payload, meta, before_commit=check,
-                                        max_bytes_per_s=max_bytes_per_s)
+                                        pace=pace)
         except CommitDropped:
             return PersistOutcome(SaveState.SKIPPED, attempts=failures + 1)
         except Exception as exc:

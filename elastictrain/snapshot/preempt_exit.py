@@ -40,6 +40,7 @@ def save_and_exit(stop: preempt.StopRequest, ctx: DistContext, saver: SnapshotSa
         save_final: the final save, made so that nothing may drop it (no copy behind).
     """
     started = time.monotonic()
+    saver.hurry()  # the time left counts now, not the loop's rate
     if persists_here:
         try:
             saver.wait()

@@ -80,18 +80,16 @@ class Rescuer:
         peers = self._memory.peers
         if peers is None or self._memory.tier is None:
             return None
-        replicas = self._config.memory_replicas
-        rank = self._ctx.rank
-        return RecordStream(peers.transport, rank, peers.nodes.record_targets(rank, replicas),
-                            peers.nodes.record_sources(rank, replicas),
-                            self._memory.tier.boundary,
+        return RecordStream(peers.record_links, self._ctx.rank, self._memory.tier.boundary,
                             lambda exc: self._memory.health.failed("rescue boundary record",
                                                                     exc))
 
     def close(self) -> None:
         if self._stream is not None:
-            self._stream.close()
+            self._stream.close()  # it closes the connections
             self._stream = None
+        elif self._memory.peers is not None:  # no record was taken: nothing to end
+            self._memory.peers.record_links.close()
         if self._boundary is not None:
             rescue.disarm()
             self._boundary.close()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import multiprocessing
 import queue
 import threading
 import time
@@ -53,6 +54,7 @@ from elastictrain import watchdog
 from elastictrain.errors import SnapshotWriteFailed
 from elastictrain.log import get_logger
 from elastictrain.snapshot.commit import SnapshotMeta
+from elastictrain.snapshot.pacing import Pace
 from elastictrain.snapshot.persister import (
     Background,
     CommitGate,
@@ -69,6 +71,17 @@ from elastictrain.snapshot.staging import StagingBuffers
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
+
+
+def background_pace(settings: SaverSettings, kind: str) -> Pace | None:
+    """The pace of a saver's background writes; a synchronous save is never paced (the
+    loop waits for it)."""
+    rate = settings.persist_max_bytes_per_s
+    if rate is None or kind == "sync":
+        return None
+    if kind == "process":  # the helper process reads whether it was lifted
+        return Pace.for_process(rate, multiprocessing.get_context("spawn"))
+    return Pace(rate)
 
 
 def choose_persister(settings: SaverSettings, store: Store) -> str:
@@ -95,6 +108,12 @@ class InFlightSave:
         self._counted = CountingStore(store)  # bytes and calls: progress for the watchdog
         self._last: SaveHandle | None = None
         self._reported: SaveHandle | None = None
+        self.pace: Pace | None = None  # snapshot.persist_max_mb_s, where it applies
+
+    def hurry(self) -> None:
+        """The run is ending: the save in flight and every later one at full speed."""
+        if self.pace is not None:
+            self.pace.lift()
 
     @property
     def counted_store(self) -> Store:
@@ -159,8 +178,8 @@ class Saver(InFlightSave):
         super().__init__(store, tier)
         self._keep = settings.keep
         self._policy = RetryPolicy(settings.max_consecutive_failures, settings.retry_backoff_s)
-        self._background = Background(settings.persister_priority,
-                                      settings.persist_max_bytes_per_s)
+        self.pace = background_pace(settings, self.kind)
+        self._background = Background(settings.persister_priority, self.pace)
         self._persister: Persister | None = None
         self._behind: _CopyBehind | None = None
         self._copier = _CopyThread()
@@ -267,7 +286,9 @@ class Saver(InFlightSave):
                            request.memory_tier)
 
     def close(self) -> None:
-        """Wait for the save in flight and stop the persister; raise a failure not yet raised."""
+        """Wait for the save in flight (at full speed) and stop the persister; raise a
+        failure not yet raised."""
+        self.hurry()
         try:
             self.wait()
         finally:

@@ -122,6 +122,9 @@ class SnapshotSaver(Protocol):
     def wait(self) -> None:
         """Block until the last save is durable; raise its failure if not yet reported."""
 
+    def hurry(self) -> None:
+        """The run is ending: the save in flight and every later one at full speed."""
+
     def close(self) -> None:
         """Wait for the save in flight and release what the saver started."""
 

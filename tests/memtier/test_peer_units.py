@@ -4,24 +4,19 @@ record stream over an in-process transport (two threads stand for two ranks)."""
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from elastictrain.snapshot import layout, rescue
-from elastictrain.snapshot.peer_records import MESSAGE_BYTES, RecordStream
+from elastictrain.snapshot import layout
 from elastictrain.snapshot.peer_restore import NO_STEP, Choice, choose, receive_copy, send_copy
 from elastictrain.snapshot.peer_transport import NodeMap
 from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
-from elastictrain.snapshot.rescue import SLOT_BYTES, BoundaryRecord, read_record
 from elastictrain.storage import open_store
-from tests.helpers import wait_for
 from tests.unit.test_manager import build, train
 
 NO = NO_STEP
@@ -147,37 +142,3 @@ def test_a_missing_copy_says_so_and_commits_nothing(tmp_path: Path) -> None:
     assert _both(lambda: send_copy(wire.end(0), held, 99, 1),  # never taken
                  lambda: receive_copy(wire.end(1), lacking, 99, 0)) is False
     assert list_snapshot_dirs(lacking) == []
-
-
-def test_records_reach_the_buddy_node_and_read_as_its_own(tmp_path: Path) -> None:
-    """Rank 1 (node B) streams its boundary records; rank 0 (node A) keeps them in A's
-    boundary directory, where the rescue reads them as it reads A's own."""
-    wire = Wire()
-    a, b = tmp_path / "a" / "boundary", tmp_path / "b" / "boundary"
-    a.mkdir(parents=True, mode=0o700)
-    b.mkdir(parents=True, mode=0o700)
-    failures: list[BaseException] = []
-    attempt = (2, 0, -1)
-    on_a = RecordStream(wire.end(0), 0, [1], [1], a, failures.append)
-    on_b = RecordStream(wire.end(1), 1, [0], [0], b, failures.append)
-    record = BoundaryRecord(b, 1, attempt, lambda: [])
-    for step in (1, 2, 3):
-        data = record.record(step)
-        assert data is not None
-        on_b.publish(data)
-    # The newest always goes (one not yet sent is replaced by it): step 3 arrives.
-    wait_for(lambda: read_record(a, 1, 3, attempt) is not None, 60, "step 3's record on A")
-    # A record longer than one message (many devices' CUDA states) goes in two.
-    payload = os.urandom(3 * MESSAGE_BYTES)
-    long = rescue._HEADER.pack(rescue._MAGIC, 4, *attempt, len(payload),
-                               zlib.crc32(payload)) + payload
-    on_b.publish(long)
-    _both(on_b.close, on_a.close)  # each ends on the other's end message
-    assert (a / "rank1").read_bytes()[:len(long)] == long  # step 4: slot 0
-    assert not failures
-    assert on_a.received == {1: on_b.sent} and on_b.sent >= 1
-    # The same bytes in the same slot, which the rescue reads as it reads a local record.
-    slot = slice(SLOT_BYTES, 2 * SLOT_BYTES)  # step 3's
-    assert (a / "rank1").read_bytes()[slot] == (b / "rank1").read_bytes()[slot]
-    assert read_record(a, 1, 3, attempt) is not None
-    assert read_record(a, 1, 3, (2, 1, -1)) is None  # another attempt's: never passes

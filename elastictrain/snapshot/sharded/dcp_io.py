@@ -46,7 +46,7 @@ from torch.futures import Future
 from elastictrain.config import ChecksumAlgorithm
 from elastictrain.errors import SnapshotCorrupt, StorageError
 from elastictrain.snapshot.checksum import HashingWriter, checksum_bytes
-from elastictrain.snapshot.pacing import PacedWriter
+from elastictrain.snapshot.pacing import Pace, PacedWriter
 from elastictrain.snapshot.tensorbytes import tensor_bytes
 from elastictrain.storage.api import Store
 
@@ -133,16 +133,16 @@ class StoreWriter(StorageWriter):
         algorithm: checksum algorithm of the manifest.
         on_finish: runs on the coordinator with DCP's global metadata and every
             rank's part, after all parts are durable (writes the commit).
-        max_bytes_per_s: this rank's write held to that rate (snapshot/pacing.py).
+        pace: this rank's write held to that pace (snapshot/pacing.py).
     """
 
     def __init__(self, store: Store, step_dir: str, token: str, algorithm: ChecksumAlgorithm,
                  on_finish: Callable[[Metadata, list[RankPart]], None],
-                 max_bytes_per_s: float | None = None) -> None:
+                 pace: Pace | None = None) -> None:
         super().__init__()
         self._store, self._dir, self._token = store, step_dir, token
         self._algorithm = algorithm
-        self._max_bytes_per_s = max_bytes_per_s
+        self._pace = pace
         self._on_finish = on_finish
         self._rank = 0
         # True once this rank's part is durable, until the coordinator's finish() starts:
@@ -170,7 +170,7 @@ class StoreWriter(StorageWriter):
         results: list[WriteResult] = []
         items: list[ItemLocation] = []
         with self._store.open_write(f"{self._dir}/{name}") as sink:
-            whole = HashingWriter(PacedWriter.wrap(sink, self._max_bytes_per_s),
+            whole = HashingWriter(PacedWriter.wrap(sink, self._pace),
                                   self._algorithm)
             for write_item in plan.items:
                 shape: tuple[int, ...]

@@ -56,7 +56,7 @@ from elastictrain.storage.api import Store
 log = get_logger("elastictrain.snapshot")
 
 CHUNK_BYTES = 16 << 20  # per message: (1 + sources) buffers of this size per rank
-TAG_PARTS = 13  # apart from peer_transport's TAG_COPY and TAG_RECORDS
+TAG_PARTS = 13  # apart from peer_transport's TAG_COPY
 
 
 class ShardedMemorySaver(ShardedSaver):

@@ -47,7 +47,7 @@ from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.persister import SaveHandle, SaveState
 from elastictrain.snapshot.restore import LoadedSnapshot
 from elastictrain.snapshot.retention import prune
-from elastictrain.snapshot.saver import InFlightSave
+from elastictrain.snapshot.saver import InFlightSave, background_pace
 from elastictrain.snapshot.saver_interface import LoadRequest, SaverSettings
 from elastictrain.snapshot.sharded.commit import commit_sharded
 from elastictrain.snapshot.sharded.dcp_io import (
@@ -162,6 +162,7 @@ class ShardedSaver(InFlightSave):
         self._writer: StoreWriter | None = None
         self._peer_waits = 0
         super().__init__(store)
+        self.pace = background_pace(settings, "sync" if settings.mode == "sync" else "thread")
 
     def warm_up(self) -> None:
         return None
@@ -218,11 +219,10 @@ class ShardedSaver(InFlightSave):
             committed.append(self._commit_parts(meta, token, parts, dump_metadata(metadata),
                                                 train_bytes, timing["persist_started"]))
 
-        paced = self._settings.persist_max_bytes_per_s if self._settings.mode == "async" else None
         writer = StoreWriter(self.counted_store, layout.step_dir(meta.step), token,
                              meta.checksum_algorithm,
                              lambda metadata, parts: context.run(on_finish, metadata, parts),
-                             max_bytes_per_s=paced)
+                             pace=self.pace)
         self._writer = writer
         kwargs: dict[str, Any] = {"storage_writer": writer, "planner": DefaultSavePlanner(),
                                   "process_group": self._group,
@@ -307,7 +307,8 @@ class ShardedSaver(InFlightSave):
         return None
 
     def close(self) -> None:
-        """Wait for the save in flight; raise a failure not yet raised."""
+        """Wait for the save in flight (at full speed); raise a failure not yet raised."""
+        self.hurry()
         self.wait()
 
 

@@ -1,0 +1,150 @@
+"""The connections the rescue's boundary records travel on between nodes
+(snapshot/peer_records.py): one TCP connection from each rank to each of its record
+targets, opened once at manager setup.
+
+Why not the memory tier's gloo group: a record crosses every step, and each gloo send
+and receive wakes threads on both sides that a training step already keeps busy; a
+record written to a socket from the training thread is one system call there and one
+wakeup of the receiving thread. Measured in docs/memory-tier.md#figures-across-nodes.
+
+Setup is a collective (every rank calls ``connect_record_links`` together): each rank
+listens on the address its host reaches the job's master by, the addresses and a token
+of this attempt are all-gathered, each rank connects to its targets and accepts its
+sources. A connection whose first bytes are not this attempt's token and an expected
+source's rank is closed unread: nothing another run (or anyone else) sends is kept.
+A target that cannot be reached within ``CONNECT_TIMEOUT_S`` gets no records (logged);
+the job goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+
+from elastictrain.dist import DistContext
+from elastictrain.log import get_logger
+
+log = get_logger("elastictrain.snapshot")
+
+CONNECT_TIMEOUT_S = 30.0
+_HELLO = struct.Struct("<8s16si")  # magic, this attempt's token, the sending rank
+_MAGIC = b"ETRECv1\0"
+
+
+@dataclass
+class RecordLinks:
+    """This rank's connections: ``outgoing[target]`` and ``incoming[source]``."""
+
+    outgoing: dict[int, socket.socket] = field(default_factory=dict)
+    incoming: dict[int, socket.socket] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for sock in (*self.outgoing.values(), *self.incoming.values()):
+            with contextlib.suppress(OSError):
+                sock.close()
+        self.outgoing.clear()
+        self.incoming.clear()
+
+
+def reachable_host() -> str:
+    """The address of this host's interface that routes to the job's master
+    (``MASTER_ADDR``): the one other nodes of the job reach it by. A UDP socket's
+    ``connect`` picks the route and sends nothing. Without a master: the host name's
+    address."""
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            family, _, _, _, address = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(address)
+                return str(probe.getsockname()[0])
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def connect_record_links(ctx: DistContext, targets: list[int],
+                         sources: list[int]) -> RecordLinks:
+    """(all ranks, together) Connect to ``targets`` and accept ``sources``."""
+    host = reachable_host()
+    listener = socket.create_server((host, 0), family=_family(host), backlog=max(1, len(sources)))
+    try:
+        port = listener.getsockname()[1]
+        token = secrets.token_bytes(16) if ctx.rank == 0 else b""
+        found = ctx.all_gather_object((host, port, token))
+        token = found[0][2]
+        links = RecordLinks()
+        for target in targets:
+            target_host, target_port, _ = found[target]
+            sock = _connect(target_host, target_port, _HELLO.pack(_MAGIC, token, ctx.rank))
+            if sock is None:
+                log.warning("snapshot.records_unlinked", target=target,
+                            address=f"{target_host}:{target_port}")
+                continue
+            links.outgoing[target] = sock
+        links.incoming = _accept(listener, token, set(sources))
+    finally:
+        listener.close()
+    missing = sorted(set(sources) - set(links.incoming))
+    if missing:
+        log.warning("snapshot.records_unlinked", sources=missing)
+    return links
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _connect(host: str, port: int, hello: bytes) -> socket.socket | None:
+    try:
+        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+        sock.sendall(hello)
+    except OSError:
+        return None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a record goes at once
+    return sock
+
+
+def _accept(listener: socket.socket, token: bytes, expected: set[int]) -> dict[int, socket.socket]:
+    """The connections of ``expected`` sources, until each came or the time is up."""
+    accepted: dict[int, socket.socket] = {}
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while set(accepted) != expected:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        listener.settimeout(left)
+        try:
+            sock, _ = listener.accept()
+        except OSError:  # the time is up
+            break
+        source = _hello(sock, token, left)
+        if source is None or source not in expected or source in accepted:
+            sock.close()  # not this attempt's, or not a source of ours: never read
+            continue
+        accepted[source] = sock
+    return accepted
+
+
+def _hello(sock: socket.socket, token: bytes, timeout_s: float) -> int | None:
+    """The sending rank of a connection that opens with this attempt's hello."""
+    sock.settimeout(timeout_s)
+    data = b""
+    try:
+        while len(data) < _HELLO.size:
+            chunk = sock.recv(_HELLO.size - len(data))
+            if not chunk:
+                return None
+            data += chunk
+    except OSError:
+        return None
+    magic, sent_token, rank = _HELLO.unpack(data)
+    if magic != _MAGIC or not secrets.compare_digest(sent_token, token):
+        return None
+    sock.settimeout(None)
+    return int(rank)
