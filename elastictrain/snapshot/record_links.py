@@ -19,6 +19,7 @@ the job goes on.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import secrets
 import socket
@@ -52,20 +53,34 @@ class RecordLinks:
 
 
 def reachable_host() -> str:
-    """The address of this host's interface that routes to the job's master
-    (``MASTER_ADDR``): the one other nodes of the job reach it by. A UDP socket's
-    ``connect`` picks the route and sends nothing. Without a master: the host name's
-    address."""
-    master = os.environ.get("MASTER_ADDR")
-    if master:
-        try:
-            family, _, _, _, address = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
-            with socket.socket(family, socket.SOCK_DGRAM) as probe:
-                probe.connect(address)
-                return str(probe.getsockname()[0])
-        except OSError:
-            pass
-    return socket.gethostbyname(socket.gethostname())
+    """The address of this host that other nodes of the job reach it by: the source
+    address of the route to the job's master (``MASTER_ADDR``). Where that is a loopback
+    address (the master is this host and its name resolves to 127.0.1.1, as Debian's
+    ``/etc/hosts`` has it), the source address of the default route instead, if there is
+    one; a loopback address only when nothing else routes (then the job is on one host)."""
+    found = [address for destination in (os.environ.get("MASTER_ADDR"), _ANY_PUBLIC)
+             if destination and (address := _route_source(destination)) is not None]
+    for address in found:
+        if not ipaddress.ip_address(address).is_loopback:
+            return address
+    return found[0] if found else socket.gethostbyname(socket.gethostname())
+
+
+# A public address to ask the routing table about; nothing is ever sent to it.
+_ANY_PUBLIC = "192.0.2.1"  # TEST-NET-1 (RFC 5737): routed by the default route only
+
+
+def _route_source(destination: str) -> str | None:
+    """The local address the kernel would send from to ``destination`` (a UDP socket's
+    ``connect`` picks the route and sends nothing), or None without a route."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(destination, 9,
+                                                      type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
 
 
 def connect_record_links(ctx: DistContext, targets: list[int],

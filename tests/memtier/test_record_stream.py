@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain.snapshot import rescue
+from elastictrain.snapshot import record_links, rescue
 from elastictrain.snapshot.peer_records import _ENVELOPE, RecordStream
 from elastictrain.snapshot.record_links import (
     _HELLO,
@@ -209,3 +209,18 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
         assert chunk, "the connection ended early"
         data += chunk
     return data
+
+
+@pytest.mark.parametrize(("routes", "expected"), [
+    ({"master": "10.0.0.5", record_links._ANY_PUBLIC: "10.0.0.5"}, "10.0.0.5"),
+    # the master is this host, its name resolving to a loopback address: the default
+    # route's source is what other hosts reach
+    ({"master": "127.0.1.1", record_links._ANY_PUBLIC: "10.0.0.7"}, "10.0.0.7"),
+    ({"master": "127.0.0.1"}, "127.0.0.1"),  # no default route: one host
+    ({"master": None, record_links._ANY_PUBLIC: "10.0.0.7"}, "10.0.0.7"),
+])
+def test_the_address_other_nodes_reach_is_never_loopback_when_another_routes(
+        routes: dict[str, str | None], expected: str, monkeypatch: Any) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "master")
+    monkeypatch.setattr(record_links, "_route_source", lambda dest: routes.get(dest))
+    assert record_links.reachable_host() == expected
