@@ -151,11 +151,11 @@ class RecordStream:
                     except OSError as exc:
                         self._failed(exc)
                     self.received[source] += 1
-        except (OSError, EOFError) as exc:  # the source is gone (its node died) or closed
-            if not isinstance(exc, EOFError):
-                log.info("snapshot.records_stopped", direction="receive", source=source,
-                         received=self.received[source],
-                         error=f"{type(exc).__name__}: {str(exc)[:200]}")
+        except (OSError, EOFError) as exc:  # the connection ended before the end message:
+            # the source is gone (its node died)
+            log.info("snapshot.records_stopped", direction="receive", source=source,
+                     received=self.received[source],
+                     error=f"{type(exc).__name__}: {str(exc)[:200]}")
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd)

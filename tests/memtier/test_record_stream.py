@@ -142,6 +142,28 @@ def test_a_target_that_is_gone_stops_the_sending_not_the_loop(tmp_path: Path) ->
     assert [(e["direction"], e["target"]) for e in stopped] == [("send", 1)]
 
 
+def test_a_source_that_vanishes_is_reported_with_what_it_sent(tmp_path: Path) -> None:
+    """The source's connection ends without its end message (its node was killed): the
+    receiver says so, with the records it had (what the node-chaos checks read)."""
+    a, b = _boundary_dirs(tmp_path)
+    links_a, links_b = _linked()
+    with capture_logs() as logs:
+        on_a = RecordStream(links_a, 0, a, lambda exc: None)
+        on_b = RecordStream(links_b, 1, b, lambda exc: None)
+        record = BoundaryRecord(b, 1, ATTEMPT, lambda: [])
+        for step in (1, 2):
+            data = record.record(step)
+            assert data is not None
+            on_b.publish(data)
+        wait_for(lambda: on_a.received[1] == 2, 60, "both records on A")
+        links_b.close()  # killed: no end message, the kernel closes its connections
+        wait_for(lambda: any(e["event"] == "snapshot.records_stopped" for e in logs), 60,
+                 "the receiver's report")
+        on_a.close()
+    (stopped,) = [e for e in logs if e["event"] == "snapshot.records_stopped"]
+    assert (stopped["direction"], stopped["source"], stopped["received"]) == ("receive", 1, 2)
+
+
 def test_a_connection_without_this_attempts_token_is_closed_unread() -> None:
     token = os.urandom(16)
     listener = socket.create_server(("127.0.0.1", 0))
