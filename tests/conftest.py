@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 
+# Demo runs that several test modules check (one run each per session).
+pytest_plugins = ["tests.shared_runs"]
+
 # Markers that start processes by definition.
 IMPLY_PROCESSES = ("distributed", "bench")
 

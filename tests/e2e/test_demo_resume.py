@@ -18,9 +18,9 @@ from tests.helpers import REPO, events, run_cli, run_demo_json, started, wait_fo
 pytestmark = pytest.mark.distributed
 
 
-def test_kill_resumes_from_last_committed_step(tmp_path: Path) -> None:
-    out = run_demo_json(tmp_path, f"--storage={tmp_path / 's'}", "--steps=60",
-                        "--snapshot-every=10", "--kill-at=34")
+def test_kill_resumes_from_last_committed_step(tmp_path: Path,
+                                              one_kill_demo: dict[str, Any]) -> None:
+    out = one_kill_demo
     assert out["restarts"] == 1
     assert out["resumed_from"] == [None, 30]  # the last commit before the kill at 34
     assert out["lost_steps"] == 4

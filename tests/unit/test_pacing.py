@@ -93,9 +93,9 @@ def _commits(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in logs if e["event"] == "snapshot.committed"]
 
 
-# 20 kB/s: the toy state's snapshots (a few kB each) take a measurable fraction of a
+# 100 kB/s: the toy state's snapshots (about 20 kB) take a measurable fraction of a
 # second paced and a few milliseconds unpaced.
-_RATE_MB_S = 0.02
+_RATE_MB_S = 0.1
 
 
 @pytest.mark.parametrize(("sharded", "persister"),

@@ -7,18 +7,18 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.helpers import child_env, kill_session, run_cli, run_demo_json, started, wait_for
+from tests.helpers import child_env, kill_session, run_cli, started, wait_for
 
 pytestmark = pytest.mark.distributed
 
 
-def test_status_json_of_a_finished_killed_run(tmp_path: Path) -> None:
-    storage = tmp_path / "s"
-    out = run_demo_json(tmp_path, f"--storage={storage}", "--steps=60", "--snapshot-every=10",
-                        "--kill-at=34")
+def test_status_json_of_a_finished_killed_run(tmp_path: Path,
+                                              one_kill_demo: dict[str, Any]) -> None:
+    out, storage = one_kill_demo, one_kill_demo["storage"]
     result = run_cli(["status", str(storage), "--json"], tmp_path)
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
