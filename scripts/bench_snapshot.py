@@ -86,6 +86,7 @@ from benchlib import (
     fmt,
     free_port,
     load_average,
+    memory_copy_ratio,
     noisy,
     plot_curve,
     spread,
@@ -568,12 +569,15 @@ def method_process(spec: MethodSpec, size_mb: float, batch: int, saves: int, roo
     trainer = Trainer.build(size_mb, batch=batch)
     trainer.step()  # AdamW creates its state on the first step
     free_core = busy_loop_ratio(trainer.step)
+    # The floor of a persist's memory traffic beside this loop: half the state, copied.
+    copy_floor = memory_copy_ratio(trainer.step, max(1, trainer.state_bytes() // 2 // MIB))
     trainer.steps.clear()
     raw_w = raw_write_s(Path(root), trainer.state_bytes())
     method = spec.build(Path(root), trainer)
     result = measure(method, trainer, saves, Path(root), raw_w)
     Path(out).write_text(json.dumps({
         "result": asdict(result), "raw_write_s": raw_w, "free_core": free_core,
+        "copy_floor": copy_floor,
         "state_bytes": trainer.state_bytes(),
         "staging_bytes": getattr(method, "staging_bytes", None),
         "fwd_bwd_s": statistics.median(trainer.fwd_bwd_s) if trainer.fwd_bwd_s else None}))
@@ -671,7 +675,9 @@ def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
                  "durable_s": [r.durable_s for r in runs],
                  "blocking_floor_s": floor,
                  "blocking_floor_ratio_vs_sync": floor / sync.blocking_s,
-                 "fwd_bwd_s": fwd_bwd},
+                 "fwd_bwd_s": fwd_bwd,
+                 "step_rate_ratio_with_memory_copy": [found[spec]["copy_floor"]
+                                                      for spec in ours_runs]},
         "paced_runs": {"persist_max_mb_s": args.paced_mb_s, "count": len(paced),
                        "step_rate_ratio_during_persist": paced_ratios,
                        "step_rate_ratio_spread": spread(paced_ratios) if paced_ratios else None,
@@ -687,6 +693,8 @@ def run(args: argparse.Namespace, root: Path, size_mb: float) -> dict[str, Any]:
                   "default_persister": default, "default_restore_mode": restore_mode,
                   "load_avg_before": load_before, "load_avg_after": load_after,
                   "step_rate_ratio_with_busy_loop": free_core,
+                  "step_rate_ratio_with_memory_copy": statistics.median(
+                      f["copy_floor"] for f in found.values()),
                   "noisy": noisy(load_before, load_after, free_core)},
         "raw_write_s": raw_w,
         "methods": [asdict(r) for r in results],
@@ -742,6 +750,10 @@ def table(report: dict[str, Any]) -> str:
         f"{setup['load_avg_after']:.2f}; step rate with a busy-loop process beside the "
         f"loop: {setup['step_rate_ratio_with_busy_loop']:.0%} of without (100%: a core is free)"
         + ("  (NOISY: other work was running)" if setup["noisy"] else ""),
+        *([] if setup.get("step_rate_ratio_with_memory_copy") is None else [
+            "step rate with a process copying half the state in a loop beside the loop: "
+            f"{setup['step_rate_ratio_with_memory_copy']:.0%} of without (the floor of a "
+            "persist's memory traffic on this host)"]),
         "",
         f"{'method':40s} {'block s':>8s} {'durable s':>9s} {'persist s':>9s} "
         f"{'steps%':>7s} {'raw wr s':>8s} {'vs raw':>6s} {'unpair':>6s} {'1st blk':>8s} "

@@ -52,6 +52,24 @@ def load_average() -> float:
 def busy_loop_ratio(work: Callable[[], None], repeats: int = 6) -> float:
     """Rate of ``work`` with a pure busy-loop process beside it over the rate without:
     about 1.0 when a core is really free, about 0.5 when other work already uses it."""
+    return _ratio_beside(work, "print('ready', flush=True)\nwhile True: pass", repeats)
+
+
+def memory_copy_ratio(work: Callable[[], None], mib: int, repeats: int = 6) -> float:
+    """Rate of ``work`` with a process beside it that copies a ``mib`` MiB tensor into
+    another in a loop (torch, one thread) over the rate without: what a stream of memory
+    traffic on the other core costs ``work`` on this host, with no file, no lock and no
+    interpreter in common: the floor under a persist that copies and checksums the state
+    while ``work`` runs."""
+    code = ("import torch\ntorch.set_num_threads(1)\n"
+            f"a = torch.ones({mib} << 20, dtype=torch.uint8)\nb = torch.empty_like(a)\n"
+            "b.copy_(a)\nprint('ready', flush=True)\nwhile True: b.copy_(a)")
+    return _ratio_beside(work, code, repeats)
+
+
+def _ratio_beside(work: Callable[[], None], code: str, repeats: int) -> float:
+    """Rate of ``work`` beside a process running ``code`` over the rate without; the
+    process says ``ready`` once its loop is about to start (measured from then)."""
     def rate() -> float:
         started = time.perf_counter()
         for _ in range(repeats):
@@ -59,8 +77,9 @@ def busy_loop_ratio(work: Callable[[], None], repeats: int = 6) -> float:
         return repeats / (time.perf_counter() - started)
 
     alone = rate()
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    hog = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "ready"
         with_hog = rate()
     finally:
         hog.kill()

@@ -48,6 +48,9 @@ def test_a_tiny_run_reports_every_figure_and_replays_from_json(tmp_path: Path) -
     assert point["paced_runs"]["persist_max_mb_s"] == 500
     assert len(point["paced_runs"]["durable_s"]) == 1
     assert "step_rate_ratio_during_persist_paced" in point["targets"]
+    assert point["setup"]["step_rate_ratio_with_memory_copy"] > 0
+    assert len(point["runs"]["step_rate_ratio_with_memory_copy"]) == 1
+    assert "a process copying half the state" in done.stdout
     # The table is printed too, with the 1-rank restore line.
     assert "restore (1 rank)" in done.stdout
 
