@@ -33,7 +33,7 @@ from pathlib import Path
 
 from elastictrain.localfiles import open_private
 from elastictrain.log import get_logger
-from elastictrain.snapshot.record_links import RecordLinks
+from elastictrain.snapshot.record_links import RecordLinks, read_exactly, read_into
 from elastictrain.snapshot.rescue import SLOT_BYTES, record_length, write_peer_record
 
 log = get_logger("elastictrain.snapshot")
@@ -140,11 +140,11 @@ class RecordStream:
         body = bytearray(SLOT_BYTES)
         try:
             while True:
-                kind, _, sent_length = _ENVELOPE.unpack(_read_exactly(sock, _ENVELOPE.size))
+                kind, _, sent_length = _ENVELOPE.unpack(read_exactly(sock, _ENVELOPE.size))
                 if kind != _RECORD or not 0 < sent_length <= SLOT_BYTES:
                     return
                 view = memoryview(body)[:sent_length]
-                _read_into(sock, view)
+                read_into(sock, view)
                 if record_length(view) == sent_length:
                     try:
                         write_peer_record(fd, bytes(view))
@@ -159,19 +159,3 @@ class RecordStream:
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def _read_exactly(sock: socket.socket, size: int) -> bytes:
-    data = bytearray(size)
-    _read_into(sock, memoryview(data))
-    return bytes(data)
-
-
-def _read_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; EOFError when the connection ends first."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise EOFError("the connection ended")
-        got += n

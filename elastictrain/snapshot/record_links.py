@@ -149,17 +149,28 @@ def _accept(listener: socket.socket, token: bytes, expected: set[int]) -> dict[i
 def _hello(sock: socket.socket, token: bytes, timeout_s: float) -> int | None:
     """The sending rank of a connection that opens with this attempt's hello."""
     sock.settimeout(timeout_s)
-    data = b""
     try:
-        while len(data) < _HELLO.size:
-            chunk = sock.recv(_HELLO.size - len(data))
-            if not chunk:
-                return None
-            data += chunk
-    except OSError:
+        data = read_exactly(sock, _HELLO.size)
+    except (OSError, EOFError):
         return None
     magic, sent_token, rank = _HELLO.unpack(data)
     if magic != _MAGIC or not secrets.compare_digest(sent_token, token):
         return None
     sock.settimeout(None)
     return int(rank)
+
+
+def read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = bytearray(size)
+    read_into(sock, memoryview(data))
+    return bytes(data)
+
+
+def read_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; EOFError when the connection ends first."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError("the connection ended")
+        got += n

@@ -24,6 +24,7 @@ from elastictrain.snapshot.record_links import (
     RecordLinks,
     _accept,
     connect_record_links,
+    read_exactly,
 )
 from elastictrain.snapshot.rescue import SLOT_BYTES, BoundaryRecord, read_record
 from tests.helpers import wait_for
@@ -110,7 +111,7 @@ def test_a_target_that_stops_reading_never_blocks_and_messages_stay_whole(
     assert _read_steps(unread, 2) == [went, 401]
     closer = threading.Thread(target=stream.close, daemon=True)
     closer.start()
-    assert _ENVELOPE.unpack(_recv_exactly(unread, _ENVELOPE.size))[0] == 0  # the end
+    assert _ENVELOPE.unpack(read_exactly(unread, _ENVELOPE.size))[0] == 0  # the end
     closer.join(60)
     assert not closer.is_alive()
 
@@ -119,8 +120,8 @@ def _read_steps(sock: socket.socket, count: int) -> list[int]:
     """The steps of the next ``count`` messages, each checked whole."""
     steps = []
     for _ in range(count):
-        kind, rank, length = _ENVELOPE.unpack(_recv_exactly(sock, _ENVELOPE.size))
-        body = _recv_exactly(sock, length)
+        kind, rank, length = _ENVELOPE.unpack(read_exactly(sock, _ENVELOPE.size))
+        body = read_exactly(sock, length)
         assert kind == 1 and rank == 0 and rescue.record_length(body) == length
         steps.append(rescue._HEADER.unpack_from(body)[1])
     return steps
@@ -223,14 +224,6 @@ def test_every_rank_links_to_its_targets_and_from_its_sources(ranks: int,
         for one in links.values():
             one.close()
 
-
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        assert chunk, "the connection ended early"
-        data += chunk
-    return data
 
 
 @pytest.mark.parametrize(("routes", "expected"), [
