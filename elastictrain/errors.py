@@ -94,5 +94,11 @@ class RestoreOverwrote(ElasticTrainError):
     exit_code = EXIT_FATAL
 
 
+class RunEndNotAgreed(ElasticTrainError):
+    """At ``SnapshotManager.close()`` a peer rank failed, or did not reach its own
+    ``close()`` in time: the run has not ended. A failure, so that the launcher restarts
+    the workers, which resume from the newest snapshot and reach the end together."""
+
+
 class SnapshotWriteFailed(StorageError):
     """Too many consecutive background persists failed."""

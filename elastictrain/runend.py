@@ -8,6 +8,12 @@ fails after that mark (in teardown, or while a peer on another node has already 
 failed after the run's end: its agent waits for its other workers and ends the job with
 exit 0 instead of restarting a finished run (``agent.py``). Under plain torchrun the
 variable is unset and only the agreement runs.
+
+No agreement (a peer failed, or never came) is a failure of the run's end:
+``SnapshotManager.close()`` raises, and the launcher (torchrun's agent or ours) restarts
+the workers. A survivor that exited 0 instead would leave its agent waiting for the
+lost node in torchrun's exit barrier while that node's replacement waits in a
+rendezvous no one else joins.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ log = get_logger("elastictrain.runend")
 
 def agree_and_mark(ctx: DistContext, timeout_s: float = AGREEMENT_TIMEOUT_S) -> bool:
     """Whether every rank reached the end; if so, this process is marked as ended for
-    its agent. A peer that failed or never came makes it False (logged, not raised:
-    the agent then handles this worker's exit as usual)."""
+    its agent. A peer that failed or never came makes it False (logged here; the
+    caller raises)."""
     if ctx.initialized:
         try:
             # A peer still finishing its last save (a slow upload that moves) is no hang.

@@ -26,9 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch.utils.serialization import config as serialization_config
-
 from elastictrain.config import ChecksumAlgorithm
 from elastictrain.errors import (
     SnapshotCorrupt,
@@ -42,7 +39,6 @@ from elastictrain.snapshot.checksum import HashingWriter
 from elastictrain.snapshot.manifest import FORMAT_VERSION, Manifest, ObjectEntry
 from elastictrain.snapshot.pacing import Pace, PacedWriter
 from elastictrain.snapshot.reader import read_manifest, verify_snapshot
-from elastictrain.snapshot.views import StorageIndex, as_bytes, to_views
 from elastictrain.storage.api import Store
 from elastictrain.version import __version__
 
@@ -76,6 +72,10 @@ def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm,
     belongs to the persister until its save is done). ``pace`` holds the whole
     pipeline (checksum, copy, write) to its rate (snapshot/pacing.py).
     """
+    # torch is imported where it is used: the CLI lists and prunes snapshots without it.
+    import torch
+    from torch.utils.serialization import config as serialization_config
+
     keep = getattr(sink, "keep_references_to", None)
     if keep is not None:
         keep(_cpu_storages(payload))
@@ -89,6 +89,8 @@ def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm,
 
 def _cpu_storages(payload: Any) -> list[Any]:
     """The payload's CPU tensor storages, as byte arrays sharing their memory."""
+    from elastictrain.snapshot.views import StorageIndex, as_bytes, to_views
+
     index = StorageIndex()
     to_views(payload, index)
     return [as_bytes(storage).numpy() for storage in index.storages
@@ -198,6 +200,8 @@ def build_manifest(meta: SnapshotMeta, objects: list[ObjectEntry],
                    format_version: int = FORMAT_VERSION) -> Manifest:
     """The manifest of ``meta``'s snapshot naming ``objects``, signed when a signing key
     is set (every format: replicated and sharded)."""
+    import torch
+
     return signing.sign(Manifest(
         format_version=format_version,
         run_id=meta.run_id,

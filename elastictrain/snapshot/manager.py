@@ -49,7 +49,7 @@ from elastictrain import preempt, runend, runtime, watchdog
 from elastictrain.config import SnapshotConfig, StorageConfig
 from elastictrain.data import ElasticSampler
 from elastictrain.dist import DistContext
-from elastictrain.errors import SnapshotWriteFailed
+from elastictrain.errors import RunEndNotAgreed, SnapshotWriteFailed
 from elastictrain.log import bind_step, get_logger
 from elastictrain.snapshot.copy_fence import CopyFence
 from elastictrain.snapshot.digest import param_digest
@@ -384,16 +384,27 @@ class SnapshotManager:
 
         Args:
             finished: more fields for the ``run.finished`` event (e.g. ``final_loss``).
+
+        Raises:
+            RunEndNotAgreed: a peer failed, or did not reach ``close()`` in time; the
+                memory snapshots stay for the restart that finishes the run.
         """
         self._fence.remove()
         self._rescuer.close()
         self._saver.close()
-        self._node_memory.close()
+        self._node_memory.finish_saves()
         digest = None
         if self.ctx.is_writer and not self.sharded:
             digest = param_digest(unwrap(self.model))
             log.info("params.digest", param_digest=digest)
-        runend.agree_and_mark(self.ctx)
+        agreed = runend.agree_and_mark(self.ctx)
+        self._node_memory.close(keep_snapshots=not agreed)
+        if not agreed:
+            raise RunEndNotAgreed(
+                "the run's end was not agreed: a peer rank failed, or did not reach "
+                f"close() within {runend.AGREEMENT_TIMEOUT_S:.0f} s (run.end_not_agreed "
+                "says which); the launcher restarts the workers, which resume from the "
+                "newest snapshot and finish the run")
         if self.ctx.rank == 0:
             runtime.log_finished(**{"final_step": self.step_count, "epoch": self.epoch,
                                     "param_digest": digest, **finished})

@@ -160,15 +160,21 @@ class NodeMemory:
             rescue.clear_marks(tier.boundary)
         return not lost, bool(rescued_anywhere)
 
-    def close(self) -> None:
-        """The run finished: remove this node's memory snapshots (only here: after a
-        failure the restart needs them)."""
+    def finish_saves(self) -> None:
+        """Wait for the memory save in flight (its copies to buddies included) and stop
+        the memory saver: before the end agreement, while every peer still listens."""
         if self.saver is not None:
             try:
                 self.saver.close()
             except SnapshotWriteFailed as exc:  # durable storage holds the run's result
                 log.warning("snapshot.memory_failed", error=str(exc), tier="memory")
-        if self.saver is not None and self._owner:
+
+    def close(self, keep_snapshots: bool = False) -> None:
+        """The run finished: remove this node's memory snapshots (only here: after a
+        failure the restart needs them). ``keep_snapshots``: the run's end was not
+        agreed, and the restart that follows resumes from them."""
+        self.finish_saves()
+        if self.saver is not None and self._owner and not keep_snapshots:
             assert self.tier is not None
             memory.remove_all(self.tier)
         elif self.tier is not None:

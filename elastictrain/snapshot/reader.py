@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from elastictrain.config import ChecksumAlgorithm
 from elastictrain.errors import (
@@ -34,12 +34,14 @@ from elastictrain.errors import (
     StorageNotFoundError,
 )
 from elastictrain.log import get_logger
-from elastictrain.snapshot import layout, onepass, signing
+from elastictrain.snapshot import layout, signing
 from elastictrain.snapshot.checksum import new_hasher
-from elastictrain.snapshot.loadable import runs_code
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest, ObjectEntry
 from elastictrain.snapshot.sharded.reader import verify_sharded
 from elastictrain.storage.api import Store
+
+if TYPE_CHECKING:
+    from elastictrain.snapshot.onepass import InPlace
 
 log = get_logger("elastictrain.snapshot")
 
@@ -106,7 +108,7 @@ def newest_first(store: Store) -> Iterator[Candidate]:
 
 def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None,
                     load: bool = False,
-                    in_place: onepass.InPlace | None = None) -> VerifiedSnapshot:
+                    in_place: InPlace | None = None) -> VerifiedSnapshot:
     """Check ``step``'s payload against its manifest; with ``load``, deserialize it
     while its checksum is computed over the same reads.
 
@@ -233,10 +235,12 @@ def _verify_spooled(store: Store, path: str, entry: ObjectEntry, manifest: Manif
 
 def _load_one_pass(store: Store, path: str, local: str, entry: ObjectEntry,
                    manifest: Manifest, where: str,
-                   in_place: onepass.InPlace | None) -> VerifiedSnapshot | None:
+                   in_place: InPlace | None) -> VerifiedSnapshot | None:
     """A local payload (at ``local`` on this machine) read once, straight into the
     restored tensors, its checksum computed on the way (snapshot/onepass.py); None
     (the caller streams) when its layout is not recognised."""
+    from elastictrain.snapshot import onepass  # torch: not for the CLI's listings
+
     layout_plan = onepass.plan(local)
     if layout_plan is None:
         return None
@@ -362,6 +366,8 @@ def _unloadable(where: str, exc: Exception) -> SnapshotUnloadable:
             f"({type(exc).__name__}: {first_line}); the run stops (older snapshots of this "
             "script fail the same way); fix: save only tensors, numbers, strings and "
             "containers of them, and resume from a fresh --storage")
+    from elastictrain.snapshot.loadable import runs_code  # torch: not for CLI listings
+
     name = found.group(1)
     if runs_code(name):  # no writer of elastictrain's puts a callable there: never allowlist
         return SnapshotUnloadable(

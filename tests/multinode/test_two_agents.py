@@ -213,7 +213,9 @@ def test_both_agents_end_cleanly(cluster: Any, launcher: str, nnodes: str, scrip
 
 # A short run, then what ranks do after close(): "fail" (rank 1 dies after the agreed
 # end, as a worker aborting in teardown would; rank 0 still writes FLAG) or "late" (rank 1
-# writes FLAG and evaluates for an hour while rank 0's node waits for it).
+# writes FLAG and evaluates for an hour while rank 0's node waits for it). Or before it:
+# "vanish" (rank 1 writes its pid to FLAG after its last step and waits there, once, for
+# the test to take its node away before the end is agreed).
 AFTER_THE_END = '''
 import os, sys, time, torch
 import elastictrain as et
@@ -225,6 +227,10 @@ snap = et.SnapshotManager(storage, model=model, optimizer=opt, ctx=rt.ctx, every
 snap.restore()
 while snap.step_count < 10:
     model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad(); snap.step()
+if mode == "vanish" and rt.rank == 1 and not os.path.exists(flag):
+    open(flag + ".tmp", "w").write(str(os.getpid()))
+    os.rename(flag + ".tmp", flag)
+    time.sleep(3600)
 snap.close()
 if mode == "fail" and rt.rank == 1:
     os._exit(3)
@@ -237,10 +243,11 @@ if mode == "late" and rt.rank == 1:
 '''
 
 
-def after_the_end(cluster: Any, tmp_path: Path, mode: str) -> tuple[Cluster, Path]:
+def after_the_end(cluster: Any, tmp_path: Path, mode: str,
+                  launcher: str = "run") -> tuple[Cluster, Path]:
     script, flag = tmp_path / "after_the_end.py", tmp_path / "flag"
     script.write_text(AFTER_THE_END)
-    job = cluster("run", "2:2")
+    job = cluster(launcher, "2:2")
     job.script, job.script_args = script, [mode, str(flag)]
     return job, flag
 
@@ -295,4 +302,28 @@ def test_a_node_lost_and_replaced_mid_run(cluster: Any) -> None:
     assert_clean_end(job)
     resumed = [e for e in worker_events(job, "resume") if e.get("from_step")]
     assert resumed and all(e["from_step"] >= 10 for e in resumed)
+    assert {e["world_size"] for e in resumed} == {2}
+
+
+@pytest.mark.parametrize("launcher", ["run", "torchrun"])
+def test_a_node_lost_after_its_last_step_and_replaced_ends_the_run(
+        cluster: Any, tmp_path: Path, launcher: str) -> None:
+    """Node B is lost after its last step and before the end agreement in close(): the
+    survivor's close() raises (no agreed end) instead of exiting 0 into torchrun's exit
+    barrier, its launcher restarts it, and with B's replacement the job resumes at the
+    end and finishes, every agent 0."""
+    job, flag = after_the_end(cluster, tmp_path, "vanish", launcher)
+    job.start()
+    job.start()
+    wait_until(flag.exists, 180, "rank 1 after its last step")
+    vanishing = int(flag.read_text())
+    lost = next(n for n in job.nodes if vanishing in descendants(n.proc.pid))
+    kill_tree(lost.proc.pid)
+    lost.proc.wait(timeout=30)
+    job.nodes.remove(lost)
+    job.start()
+    assert job.wait_all(timeout=240) == [0, 0]
+    assert_clean_end(job)
+    assert worker_events(job, "run.end_not_agreed"), "the survivor saw no failed end"
+    resumed = [e for e in worker_events(job, "resume") if e.get("from_step")]
     assert {e["world_size"] for e in resumed} == {2}

@@ -12,6 +12,7 @@ objects no manifest names are never loaded.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from elastictrain.errors import StorageConflictError
 from elastictrain.log import get_logger
@@ -24,8 +25,10 @@ from elastictrain.snapshot.manifest import (
     Manifest,
     ObjectEntry,
 )
-from elastictrain.snapshot.sharded.dcp_io import RankPart
 from elastictrain.storage.api import Store
+
+if TYPE_CHECKING:  # DCP imports torch: the CLI lists and prunes snapshots without it
+    from elastictrain.snapshot.sharded.dcp_io import RankPart
 
 log = get_logger("elastictrain.snapshot")
 
