@@ -309,7 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
         "path, and the harness puts each run's directory there, e.g.\n"
         "  elastictrain chaos --trials 3 -- examples/ddp_resumable.py {storage}\n"
         "A command line without {storage} is refused: the checks read the snapshots in "
-        "the run's own directory, which the script would never write.",
+        "the run's own directory, which the script would never write.\n\n"
+        "--faults node runs the job on --nodes agents and loses one node per trial, on the "
+        "demo or on a script, e.g.\n"
+        "  elastictrain chaos --faults node --nodes 2 --trials 2 -- examples/ddp_resumable.py "
+        "{storage}\n"
+        "A script's steps are read from its train.progress events (logged every step "
+        "for the trial): every resume is checked (the newest complete copy, the steps "
+        "lost), and the digest at full size, but not exactly-once data, which needs the "
+        "demo's sample records. Docs: docs/chaos.md",
         epilog="exit codes: 0 every trial passed; 1 a trial failed or the clean run failed; "
         "2 bad input (an option, a script that does not exist, no {storage}); 130/143 "
         "Ctrl-C/SIGTERM, after stopping every process it started.")
@@ -334,9 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --faults node: always (--replace) or never (--no-replace) "
                        "start a new node in place of the lost one (default: drawn per trial)")
     chaos.add_argument("--memory-every", type=int, default=3, metavar="N",
-                       help="with --faults node: the demo's memory snapshot interval")
+                       help="with --faults node: the memory snapshot interval (the demo's "
+                       "option; a script gets it as ELASTICTRAIN_SNAPSHOT__MEMORY_EVERY)")
     chaos.add_argument("--samples", type=int, default=600,
-                       help="with --faults node: the demo's dataset size (several epochs)")
+                       help="with --faults node: the demo's dataset size (several epochs; "
+                       "a script keeps its own)")
     chaos.add_argument("--peer-memory", choices=("auto", "yes", "no"), default="auto",
                        help="with --faults node: whether a node restores from its peers' "
                        "memory and the rescue crosses nodes, which tightens the checks "

@@ -1,8 +1,10 @@
-"""``elastictrain chaos --faults node``: the demo on several agents, one node lost a trial.
+"""``elastictrain chaos --faults node``: a job on several agents, one node lost a trial.
 
-The clean run and every trial run the demo on ``--nodes`` agents (:mod:`.nodes`) with
-the memory tier on (``--memory-every``), each agent with its own memory directory, one
-durable storage, and the demo's per-step sample records. A trial loses one node at a
+The clean run and every trial run the demo (or a user's script) on ``--nodes`` agents
+(:mod:`.nodes`) with the memory tier on (``--memory-every``), each agent with its own
+memory directory, and one durable storage. The demo writes per-step sample records;
+a script's steps are read from its ``train.progress`` events instead
+(:mod:`.stepmarks`). A trial loses one node at a
 drawn time (:class:`~elastictrain.chaos.schedule.NodeFault`): abruptly or silently,
 then replaced by a new agent with an empty memory directory (the job is ``--nnodes
 N:N`` and waits for it) or not (``--nnodes N-1:N``: it goes on one node smaller).
@@ -11,9 +13,10 @@ Checks, besides the single-agent ones that still apply (snapshots verify, nothin
 running, no credential in any file, node memory private and emptied at the end):
 every launcher the harness did not kill exited 0; the final parameters equal the
 clean run's when every surviving step ran at the full world size; each sample trained
-exactly once; each resume read from the newest complete copy and lost no more steps
-than allowed (:mod:`.nodechecks`, which takes what the job can do across nodes as a
-parameter: found from the settings, see :func:`peer_memory`).
+exactly once (the demo only: a script records no samples); each resume read from the
+newest complete copy and lost no more steps than allowed (:mod:`.nodechecks`, which
+takes what the job can do across nodes as a parameter: found from the settings, see
+:func:`peer_memory`; a script's snapshot intervals come from its clean run).
 """
 
 from __future__ import annotations
@@ -38,8 +41,20 @@ from elastictrain.chaos.nodechecks import (
     check_node_resumes,
 )
 from elastictrain.chaos.nodes import Node, NodeJob
-from elastictrain.chaos.runner import ChaosOptions, ChaosReport, TrialResult
+from elastictrain.chaos.runner import (
+    STORAGE_PLACEHOLDER,
+    ChaosOptions,
+    ChaosReport,
+    TrialResult,
+)
 from elastictrain.chaos.schedule import NodeFault, Schedule, make_schedule
+from elastictrain.chaos.stepmarks import (
+    PROGRESS_EVERY_S,
+    final_world_sizes_of,
+    step_marks,
+    unmarked_steps,
+    widest_gap,
+)
 from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec
@@ -58,9 +73,6 @@ def peer_memory() -> bool:
 
 
 def validate_node_options(opts: ChaosOptions) -> None:
-    if opts.script is not None:
-        raise ConfigError("--faults node runs the built-in demo only: its checks read the "
-                          "demo's per-step sample records; fix: drop the script after --")
     if opts.nodes not in (2, 3):
         raise ConfigError(f"--nodes={opts.nodes}: node faults need 2 or 3 agents")
     if opts.memory_every < 1 or opts.samples < 1:
@@ -74,18 +86,16 @@ def run_node_chaos(opts: ChaosOptions, progress: Any = sys.stderr) -> ChaosRepor
     workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="elastictrain-chaos-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     secret = f"chaos-secret-{uuid.uuid4().hex}"
-    expect = Expectation(memory_every=opts.memory_every, durable_every=opts.snapshot_every,
-                         peer_restore=opts.peer if opts.peer is not None else peer_memory(),
-                         cross_node_rescue=opts.peer if opts.peer is not None else peer_memory())
     clean = NodeTrial(opts, workdir / "clean", secret, None)
     clean.execute()
     digest = checks.final_digest(clean.events())
     if any(c != [0] for c in clean.exit_codes().values()) or digest is None:
         raise ElasticTrainError(f"the clean run failed (launcher exit codes "
                                 f"{clean.exit_codes()}); see {workdir / 'clean'}")
+    expect = expectation(opts, clean.events())
     progress.write(f"clean run on {opts.nodes} nodes: {clean.wall_s:.1f}s, digest "
-                   f"{digest[:12]}…; memory every {opts.memory_every}, durable every "
-                   f"{opts.snapshot_every} steps; peer memory "
+                   f"{digest[:12]}…; memory every {expect.memory_every}, durable every "
+                   f"{expect.durable_every} steps; peer memory "
                    f"{'expected' if expect.peer_restore else 'not expected'}; "
                    f"workdir {workdir}\n")
     grace_s = float(load_settings().launch.shutdown_timeout_s)
@@ -93,7 +103,7 @@ def run_node_chaos(opts: ChaosOptions, progress: Any = sys.stderr) -> ChaosRepor
     for trial in range(opts.first, opts.first + opts.trials):
         schedule = make_schedule(opts.seed, trial, opts.faults, clean.wall_s,
                                  opts.nproc * opts.nodes, opts.nodes, opts.replace,
-                                 opts.steps, clean.step_s())
+                                 clean.total_steps(), clean.step_s())
         run = NodeTrial(opts, workdir / f"trial-{trial:04d}", secret, schedule,
                         timeout_s=max(180.0, 8 * clean.wall_s) + grace_s)
         run.execute()
@@ -103,8 +113,35 @@ def run_node_chaos(opts: ChaosOptions, progress: Any = sys.stderr) -> ChaosRepor
                        f"{'pass' if result.passed else 'FAIL: ' + '; '.join(result.failures)}"
                        f" ({result.wall_s:.1f}s; replay: --seed {opts.seed} --first {trial} "
                        "--trials 1)\n")
-    return ChaosReport(digest, round(clean.wall_s, 2), opts.snapshot_every, str(workdir),
+    return ChaosReport(digest, round(clean.wall_s, 2), expect.durable_every, str(workdir),
                        results)
+
+
+def expectation(opts: ChaosOptions, clean_events: list[dict[str, Any]]) -> Expectation:
+    """What the job's resumes may lose: the demo's intervals are its options; a script
+    sets its own durable interval (and may set the memory tier's), so its clean run's
+    widest gaps between commits are its intervals."""
+    peer = opts.peer if opts.peer is not None else peer_memory()
+    if opts.script is None:
+        return Expectation(memory_every=opts.memory_every, durable_every=opts.snapshot_every,
+                           peer_restore=peer, cross_node_rescue=peer)
+    # The checks need a step mark of every step, and the script's durable interval.
+    missing = unmarked_steps(step_marks(clean_events))
+    if missing:
+        raise ElasticTrainError(
+            f"the clean run of {opts.script} left no train.progress event for steps "
+            f"{missing[:10]}: node faults on a script read its steps from them; fix: let "
+            "the environment set snapshot.progress_every_s (do not pass it in the config "
+            "the script gives SnapshotManager)")
+    durable = widest_gap(clean_events, durable_only=True)
+    if durable is None:
+        raise ElasticTrainError(
+            f"the clean run of {opts.script} committed no durable snapshot: its interval "
+            "bounds the steps a resume may lose; fix: save snapshots (SnapshotManager "
+            "every_steps) to {storage}")
+    memory = widest_gap(clean_events, durable_only=False) or opts.memory_every
+    return Expectation(memory_every=memory, durable_every=durable, peer_restore=peer,
+                       cross_node_rescue=peer)
 
 
 class NodeTrial:
@@ -132,11 +169,16 @@ class NodeTrial:
 
     def _spec(self, node_dir: Path, port: int) -> LaunchSpec:
         opts, events = self.opts, str(node_dir / "events")
-        args = [f"--storage={self.storage}", f"--steps={opts.steps}",
-                f"--snapshot-every={opts.snapshot_every}", f"--memory-every={opts.memory_every}",
-                f"--samples={opts.samples}", f"--record-samples={self.records}",
-                f"--events-dir={events}"]
-        return LaunchSpec(nproc_per_node=opts.nproc, module="elastictrain.demo.worker",
+        if opts.script is None:
+            args = [f"--storage={self.storage}", f"--steps={opts.steps}",
+                    f"--snapshot-every={opts.snapshot_every}",
+                    f"--memory-every={opts.memory_every}", f"--samples={opts.samples}",
+                    f"--record-samples={self.records}", f"--events-dir={events}"]
+            module, script = "elastictrain.demo.worker", None
+        else:
+            args = [a.replace(STORAGE_PLACEHOLDER, str(self.storage)) for a in opts.script_args]
+            module, script = None, opts.script
+        return LaunchSpec(nproc_per_node=opts.nproc, module=module, script=script,
                           script_args=args, nnodes=self.nnodes, max_restarts=opts.max_restarts,
                           rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=self.rdzv_id,
                           rdzv_conf=f"{DEFAULT_RDZV_CONF},is_host=0",
@@ -144,9 +186,16 @@ class NodeTrial:
 
     def _env(self, secret: str) -> dict[str, str]:
         schedule = self.schedule
-        return trial_env(str(self.storage), secret, self.opts.watchdog_timeout_s,
-                         schedule.storage if schedule is not None else None,
-                         schedule.seed if schedule is not None else 0)
+        env = trial_env(str(self.storage), secret, self.opts.watchdog_timeout_s,
+                        schedule.storage if schedule is not None else None,
+                        schedule.seed if schedule is not None else 0)
+        if self.opts.script is not None:
+            # The demo takes these as options; a script reads them from the settings.
+            # The memory tier, as for the demo; a train.progress event every step: the
+            # step marks that stand in for the demo's records (chaos/stepmarks.py).
+            env["ELASTICTRAIN_SNAPSHOT__MEMORY_EVERY"] = str(self.opts.memory_every)
+            env["ELASTICTRAIN_SNAPSHOT__PROGRESS_EVERY_S"] = PROGRESS_EVERY_S
+        return env
 
     def events(self) -> list[dict[str, Any]]:
         """Every event of the job, each tagged with the node incarnation it came from."""
@@ -154,10 +203,24 @@ class NodeTrial:
                  for e in events_of(n.job.events_dir)]
         return sorted(found, key=lambda e: float(e.get("ts") or 0.0))
 
+    def marks(self) -> list[dict[str, Any]]:
+        """Each step each rank trained (``ts``, ``step``), in time order: the demo's
+        sample records, or a script's step marks."""
+        if self.opts.script is None:
+            return read_records(self.records)
+        return step_marks(self.events())
+
+    def total_steps(self) -> int:
+        """The steps of this run (the clean run's: at full size): the demo's option, a
+        script's highest marked step."""
+        if self.opts.script is None:
+            return self.opts.steps
+        return max((int(m["step"]) for m in self.marks()), default=1)
+
     def step_s(self) -> float:
         """Seconds per step of this run (first to last recorded step)."""
-        ts = [float(r["ts"]) for r in read_records(self.records)]
-        return (max(ts) - min(ts)) / max(self.opts.steps - 1, 1) if ts else 0.1
+        ts = [float(r["ts"]) for r in self.marks()]
+        return (max(ts) - min(ts)) / max(self.total_steps() - 1, 1) if ts else 0.1
 
     def exit_codes(self) -> dict[str, list[int]]:
         return {n.name: list(n.job.exit_codes) for n in self.job.nodes}
@@ -227,8 +290,7 @@ class NodeTrial:
         or after any rank first recorded step ``at_step``; None until then."""
         if fault.at_step is None:
             return clock + fault.at_s
-        reached = [float(r["ts"]) for r in read_records(self.records)
-                   if int(r["step"]) >= fault.at_step]
+        reached = [float(r["ts"]) for r in self.marks() if int(r["step"]) >= fault.at_step]
         if not reached:
             return None
         return time.monotonic() - (time.time() - min(reached)) + fault.at_s
@@ -272,23 +334,32 @@ class NodeTrial:
         finished = [e for e in events if e.get("event") == "run.finished"]
         final_step = int(finished[-1]["final_step"]) if finished else None
         lives = [NodeLife(n.name, n.started_ts, n.lost_ts) for n in self.job.nodes]
+        marks = self.marks()
         found = [
             check_agents(self.exit_codes(), self.lost, self.timed_out),
-            check_exactly_once(self.records, self.opts.samples, 0, final_step),
             checks.check_snapshots(open_store(str(self.storage))),
-            check_node_resumes(events, lives, read_records(self.records), expect, self.loss),
+            check_node_resumes(events, lives, marks, expect, self.loss),
             checks.check_leftovers(self.leftovers),
             checks.check_secret(secret, self.workdir),
         ]
-        if final_world_sizes(self.records) == {full}:
+        if self.opts.script is None:
+            found.insert(1, check_exactly_once(self.records, self.opts.samples, 0, final_step))
+            sizes = final_world_sizes(self.records)
+            # Process groups formed after the first, each drawing a world of its own.
+            restarts = len({str(r["world"]) for r in marks}) - 1
+        else:  # no samples recorded: exactly-once data is not checked for a script
+            sizes = final_world_sizes_of(marks)
+            # Process groups formed after the first, each restoring once on its rank 0.
+            restarts = sum(1 for e in events if e.get("event") == "resume"
+                           and e.get("rank") == 0) - 1
+        if sizes == {full}:
             found.append(checks.check_digest(events, digest))
         for shm in sorted({n.shm for n in self.job.nodes}):
             found += [checks.check_private(shm), checks.check_memory_left(shm)]
-        worlds = {str(r["world"]) for r in read_records(self.records)}
         return TrialResult(
             trial=self.schedule.trial, seed=self.schedule.seed,
             faults=self.schedule.describe(), injected=self.injected,
-            restarts=max(len(worlds) - 1, 0),  # process groups formed after the first
+            restarts=max(restarts, 0),
             exit_codes=[c for codes in self.exit_codes().values() for c in codes],
             storage_faults_injected=sum(
                 1 for e in events if e.get("event") == "storage.fault_injected"),

@@ -3,7 +3,9 @@ own memory directory, a clean run, then two seeded trials that each lose a whole
 (every process of one agent SIGKILLed by PID, its memory wiped) and pass the checks:
 every other launcher exits 0, each sample trained once, each resume from the newest
 complete copy within its lost-step bound, the clean run's digest at full size, nothing
-left running. The checks themselves, on made-up events: test_node_checks.py."""
+left running. The same on the README's example script, its steps read from its
+train.progress events. The checks themselves, on made-up events: test_node_checks.py,
+test_step_marks.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.test_chaos_e2e import processes_mentioning
-from tests.helpers import run_cli
+from tests.helpers import REPO, run_cli
 
 pytestmark = pytest.mark.distributed  # several agents under elastictrain run
 
@@ -36,6 +38,38 @@ def test_chaos_two_node_losses_on_the_demo_pass(tmp_path: Path) -> None:
     assert "held" in second["injected"][0]
     assert second["injected"][1] == "replaced: node1.1 started"
     assert first["restarts"] >= 1 and second["restarts"] >= 1
+    assert report["by_kind"]["node"] == {"trials": 2, "passed": 2}
+    assert "chaos-secret-" not in result.stdout + result.stderr
+    assert processes_mentioning(work) == []
+
+
+@pytest.mark.timeout(300)
+def test_chaos_two_node_losses_on_a_script_pass(tmp_path: Path) -> None:
+    """examples/ddp_resumable.py, unmodified (48 steps at world size 2, a durable
+    snapshot every 10): no sample records, so no exactly-once check; every other check
+    runs on its events."""
+    work = tmp_path / "chaos"
+    script = str(REPO / "examples" / "ddp_resumable.py")
+    result = run_cli(["chaos", "--faults", "node", "--nodes", "2", "--nproc", "1",
+                      "--trials", "2", "--seed", "12", "--storage", str(work), "--json",
+                      "--", script, "{storage}"], tmp_path, timeout=280)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["clean_digest"]
+    assert report["interval"] == 10  # the script's own durable interval, from its clean run
+    assert "memory every 3, durable every 10 steps" in result.stderr
+    first, second = report["trials"]
+    # Seed 12 (48 steps): node0 lost at once at step 13 and not replaced (the job goes
+    # on at world size 1, so the digest is not compared); at step 27 and replaced (the
+    # job comes back at full size: the clean run's digest).
+    assert len(first["injected"]) == 1, first
+    assert first["injected"][0].startswith("node: SIGSTOP node0.0 after step 13"), first
+    assert second["injected"][0].startswith("node: SIGSTOP node0.0 after step 27"), second
+    assert second["injected"][1] == "replaced: node0.1 started"
+    for trial in (first, second):
+        assert trial["failures"] == [] and trial["restarts"] >= 1, trial
+        assert trial["exit_codes"][0] == -9 and trial["exit_codes"][1:] == [0] * (
+            len(trial["exit_codes"]) - 1), trial
     assert report["by_kind"]["node"] == {"trials": 2, "passed": 2}
     assert "chaos-secret-" not in result.stdout + result.stderr
     assert processes_mentioning(work) == []
