@@ -51,8 +51,8 @@ import os, signal, sys
 for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
     signal.signal(getattr(signal, name), signal.SIG_IGN)
 os.environ["SPT_NOENV"] = "1"
-from elastictrain.standby.server import main
-sys.exit(main(sys.argv[1:]))
+from elastictrain.standby.server import run
+run(sys.argv[1:])
 #""" + " " * 4096
 
 

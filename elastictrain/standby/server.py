@@ -252,5 +252,17 @@ def _exit_code(value: object) -> int:
     return 1
 
 
+def run(argv: list[str] | None = None) -> NoReturn:
+    """``main``, then the standby ends without the interpreter's teardown: nothing in
+    it needs one (its workers are processes of their own), and tearing down the
+    preloaded torch takes about a second, which the agent's exit, so every run's end,
+    would wait for. A forked worker never gets here: its ``SystemExit`` passes through
+    and it ends the way a fresh interpreter does (:func:`_child`)."""
+    code = main(argv)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
