@@ -50,6 +50,7 @@ def agree_and_mark(ctx: DistContext, timeout_s: float = AGREEMENT_TIMEOUT_S) -> 
         except Exception as exc:  # a peer gone or late: no agreed end
             log.warning("run.end_not_agreed", error=f"{type(exc).__name__}: {exc}"[:300])
             return False
+        log.info("run.end_agreed")
     directory = os.environ.get(END_DIR_VAR)
     if directory:
         mark = Path(directory) / f"{_PREFIX}{os.getpid()}"

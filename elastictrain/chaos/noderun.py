@@ -297,14 +297,24 @@ class NodeTrial:
 
     def _lose(self, fault: NodeFault) -> Node | None:
         """Freeze node ``fault.node`` (and wipe its memory) unless the job is ending:
-        an agent already exited, or the run logged its end."""
+        an agent already exited, or the ranks had agreed the run's end. The check is
+        made again once the node is frozen, from the events up to that moment: the
+        harness polls, and a script's last steps can take less than a poll, so a loss
+        drawn near the end may land after the agreed end, where nothing is left to
+        recover (docs/chaos.md, known limits); the node then goes on."""
         running = self.job.running()
-        if len(running) < self.opts.nodes or any(
-                e.get("event") == "run.finished" for e in self.events()):
+        if len(running) < self.opts.nodes or self._end_agreed(time.time()):
             self.injected.append(f"{fault.describe()} not injected (the job was ending)")
             return None
         victim = self.job.current(fault.node)
         pids = self.job.freeze(victim)
+        frozen_at = victim.lost_ts or time.time()
+        if self._end_agreed(frozen_at):
+            self.job.thaw(victim, pids)
+            self.injected.append(f"{fault.describe()} not injected (the run's end was agreed "
+                                 "before the node stopped)")
+            return None
+        self.job.wipe(victim)
         self.lost.add(victim.name)
         self.loss = Loss(ts=victim.lost_ts or time.time(), silent=fault.silent)
         how = f"held {fault.hold_s:g}s" if fault.silent else "at once"
@@ -312,6 +322,12 @@ class NodeTrial:
         self.injected.append(f"node: SIGSTOP {victim.name} {when} ({len(pids)} processes), "
                              f"memory wiped, {how}")
         return victim
+
+    def _end_agreed(self, before: float) -> bool:
+        """Whether a rank logged the agreed end of the run (or its finish) before
+        ``before`` (epoch seconds)."""
+        return any(e.get("event") in ("run.end_agreed", "run.finished")
+                   and float(e.get("ts") or 0.0) < before for e in self.events())
 
     def _stop_orphan(self, running: list[Node], since: float | None) -> float | None:
         """A replacement left alone (the others ended the run before it joined) waits
