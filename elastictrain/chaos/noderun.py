@@ -41,12 +41,7 @@ from elastictrain.chaos.nodechecks import (
     check_node_resumes,
 )
 from elastictrain.chaos.nodes import Node, NodeJob
-from elastictrain.chaos.runner import (
-    STORAGE_PLACEHOLDER,
-    ChaosOptions,
-    ChaosReport,
-    TrialResult,
-)
+from elastictrain.chaos.runner import ChaosOptions, ChaosReport, TrialResult, script_command
 from elastictrain.chaos.schedule import NodeFault, Schedule, make_schedule
 from elastictrain.chaos.stepmarks import (
     PROGRESS_EVERY_S,
@@ -176,8 +171,7 @@ class NodeTrial:
                     f"--record-samples={self.records}", f"--events-dir={events}"]
             module, script = "elastictrain.demo.worker", None
         else:
-            args = [a.replace(STORAGE_PLACEHOLDER, str(self.storage)) for a in opts.script_args]
-            module, script = None, opts.script
+            module, (script, args) = None, script_command(opts, self.storage)
         return LaunchSpec(nproc_per_node=opts.nproc, module=module, script=script,
                           script_args=args, nnodes=self.nnodes, max_restarts=opts.max_restarts,
                           rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=self.rdzv_id,

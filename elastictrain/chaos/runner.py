@@ -120,6 +120,12 @@ class ChaosReport:
         return out
 
 
+def script_command(opts: ChaosOptions, storage: Path) -> tuple[str, list[str]]:
+    """The user's script and its arguments, ``{storage}`` replaced by the run's storage."""
+    assert opts.script is not None
+    return opts.script, [a.replace(STORAGE_PLACEHOLDER, str(storage)) for a in opts.script_args]
+
+
 def run_chaos(opts: ChaosOptions, progress: Any = sys.stderr) -> ChaosReport:
     """The clean run, then ``opts.trials`` trials; raises if the clean run fails."""
     opts.validate()
@@ -191,8 +197,7 @@ class _Run:
                     f"--snapshot-every={opts.snapshot_every}", f"--events-dir={events}"]
             module, script = "elastictrain.demo.worker", None
         else:
-            args = [a.replace(STORAGE_PLACEHOLDER, str(self.storage)) for a in opts.script_args]
-            module, script = None, opts.script
+            module, (script, args) = None, script_command(opts, self.storage)
         return LaunchSpec(nproc_per_node=opts.nproc, module=module, script=script,
                           script_args=args, max_restarts=opts.max_restarts,
                           rdzv_id=f"chaos-{uuid.uuid4().hex[:8]}",

@@ -387,24 +387,27 @@ class SnapshotManager:
 
         Raises:
             RunEndNotAgreed: a peer failed, or did not reach ``close()`` in time; the
-                memory snapshots stay for the restart that finishes the run.
+                memory snapshots stay, and the rescue commits the last step, for the
+                restart that finishes the run.
         """
         self._fence.remove()
-        self._rescuer.close()
         self._saver.close()
         self._node_memory.finish_saves()
-        digest = None
-        if self.ctx.is_writer and not self.sharded:
-            digest = param_digest(unwrap(self.model))
-            log.info("params.digest", param_digest=digest)
-        agreed = runend.agree_and_mark(self.ctx)
-        self._node_memory.close(keep_snapshots=not agreed)
-        if not agreed:
+        if not runend.agree_and_mark(self.ctx):
+            # The rescue stays armed and the node's memory snapshots stay: the error
+            # commits the last step to node memory (a peer's record of it included),
+            # where the restart resumes from, instead of an older snapshot.
             raise RunEndNotAgreed(
                 "the run's end was not agreed: a peer rank failed, or did not reach "
                 f"close() within {runend.AGREEMENT_TIMEOUT_S:.0f} s (run.end_not_agreed "
                 "says which); the launcher restarts the workers, which resume from the "
                 "newest snapshot and finish the run")
+        self._rescuer.close()
+        self._node_memory.close()
+        digest = None
+        if self.ctx.is_writer and not self.sharded:  # the end's weights, once
+            digest = param_digest(unwrap(self.model))
+            log.info("params.digest", param_digest=digest)
         if self.ctx.rank == 0:
             runtime.log_finished(**{"final_step": self.step_count, "epoch": self.epoch,
                                     "param_digest": digest, **finished})

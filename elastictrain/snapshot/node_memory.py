@@ -169,12 +169,11 @@ class NodeMemory:
             except SnapshotWriteFailed as exc:  # durable storage holds the run's result
                 log.warning("snapshot.memory_failed", error=str(exc), tier="memory")
 
-    def close(self, keep_snapshots: bool = False) -> None:
+    def close(self) -> None:
         """The run finished: remove this node's memory snapshots (only here: after a
-        failure the restart needs them). ``keep_snapshots``: the run's end was not
-        agreed, and the restart that follows resumes from them."""
+        failure the restart needs them)."""
         self.finish_saves()
-        if self.saver is not None and self._owner and not keep_snapshots:
+        if self.saver is not None and self._owner:
             assert self.tier is not None
             memory.remove_all(self.tier)
         elif self.tier is not None:

@@ -12,6 +12,9 @@ SIGKILLed by PID and its memory directory wiped.
     A's survivor commits step 25 from B's boundary record streamed to A: the job loses
     no completed step. Replaced: resumes 25 from memory on both, bit-exact. Not
     replaced (``--nnodes 1:2``): A alone resumes 25 from its own memory.
+(c) B lost after the run's last step, before the end agreement in ``close()``: A's
+    ``close()`` fails the end, and its rescue commits the last step from B's record, so
+    the restart with B's replacement finishes from there: nothing lost, bit-exact.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from tests.helpers import events, free_port, pid_alive, wait_for
 from tests.memtier.test_memtier_e2e import (
     EVERY,
     PARK,
+    STEPS,
     Agents,
     _digest,
     _log,
@@ -182,3 +186,27 @@ def test_survivor_rescues_the_step_of_a_lost_node(tmp_path: Path, agents: Agents
         (resume,) = [e for e in resumes]
         assert resume["world_size"] == 1
     assert [e for e in events(ev, "snapshot.loaded") if e["tier"] == "durable"] == []
+
+
+@pytest.mark.timeout(900)
+def test_a_node_lost_after_the_last_step_costs_no_step(tmp_path: Path, agents: Agents,
+                                                       reference_digest: str) -> None:
+    node_a, node_b, common = _two_nodes(
+        agents, tmp_path, "2", extra=("--memory-every=1000", f"--park={STEPS}"))
+    pids = _wait_parked(tmp_path / "gates", 2)  # both past the last step, before close()
+    _kill_node(node_b, [pids[1]], tmp_path / "mem-b")
+    (tmp_path / "gates" / "go").write_text("")  # A's close() meets B's death
+    ev = tmp_path / "ev"
+    wait_for(lambda: events(ev / "a", "snapshot.rescued")
+             or events(ev / "a", "snapshot.rescue_skipped"), 120, "node A's rescue")
+    agents.start("b2", tmp_path / "run", tmp_path / "mem-b2", is_host=0, **common)
+    assert node_a.wait(timeout=400) == 0, _log(agents)
+
+    assert [e["error"] for e in events(ev / "a", "snapshot.rescued")] == ["RunEndNotAgreed"], \
+        events(ev / "a", "snapshot.rescue_skipped")
+    assert events(ev / "a", "run.end_not_agreed")
+    resumes = [e for e in events(ev, "resume") if e.get("from_step") is not None]
+    assert {(e["from_step"], e["tier"], e["lost_steps"]) for e in resumes} == {
+        (STEPS, "memory", 0)}
+    assert [e for e in events(ev, "snapshot.loaded") if e["tier"] == "durable"] == []
+    assert _digest(ev) == reference_digest  # bit-exact

@@ -294,6 +294,13 @@ def test_a_node_lost_and_replaced_mid_run(cluster: Any) -> None:
     lost = job.start()
     committed = job.storage / "snapshots" / "step_000000000010" / "MANIFEST.json"
     wait_until(committed.exists, 180, "the snapshot of step 10")
+    resumed = replace_node(job, lost)
+    assert resumed and all(e["from_step"] >= 10 for e in resumed)
+
+
+def replace_node(job: Cluster, lost: Node) -> list[dict[str, Any]]:
+    """SIGKILL ``lost``'s whole tree, start a new agent in its place, and check that the
+    job ends cleanly at world size 2; returns the workers' resumes from a snapshot."""
     kill_tree(lost.proc.pid)
     lost.proc.wait(timeout=30)
     job.nodes.remove(lost)
@@ -301,8 +308,8 @@ def test_a_node_lost_and_replaced_mid_run(cluster: Any) -> None:
     assert job.wait_all(timeout=240) == [0, 0]
     assert_clean_end(job)
     resumed = [e for e in worker_events(job, "resume") if e.get("from_step")]
-    assert resumed and all(e["from_step"] >= 10 for e in resumed)
     assert {e["world_size"] for e in resumed} == {2}
+    return resumed
 
 
 @pytest.mark.parametrize("launcher", ["run", "torchrun"])
@@ -318,12 +325,5 @@ def test_a_node_lost_after_its_last_step_and_replaced_ends_the_run(
     wait_until(flag.exists, 180, "rank 1 after its last step")
     vanishing = int(flag.read_text())
     lost = next(n for n in job.nodes if vanishing in descendants(n.proc.pid))
-    kill_tree(lost.proc.pid)
-    lost.proc.wait(timeout=30)
-    job.nodes.remove(lost)
-    job.start()
-    assert job.wait_all(timeout=240) == [0, 0]
-    assert_clean_end(job)
+    replace_node(job, lost)
     assert worker_events(job, "run.end_not_agreed"), "the survivor saw no failed end"
-    resumed = [e for e in worker_events(job, "resume") if e.get("from_step")]
-    assert {e["world_size"] for e in resumed} == {2}
