@@ -197,12 +197,12 @@ class NodeTrial:
                  for e in events_of(n.job.events_dir)]
         return sorted(found, key=lambda e: float(e.get("ts") or 0.0))
 
-    def marks(self) -> list[dict[str, Any]]:
+    def marks(self, events: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """Each step each rank trained (``ts``, ``step``), in time order: the demo's
-        sample records, or a script's step marks."""
+        sample records, or a script's step marks (from ``events`` when already read)."""
         if self.opts.script is None:
             return read_records(self.records)
-        return step_marks(self.events())
+        return step_marks(self.events() if events is None else events)
 
     def total_steps(self) -> int:
         """The steps of this run (the clean run's: at full size): the demo's option, a
@@ -344,7 +344,7 @@ class NodeTrial:
         finished = [e for e in events if e.get("event") == "run.finished"]
         final_step = int(finished[-1]["final_step"]) if finished else None
         lives = [NodeLife(n.name, n.started_ts, n.lost_ts) for n in self.job.nodes]
-        marks = self.marks()
+        marks = self.marks(events)
         found = [
             check_agents(self.exit_codes(), self.lost, self.timed_out),
             checks.check_snapshots(open_store(str(self.storage))),
