@@ -39,6 +39,10 @@ What it adds, each by overriding one of the agent's documented steps
 * **repeated notices ignored** while workers save after the launcher was
   signalled (a second SIGTERM would abort torchrun's graceful wait and orphan
   workers mid-snapshot), and the workers' exit codes recorded afterwards;
+* **the exit barrier waits for live nodes only** (``_exit_barrier``,
+  :mod:`elastictrain.exitbarrier`): a node lost after the run's agreed end does not hold
+  the survivors for torchrun's 300 s; ``agent.exit_barrier_short`` says how many agents
+  were gone;
 * **workers forked from a standby** (``launch.standby``): a process started with the
   agent imports torch once, and every worker group, first and restarted, is forked
   from it (``_start_workers``; :mod:`elastictrain.standby`); ``agent.standby_ready``
@@ -66,6 +70,10 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+)
 
 from elastictrain import runend
 from elastictrain.config import LaunchDefaults
@@ -76,6 +84,13 @@ from elastictrain.errors import (
     EXIT_PREEMPTED,
     EXIT_PREEMPTED_UNSAVED,
     ElasticTrainError,
+)
+from elastictrain.exitbarrier import (
+    exit_barrier,
+    job_finished,
+    mark_job_finished,
+    rendezvous_participants,
+    stay_for_waiting_nodes,
 )
 from elastictrain.failure import ERROR_FIELDS, fix_line
 from elastictrain.log import bind, get_logger
@@ -167,6 +182,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         self.failure: dict[str, Any] | None = None
         self._loop_signature: tuple[str, ...] | None = None
         self._loop_count = 0
+        self.rendezvous_error: str | None = None  # why the rendezvous ended this launcher
         ElasticTrainAgent.latest = self
 
     @property
@@ -192,6 +208,11 @@ class ElasticTrainAgent(LocalElasticAgent):
             try:
                 super()._rendezvous(worker_group)
                 break
+            except RendezvousGracefulExitError as error:
+                # The rendezvous closed while this node waited beyond --nnodes' maximum:
+                # closed as for any other waiting node (torchrun's run() would return
+                # no result for it, and its launcher fail on that).
+                raise RendezvousClosedError(str(error)) from error
             except DistStoreError as error:
                 # A node lost after the round closed and before every agent published
                 # its role info: the wait for it times out. Failing here would close the
@@ -376,6 +397,58 @@ class ElasticTrainAgent(LocalElasticAgent):
                  from_restart_count=self.restart_count(),
                  remaining_restarts=self._remaining_restarts)
         super()._restart_workers(worker_group)
+
+    def _exit_barrier(self) -> None:
+        # torchrun's version waits for every agent of the round, a lost one too.
+        group = self._worker_group
+        handler = group.spec.rdzv_handler
+        world = int(group.group_world_size or 1)  # set by the rendezvous before any start
+        self._in_exit_barrier = True
+        try:
+            mark_job_finished(handler)  # for a node that joins once the others have gone
+            outcome = exit_barrier(self._store, world, self._exit_barrier_timeout,
+                                   lambda: rendezvous_participants(handler))
+            if outcome.ended == "gone":
+                log.warning("agent.exit_barrier_short", arrived=outcome.arrived,
+                            live=outcome.live, group_world_size=world,
+                            waited_s=round(outcome.waited_s, 3))
+        except SignalException:
+            raise
+        except Exception as error:  # torchrun's barrier logs and goes on, too
+            log.warning("agent.exit_barrier_failed", error=str(error)[:300])
+        finally:
+            self._in_exit_barrier = False
+
+    def joined_closed_rendezvous(self) -> int:
+        """The exit code of a launcher that found the job's rendezvous closed (its other
+        agents ended and shut it): 0 when one of them recorded that the run finished (a
+        replacement started as the job ended has nothing left to do), else 1."""
+        if job_finished(self._worker_group.spec.rdzv_handler):
+            log.info("agent.job_already_finished")
+            return EXIT_OK
+        self.rendezvous_error = (
+            "the job's rendezvous is closed: its other agents ended (the job failed or was "
+            "stopped) before this node could join; fix: start the whole job again (a new "
+            "--rdzv-id if the rendezvous backend keeps state, as etcd does)")
+        log.error("agent.rendezvous_closed", fix=self.rendezvous_error.split("fix: ")[1])
+        return 1
+
+    def rendezvous_unreachable(self, error: Exception) -> int:
+        """The exit code (1) of a launcher that lost the rendezvous store."""
+        endpoint = self._worker_group.spec.rdzv_handler.get_backend()
+        self.rendezvous_error = (
+            f"the rendezvous store ({endpoint} backend) is unreachable: the launcher that "
+            "hosted it ended, or the network to it failed; fix: check the other nodes' "
+            "launchers (a job that ended has nothing for this node to join)")
+        log.error("agent.rendezvous_unreachable", error=str(error.__cause__ or error)[:300])
+        return 1
+
+    def stay_for_waiting_nodes(self, timeout_s: float = 15.0) -> None:
+        """Before this launcher exits (the rendezvous is closed by then), let a node that
+        waits in the rendezvous read that it closed (exitbarrier.stay_for_waiting_nodes)."""
+        waited = stay_for_waiting_nodes(self._worker_group.spec.rdzv_handler, timeout_s)
+        if waited >= 0.5:
+            log.info("agent.stayed_for_waiting_nodes", waited_s=round(waited, 3))
 
     # -- stopping workers ----------------------------------------------------------------
     def _kill_survivors_of_a_failure(self) -> None:

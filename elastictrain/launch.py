@@ -430,6 +430,10 @@ def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
     ``GRACE_MARGIN_S``, whatever it is waiting in."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+    )
     from torch.distributed.run import main as torchrun_main
 
     from elastictrain import gracewatch
@@ -442,7 +446,13 @@ def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
         os.environ[END_DIR_VAR] = end_dir  # the workers inherit it
         try:
             torchrun_main(list(argv))
-            return EXIT_OK
+            return _after_closing(EXIT_OK)
+        except RendezvousClosedError:
+            agent = ElasticTrainAgent.latest
+            return 1 if agent is None else agent.joined_closed_rendezvous()
+        except RendezvousConnectionError as exc:
+            agent = ElasticTrainAgent.latest
+            return 1 if agent is None else agent.rendezvous_unreachable(exc)
         except SignalException as exc:
             agent = ElasticTrainAgent.latest
             if agent is not None and agent.finished:
@@ -453,11 +463,23 @@ def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
                 return EXIT_PREEMPTED_UNSAVED
             return 128 + int(exc.sigval)
         except WorkersFatal:
-            return EXIT_FATAL
+            return _after_closing(EXIT_FATAL)
         except ChildFailedError:
-            return 1
+            return _after_closing(1)
         except KeyboardInterrupt:  # Ctrl-C before torchrun handles signals: no worker yet
             return 128 + signal.SIGINT
+
+
+def _after_closing(code: int) -> int:
+    """torchrun closed the rendezvous: a node waiting to join reads that before this
+    launcher (perhaps the rendezvous store's host) goes (exitbarrier.py)."""
+    from elastictrain.agent import ElasticTrainAgent
+
+    agent = ElasticTrainAgent.latest
+    if agent is not None:
+        with contextlib.suppress(Exception):  # never turn an ended run into a failure
+            agent.stay_for_waiting_nodes()
+    return code
 
 
 def _configure_agent_log(settings: Settings, run_id: str) -> None:
@@ -542,6 +564,8 @@ def failure_summary() -> list[str]:
     agent = ElasticTrainAgent.latest
     if agent is None:
         return []
+    if agent.rendezvous_error is not None:
+        return [agent.rendezvous_error]
     loop = agent.crash_loop_failures if agent.outcome == "crash_loop" else None
     return failure_lines(agent.failure, loop)
 

@@ -112,7 +112,10 @@ def serve(sock: socket.socket) -> None:
                 os.read(wake_r, 4096)
                 _report_exits(sock, spawns)
                 continue
-            chunk = sock.recv(65536)
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:  # the agent died (its node was lost): as closed
+                return
             if not chunk:
                 return
             pending += chunk

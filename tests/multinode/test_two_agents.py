@@ -88,13 +88,14 @@ class Cluster:
                 "--rdzv-id", self.rdzv_id, *extra, str(self.script), str(self.storage),
                 *self.script_args]
 
-    def start(self, extra: list[str] | None = None) -> Node:
+    def start(self, extra: list[str] | None = None, env: dict[str, str] | None = None) -> Node:
         log = self.tmp_path / f"node{len(self.nodes)}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 self.command(extra or []), stdout=out, stderr=subprocess.STDOUT,
                 cwd=self.tmp_path, start_new_session=True,
-                env=child_env(self.tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+                env=child_env(self.tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                              **(env or {})))
         node = Node(proc, log)
         self.nodes.append(node)
         if len(self.nodes) == 1:  # the rendezvous host listens before the others join
@@ -213,7 +214,8 @@ def test_both_agents_end_cleanly(cluster: Any, launcher: str, nnodes: str, scrip
 
 # A short run, then what ranks do after close(): "fail" (rank 1 dies after the agreed
 # end, as a worker aborting in teardown would; rank 0 still writes FLAG) or "late" (rank 1
-# writes FLAG and evaluates for an hour while rank 0's node waits for it). Or before it:
+# writes FLAG and evaluates for an hour while rank 0's node waits for it; "late-here": the
+# same on the node started with ET_TEST_LATE=1, which writes its pid). Or before it:
 # "vanish" (rank 1 writes its pid to FLAG after its last step and waits there, once, for
 # the test to take its node away before the end is agreed).
 AFTER_THE_END = '''
@@ -239,6 +241,10 @@ if mode == "fail" and rt.rank == 0:
 et.shutdown()
 if mode == "late" and rt.rank == 1:
     open(flag, "w").write("evaluating")
+    time.sleep(3600)
+if mode == "late-here" and os.environ.get("ET_TEST_LATE") == "1":
+    open(flag + ".tmp", "w").write(str(os.getpid()))
+    os.rename(flag + ".tmp", flag)
     time.sleep(3600)
 '''
 
@@ -327,3 +333,32 @@ def test_a_node_lost_after_its_last_step_and_replaced_ends_the_run(
     lost = next(n for n in job.nodes if vanishing in descendants(n.proc.pid))
     replace_node(job, lost)
     assert worker_events(job, "run.end_not_agreed"), "the survivor saw no failed end"
+
+
+def test_a_node_lost_after_the_agreed_end_holds_no_survivor(
+        cluster: Any, tmp_path: Path) -> None:
+    """Node B agreed the run's end and is lost while its script works on after close()
+    (node A, the rendezvous host, is already in the exit barrier): A's agent stops
+    waiting for B once B's keep-alive expires and exits 0 within seconds, not after
+    torchrun's 300 s barrier; a replacement started for B exits 0 (the job it came to
+    join finished), and nothing runs the finished job again."""
+    job, flag = after_the_end(cluster, tmp_path, "late-here")
+    first = job.start()
+    lost = job.start(env={"ET_TEST_LATE": "1"})
+    wait_until(flag.exists, 180, "node B's script after the end")
+    assert int(flag.read_text()) in descendants(lost.proc.pid)
+    kill_tree(lost.proc.pid)
+    lost.proc.wait(timeout=30)
+    job.nodes.remove(lost)
+    lost_at = time.monotonic()
+    replacement = job.start()
+    assert first.proc.wait(timeout=120) == 0, first.text()[-3000:]
+    # B's keep-alive expires after 6 s; the barrier reads the rendezvous every second.
+    assert time.monotonic() - lost_at < 60
+    short = job_events(job, "agent.exit_barrier_short")
+    assert [(e["arrived"], e["live"], e["group_world_size"]) for e in short] == [(1, 1, 2)]
+    # A stayed while the replacement waited in the rendezvous: it read the closed round
+    # and the finished job, and has nothing to do.
+    assert replacement.proc.wait(timeout=120) == 0, replacement.text()[-3000:]
+    assert len(job_events(job, "agent.job_already_finished")) == 1
+    assert_clean_end(job)
