@@ -290,31 +290,25 @@ class NodeTrial:
         return time.monotonic() - (time.time() - min(reached)) + fault.at_s
 
     def _lose(self, fault: NodeFault) -> Node | None:
-        """Freeze node ``fault.node`` (and wipe its memory) unless the job is ending:
-        an agent already exited, or the ranks had agreed the run's end. The check is
-        made again once the node is frozen, from the events up to that moment: the
-        harness polls, and a script's last steps can take less than a poll, so a loss
-        drawn near the end may land after the agreed end, where nothing is left to
-        recover (docs/chaos.md, known limits); the node then goes on."""
+        """Freeze node ``fault.node`` and wipe its memory, unless an agent already exited
+        (the job is ending). A loss after the ranks agreed the run's end counts too: the
+        other launchers must then end without it, and a replacement must find the job
+        finished (docs/guide.md, the end of a multi-node run)."""
         running = self.job.running()
-        if len(running) < self.opts.nodes or self._end_agreed(time.time()):
+        if len(running) < self.opts.nodes:
             self.injected.append(f"{fault.describe()} not injected (the job was ending)")
             return None
         victim = self.job.current(fault.node)
         pids = self.job.freeze(victim)
         frozen_at = victim.lost_ts or time.time()
-        if self._end_agreed(frozen_at):
-            self.job.thaw(victim, pids)
-            self.injected.append(f"{fault.describe()} not injected (the run's end was agreed "
-                                 "before the node stopped)")
-            return None
         self.job.wipe(victim)
         self.lost.add(victim.name)
-        self.loss = Loss(ts=victim.lost_ts or time.time(), silent=fault.silent)
+        self.loss = Loss(ts=frozen_at, silent=fault.silent)
         how = f"held {fault.hold_s:g}s" if fault.silent else "at once"
         when = "during start-up" if fault.at_step is None else f"after step {fault.at_step}"
-        self.injected.append(f"node: SIGSTOP {victim.name} {when} ({len(pids)} processes), "
-                             f"memory wiped, {how}")
+        ended = ", after the run's agreed end" if self._end_agreed(frozen_at) else ""
+        self.injected.append(f"node: SIGSTOP {victim.name} {when}{ended} ({len(pids)} "
+                             f"processes), memory wiped, {how}")
         return victim
 
     def _end_agreed(self, before: float) -> bool:
@@ -322,6 +316,12 @@ class NodeTrial:
         ``before`` (epoch seconds)."""
         return any(e.get("event") in ("run.end_agreed", "run.finished")
                    and float(e.get("ts") or 0.0) < before for e in self.events())
+
+    def _digest_lost(self, events: list[dict[str, Any]]) -> bool:
+        """The run's end was agreed and then the node of the writer (rank 0) was lost
+        before it logged the final digest: the weights were final, the record is gone."""
+        return (self.loss is not None and checks.final_digest(events) is None
+                and self._end_agreed(self.loss.ts))
 
     def _stop_orphan(self, running: list[Node], since: float | None) -> float | None:
         """A replacement left alone (the others ended the run before it joined) waits
@@ -362,7 +362,10 @@ class NodeTrial:
             # Process groups formed after the first, each restoring once on its rank 0.
             restarts = sum(1 for e in events if e.get("event") == "resume"
                            and e.get("rank") == 0) - 1
-        if sizes == {full}:
+        if sizes == {full} and self._digest_lost(events):
+            self.injected.append("digest not compared: the writer's node was lost after the "
+                                 "agreed end, before it logged params.digest")
+        elif sizes == {full}:
             found.append(checks.check_digest(events, digest))
         for shm in sorted({n.shm for n in self.job.nodes}):
             found += [checks.check_private(shm), checks.check_memory_left(shm)]

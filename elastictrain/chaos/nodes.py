@@ -128,8 +128,8 @@ class NodeJob:
         return [n for n in self.nodes if n.index == index][-1]
 
     def freeze(self, node: Node) -> list[int]:
-        """SIGSTOP every process of ``node`` until a scan finds none it has not stopped
-        (:meth:`thaw` undoes it); returns the PIDs. :meth:`wipe` makes it a loss."""
+        """SIGSTOP every process of ``node`` until a scan finds none it has not stopped;
+        returns the PIDs. :meth:`wipe` empties its memory."""
         node.lost_ts = time.time()
         stopped: set[int] = set()
         while True:
@@ -150,12 +150,6 @@ class NodeJob:
     def wipe(self, node: Node) -> None:
         """Empty a frozen ``node``'s memory directory (a lost machine's RAM is gone)."""
         wipe(node.shm)
-
-    def thaw(self, node: Node, pids: list[int]) -> None:
-        """SIGCONT the processes :meth:`freeze` stopped: ``node`` was not lost."""
-        node.lost_ts = None
-        for pid in pids:
-            signal_pid(pid, signal.SIGCONT)
 
     def kill(self, node: Node) -> list[int]:
         """SIGKILL every process of a frozen ``node`` and reap its launcher."""

@@ -402,8 +402,8 @@ class SnapshotManager:
                 f"close() within {runend.AGREEMENT_TIMEOUT_S:.0f} s (run.end_not_agreed "
                 "says which); the launcher restarts the workers, which resume from the "
                 "newest snapshot and finish the run")
-        self._rescuer.close()
-        self._node_memory.close()
+        # The end's record first, the teardown after: a node lost from here on takes
+        # less of the record with it.
         digest = None
         if self.ctx.is_writer and not self.sharded:  # the end's weights, once
             digest = param_digest(unwrap(self.model))
@@ -411,3 +411,5 @@ class SnapshotManager:
         if self.ctx.rank == 0:
             runtime.log_finished(**{"final_step": self.step_count, "epoch": self.epoch,
                                     "param_digest": digest, **finished})
+        self._rescuer.close()
+        self._node_memory.close()
