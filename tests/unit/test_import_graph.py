@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("snapshot", ("elastictrain.snapshot",)),
     ("ops", ("elastictrain.ops", "elastictrain.goodput", "elastictrain.view")),
     ("runtime", ("elastictrain.runtime", "elastictrain.__init__")),
-    ("launch", ("elastictrain.launch", "elastictrain.agent", "elastictrain.standby")),
+    ("launch", ("elastictrain.launch", "elastictrain.agent", "elastictrain.exitbarrier",
+                "elastictrain.standby")),
     ("cli", ("elastictrain.cli", "elastictrain.__main__", "elastictrain.chaos",
              "elastictrain.demo")),
 ]
