@@ -411,5 +411,8 @@ class SnapshotManager:
         if self.ctx.rank == 0:
             runtime.log_finished(**{"final_step": self.step_count, "epoch": self.epoch,
                                     "param_digest": digest, **finished})
-        self._rescuer.close()
+        # This node's memory goes before the record stream ends: that waits (bounded)
+        # for the other nodes, and a node lost now never answers.
+        self._rescuer.disarm()
         self._node_memory.close()
+        self._rescuer.close()

@@ -28,6 +28,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,7 +41,10 @@ log = get_logger("elastictrain.snapshot")
 
 _ENVELOPE = struct.Struct("<iii")  # kind, sending rank, record length
 _RECORD, _END = 1, 0
-CLOSE_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 10.0  # for the last sends to a node that is there
+# For the other nodes' ends. The stream ends only after the run's agreed end, when no
+# rescue reads these records; the wait only makes the received counts complete.
+END_WAIT_S = 2.0
 
 
 class _Outgoing:
@@ -115,11 +119,12 @@ class RecordStream:
                 out.sock.shutdown(socket.SHUT_WR)
             except OSError as exc:
                 self._stop_sending(out, exc)
+        deadline = time.monotonic() + END_WAIT_S
         for source, thread in zip(self.received, self._receivers, strict=True):
             # A source that sent nothing (it records no boundaries: its memory tier did
             # not open) may send no end either: its connection's close ends the receiver.
             if self.received[source]:
-                thread.join(CLOSE_TIMEOUT_S)
+                thread.join(max(0.0, deadline - time.monotonic()))
         log.info("snapshot.records_closed", sent=self.sent,
                  targets=sorted(self._links.outgoing), received=dict(self.received),
                  skipped={out.target: out.skipped for out in self._outgoing if out.skipped})

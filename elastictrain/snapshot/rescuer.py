@@ -84,16 +84,23 @@ class Rescuer:
                             lambda exc: self._memory.health.failed("rescue boundary record",
                                                                     exc))
 
+    def disarm(self) -> None:
+        """No rescue from here on (the run's end was agreed)."""
+        if self._boundary is not None:
+            rescue.disarm()
+            self._boundary.close()
+            self._boundary = None
+
     def close(self) -> None:
+        """Disarm, then end the record stream: a bounded wait for the other nodes'
+        ends (peer_records.END_WAIT_S), which a node lost after the agreed end never
+        sends."""
+        self.disarm()
         if self._stream is not None:
             self._stream.close()  # it closes the connections
             self._stream = None
         elif self._memory.peers is not None:  # no record was taken: nothing to end
             self._memory.peers.record_links.close()
-        if self._boundary is not None:
-            rescue.disarm()
-            self._boundary.close()
-            self._boundary = None
 
     def _attempt(self) -> tuple[int, int, int]:
         return self._ctx.world_size, self._restart_count, self.resumed_from

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain.snapshot import record_links, rescue
+from elastictrain.snapshot import peer_records, record_links, rescue
 from elastictrain.snapshot.peer_records import _ENVELOPE, RecordStream
 from elastictrain.snapshot.record_links import (
     _HELLO,
@@ -163,6 +164,27 @@ def test_a_source_that_vanishes_is_reported_with_what_it_sent(tmp_path: Path) ->
         on_a.close()
     (stopped,) = [e for e in logs if e["event"] == "snapshot.records_stopped"]
     assert (stopped["direction"], stopped["source"], stopped["received"]) == ("receive", 1, 2)
+
+
+def test_a_source_frozen_after_the_end_holds_close_no_longer_than_the_end_wait(
+        tmp_path: Path) -> None:
+    """The source's node stopped after the run's agreed end, its connection still open
+    (a frozen or unreachable machine: no reset, no end message): close() gives up on it
+    after END_WAIT_S, not CLOSE_TIMEOUT_S, so a watchdog shorter than the latter does
+    not fire in the teardown of a finished run."""
+    a, b = _boundary_dirs(tmp_path)
+    links_a, links_b = _linked()
+    on_a = RecordStream(links_a, 0, a, lambda exc: None)
+    record = BoundaryRecord(b, 1, ATTEMPT, lambda: [])
+    data = record.record(1)
+    assert data is not None
+    links_b.outgoing[0].sendall(_ENVELOPE.pack(1, 1, len(data)) + data)  # then silence
+    wait_for(lambda: on_a.received[1] == 1, 60, "the record on A")
+    started = time.monotonic()
+    on_a.close()
+    waited = time.monotonic() - started
+    links_b.close()
+    assert waited < peer_records.CLOSE_TIMEOUT_S / 2
 
 
 def test_a_connection_without_this_attempts_token_is_closed_unread() -> None:
