@@ -29,6 +29,10 @@ def format_table(report: ChaosReport) -> str:
     return "\n".join(lines)
 
 
+# Notes of a node trial that say what followed a loss, not a fault (chaos/noderun.py).
+NOT_FAULTS = frozenset({"replaced", "replacement", "orphan", "digest not compared"})
+
+
 def by_kind(report: ChaosReport) -> dict[str, dict[str, int]]:
     """Per fault kind, the trials where it was actually injected and how many passed
     (a fault drawn for after the job ended counts for none)."""
@@ -43,7 +47,9 @@ def by_kind(report: ChaosReport) -> dict[str, dict[str, int]]:
             kinds.add("node replaced" if "replaced" in kinds else "node not replaced")
             if "start-up" in lost:
                 kinds.add("node start-up")
-        kinds.discard("replaced")
+            if "after the run's agreed end" in lost:
+                kinds.add("node after the end")
+        kinds -= NOT_FAULTS
         for kind in kinds:
             count = counts.setdefault(kind, {"trials": 0, "passed": 0})
             count["trials"] += 1

@@ -42,10 +42,16 @@ def test_node_trials_are_counted_by_variant() -> None:
         trial(["node: SIGSTOP node0.0 after step 5 (3 processes), memory wiped, at once, "
                "SIGKILL 3 processes", "replaced: node0.1 started"], []),
         trial(["node: SIGSTOP node1.0 during start-up (2 processes), memory wiped, held 5s, "
-               "SIGKILL 2 processes"], ["lost 9 steps"])])
+               "SIGKILL 2 processes"], ["lost 9 steps"]),
+        trial(["node: SIGSTOP node0.0 after step 46, after the run's agreed end (3 processes), "
+               "memory wiped, at once, SIGKILL 3 processes",
+               "replacement: none started (the job had ended)",
+               "digest not compared: the writer's node was lost after the agreed end, before "
+               "it logged params.digest"], [])])
     assert by_kind(report) == {
-        "node": {"trials": 2, "passed": 1},
-        "node abrupt": {"trials": 1, "passed": 1}, "node replaced": {"trials": 1, "passed": 1},
+        "node": {"trials": 3, "passed": 2},
+        "node abrupt": {"trials": 2, "passed": 2}, "node replaced": {"trials": 1, "passed": 1},
         "node silent": {"trials": 1, "passed": 0},
-        "node not replaced": {"trials": 1, "passed": 0},
-        "node start-up": {"trials": 1, "passed": 0}}
+        "node not replaced": {"trials": 2, "passed": 1},
+        "node start-up": {"trials": 1, "passed": 0},
+        "node after the end": {"trials": 1, "passed": 1}}
