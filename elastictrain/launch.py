@@ -533,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = _run(full, args, settings, run_id)
         why = failure_summary()
         if code != EXIT_OK and why:
-            print(f"elastictrain run: exit {code}: {exit_meaning(code)}\n" + "\n".join(why),
+            print(f"elastictrain run: exit {code}: {_launch_meaning(code)}\n" + "\n".join(why),
                   file=sys.stderr, flush=True)
         return code
     from elastictrain.view.run import RunOutput, run_view, summary, worker_log_args
@@ -544,9 +544,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     with run_view(output, run_id, launch) as view:
         code = _run(added + full, args, settings, run_id)
     why = failure_summary() if code != EXIT_OK else []
-    print("\n".join([summary(view.state, code, exit_meaning(code), output), *why]),
+    print("\n".join([summary(view.state, code, _launch_meaning(code), output), *why]),
           flush=True)
     return code
+
+
+def _launch_meaning(code: int) -> str:
+    """What this launch's exit code means: ``exit_meaning``, unless the rendezvous ended
+    it before its workers ever ran (then no restart was used up)."""
+    from elastictrain.agent import ElasticTrainAgent
+
+    agent = ElasticTrainAgent.latest
+    if code != EXIT_OK and agent is not None and agent.rendezvous_error is not None:
+        return "failed in the rendezvous, not in the workers"
+    return exit_meaning(code)
 
 
 def _usage_error(exc: ConfigError) -> int:

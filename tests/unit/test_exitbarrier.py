@@ -85,3 +85,15 @@ def test_a_node_finding_the_rendezvous_closed_otherwise_fails_and_says_why(
     assert agent.joined_closed_rendezvous() == 1
     assert agent.rendezvous_error is not None
     assert "rendezvous is closed" in agent.rendezvous_error and "fix:" in agent.rendezvous_error
+
+
+def test_the_launcher_summary_says_the_rendezvous_ended_it(
+        store: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastictrain.launch import _launch_meaning, failure_summary
+
+    agent = _agent_of(SimpleNamespace(_store=store, get_run_id=lambda: "job-a"))
+    monkeypatch.setattr(ElasticTrainAgent, "latest", agent)
+    assert "restarts are used up" in _launch_meaning(1)  # no rendezvous error: as before
+    assert agent.joined_closed_rendezvous() == 1
+    assert _launch_meaning(1) == "failed in the rendezvous, not in the workers"
+    assert failure_summary() == [agent.rendezvous_error]
