@@ -54,6 +54,7 @@ from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec
 from elastictrain.storage import open_store
+from elastictrain.view.tail import EventTail
 
 _POLL_S = 0.05
 # A replacement that never got to join (the others had ended the run already) is
@@ -161,6 +162,10 @@ class NodeTrial:
         self.timed_out = False
         self.leftovers: list[int] = []
         self.wall_s = 0.0
+        # A script's step marks as they come (_first_marked): each poll reads only what
+        # the nodes' event logs gained, not every event again.
+        self._tails: dict[str, EventTail] = {}
+        self._first_marked: dict[int, float] = {}  # step -> when a rank first marked it
 
     def _spec(self, node_dir: Path, port: int) -> LaunchSpec:
         opts, events = self.opts, str(node_dir / "events")
@@ -284,10 +289,26 @@ class NodeTrial:
         or after any rank first recorded step ``at_step``; None until then."""
         if fault.at_step is None:
             return clock + fault.at_s
-        reached = [float(r["ts"]) for r in self.marks() if int(r["step"]) >= fault.at_step]
+        if self.opts.script is None:
+            reached = [float(r["ts"]) for r in self.marks() if int(r["step"]) >= fault.at_step]
+        else:
+            self._read_new_marks()
+            reached = [ts for step, ts in self._first_marked.items() if step >= fault.at_step]
         if not reached:
             return None
         return time.monotonic() - (time.time() - min(reached)) + fault.at_s
+
+    def _read_new_marks(self) -> None:
+        """Add the step marks the nodes' event logs gained since the last call."""
+        for node in self.job.nodes:
+            tail = self._tails.get(node.name)
+            if tail is None:
+                if not node.job.events_dir.is_dir():  # the launcher has not written yet
+                    continue
+                tail = self._tails[node.name] = EventTail(open_store(str(node.job.events_dir)))
+            for mark in step_marks(tail.poll()):
+                step, ts = int(mark["step"]), float(mark["ts"])
+                self._first_marked[step] = min(ts, self._first_marked.get(step, ts))
 
     def _lose(self, fault: NodeFault) -> Node | None:
         """Freeze node ``fault.node`` and wipe its memory, unless an agent already exited
