@@ -426,11 +426,12 @@ class ElasticTrainAgent(LocalElasticAgent):
         if job_finished(self._worker_group.spec.rdzv_handler):
             log.info("agent.job_already_finished")
             return EXIT_OK
+        fix = ("start the whole job again (a new --rdzv-id if the rendezvous backend keeps "
+               "state, as etcd does)")
         self.rendezvous_error = (
             "the job's rendezvous is closed: its other agents ended (the job failed or was "
-            "stopped) before this node could join; fix: start the whole job again (a new "
-            "--rdzv-id if the rendezvous backend keeps state, as etcd does)")
-        log.error("agent.rendezvous_closed", fix=self.rendezvous_error.split("fix: ")[1])
+            f"stopped) before this node could join; fix: {fix}")
+        log.error("agent.rendezvous_closed", fix=fix)
         return 1
 
     def rendezvous_unreachable(self, error: Exception) -> int:

@@ -332,17 +332,18 @@ class NodeTrial:
                              f"processes), memory wiped, {how}")
         return victim
 
-    def _end_agreed(self, before: float) -> bool:
+    def _end_agreed(self, before: float, events: list[dict[str, Any]] | None = None) -> bool:
         """Whether a rank logged the agreed end of the run (or its finish) before
-        ``before`` (epoch seconds)."""
+        ``before`` (epoch seconds), in ``events`` when already read."""
         return any(e.get("event") in ("run.end_agreed", "run.finished")
-                   and float(e.get("ts") or 0.0) < before for e in self.events())
+                   and float(e.get("ts") or 0.0) < before
+                   for e in (self.events() if events is None else events))
 
     def _digest_lost(self, events: list[dict[str, Any]]) -> bool:
         """The run's end was agreed and then the node of the writer (rank 0) was lost
         before it logged the final digest: the weights were final, the record is gone."""
         return (self.loss is not None and checks.final_digest(events) is None
-                and self._end_agreed(self.loss.ts))
+                and self._end_agreed(self.loss.ts, events))
 
     def _stop_orphan(self, running: list[Node], since: float | None) -> float | None:
         """A replacement left alone (the others ended the run before it joined) waits
