@@ -100,5 +100,16 @@ class RunEndNotAgreed(ElasticTrainError):
     the workers, which resume from the newest snapshot and reach the end together."""
 
 
+class PeerNodeLost(ElasticTrainError):
+    """Before this rank's optimizer step, another node's rank never sent its record of
+    the step (its connection ended, or nothing came in time): that node is lost. Raised
+    before the step changes anything, so the rescue commits the step before it."""
+
+    def __init__(self, ranks: list[int], step: int, why: str) -> None:
+        super().__init__(f"rank(s) {ranks} of another node sent no record of step {step} "
+                         f"before its optimizer step: {why}; the node is taken as lost")
+        self.ranks, self.step = ranks, step
+
+
 class SnapshotWriteFailed(StorageError):
     """Too many consecutive background persists failed."""

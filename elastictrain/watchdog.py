@@ -234,6 +234,13 @@ def beat(step: int) -> None:
         _current.beat(step)
 
 
+def left_s() -> float | None:
+    """Seconds before the process-wide watchdog fires if nothing moves (None: none)."""
+    if _current is None:
+        return None
+    return _current.limit_s - (time.monotonic() - _current._last)
+
+
 def wait_moving(join: Callable[[float | None], bool], moved: Callable[[], int]) -> None:
     """Block until ``join(timeout)`` returns True, watched by the watchdog as progress.
 

@@ -28,6 +28,9 @@ the optimizer, the batch, the storage faults and where the job stops for the tes
 * ``--park-in N --gates DIR``: in the first attempt every rank stops in the middle of
   step N, between its forward and its backward, and parks on the gates as ``--park``
   does (the test kills a node meanwhile: the survivors' backward then fails).
+* ``--park-after N --gates DIR``: in the first attempt every rank stops in step N after
+  its backward (the gradients all-reduced, the optimizer step not taken) and parks on
+  the gates (the test kills a node meanwhile: a node lost after its last all-reduce).
 * ``--die-in N``: rank 1 of the first attempt SIGKILLs itself in the middle of step N,
   between its forward and its backward; ``--late-survivor``: rank 0 meets that death
   only after the agent saw it (it starts its backward once ``agent.failure_detected`` is
@@ -102,6 +105,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gates", type=Path)
     p.add_argument("--stdin", action="store_true", help="park on stdin, not on gates")
     p.add_argument("--park-in", type=int, default=0)
+    p.add_argument("--park-after", type=int, default=0)
     p.add_argument("--die-in", type=int, default=0)
     p.add_argument("--late-survivor", action="store_true")
     p.add_argument("--final-save", action="store_true", help="a snapshot after the last step")
@@ -246,6 +250,8 @@ def train(args: argparse.Namespace, rt: Any) -> None:
         if first_attempt and args.late_survivor and snap.step_count + 1 == args.die_in:
             await_event(Path(os.environ[EVENTS_DIR_VAR]), "agent.failure_detected")
         loss.backward()
+        if first_attempt and snap.step_count + 1 == args.park_after:
+            park_on_gates(args.gates, rank)
         opt.step()
         opt.zero_grad()
         time.sleep(args.step_s)  # the job's compute time per step (a workload, not a wait)

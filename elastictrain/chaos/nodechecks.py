@@ -153,18 +153,23 @@ _NO_RECORD = re.compile(r"no record of step (\d+) ")
 
 def record_in_flight(events: Sequence[dict[str, Any]], step: int, since: float,
                      until: float) -> bool:
-    """The one loss a cross-node rescue cannot cover: the lost node's ranks had finished
-    ``step`` (its all-reduce let the survivors finish it too) but died before their
-    boundary record of it left, so the survivors skipped that step's rescue for want of
-    the record, while their stream of the lost node's records had been arriving (so a
-    stream that never worked does not pass as this race)."""
+    """The one loss a cross-node rescue cannot cover where the records go at the step
+    boundary (a loop that draws random numbers between its optimizer step and
+    ``manager.step()``: ``snapshot.records_pre_step_off``): the lost node's ranks had
+    finished ``step`` (its all-reduce let the survivors finish it too) but died before
+    their record of it left, so the survivors skipped that step's rescue for want of the
+    record, while their stream of the lost node's records had been arriving (so a stream
+    that never worked does not pass as this race). Where the records go before the
+    optimizer step, no survivor finishes a step without them: no such race."""
+    at_boundary = any(e.get("event") == "snapshot.records_pre_step_off"
+                      and since < float(e["ts"]) < until for e in events)
     skipped = any(e.get("event") == "snapshot.rescue_skipped" and since < float(e["ts"]) < until
                   and (m := _NO_RECORD.search(str(e.get("reason", "")))) is not None
                   and int(m.group(1)) == step for e in events)
     streamed = any(e.get("event") == "snapshot.records_stopped"
                    and e.get("direction") == "receive" and int(e.get("received") or 0) > 0
                    and since < float(e["ts"]) < until for e in events)
-    return skipped and streamed
+    return at_boundary and skipped and streamed
 
 
 def check_agents(codes: dict[str, list[int]], lost: set[str], timed_out: bool) -> str | None:

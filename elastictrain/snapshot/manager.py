@@ -139,6 +139,10 @@ class SnapshotManager:
         self.memory_store = self._node_memory.store
         self._memory = self._node_memory.saver
         self._schedule = SaveSchedule(self.config, self.ctx, setup.events_dir, clock)
+        # Before the copy fence: its optimizer-step hook then runs first, and a record
+        # other nodes wait for leaves before this rank waits for its copies.
+        self._rescuer = Rescuer(self.config.rescue and not self.sharded, self.config,
+                                self.ctx, self._node_memory, self._train, setup.restart_count)
         self._fence = CopyFence(self.config, self._train, self.sharded,
                                 [s for s in (self._saver, self._memory) if s is not None],
                                 self._schedule)
@@ -148,8 +152,6 @@ class SnapshotManager:
             progress_dir = setup.events_dir  # beside this worker's events (local, per rank)
         self._progress = ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
         self._preempt = setup.preemption
-        self._rescuer = Rescuer(self.config.rescue and not self.sharded, self.config,
-                                self.ctx, self._node_memory, self._train, setup.restart_count)
         self._stepped = False  # staging is prepared again at the first step (see step())
 
     # -- the training loop's objects and position -----------------------------------------

@@ -45,7 +45,10 @@ log = get_logger("elastictrain.snapshot")
 
 BOUNDARY_DIR = "boundary"
 _RESCUED = "rescued-"  # + the step of a committed rescue
-_MAGIC = 0x45545242  # "ETRB"
+_MAGIC = 0x45545242  # "ETRB": taken at the step boundary
+# "ETRP": taken before the optimizer step, sent to other nodes then (snapshot/rescuer.py):
+# the boundary's own record whenever nothing draws random numbers in between.
+_MAGIC_PRE_STEP = 0x45545250
 # magic, step, world size, restart count, resumed-from step, payload length, crc32
 _HEADER = struct.Struct("<IqiiqII")
 SLOT_BYTES = 64 * 1024  # a record: the header and this rank's RNG states
@@ -72,24 +75,37 @@ class BoundaryRecord:
         self._versions = 0
         self._numpy = _NumpyState()
 
+    def capture(self, step: int, pre_step: bool = False) -> bytes | None:
+        """This rank's record of ``step`` as it would be written now (None when the RNG
+        states do not fit a slot: not expected, a slot is several times their size).
+        ``pre_step``: taken before the optimizer step of ``step``, marked as such."""
+        payload = _rng_bytes(self._numpy)
+        if len(payload) + _HEADER.size > SLOT_BYTES:
+            return None
+        magic = _MAGIC_PRE_STEP if pre_step else _MAGIC
+        return _HEADER.pack(magic, step, *self._attempt, len(payload),
+                            zlib.crc32(payload)) + payload
+
     def record(self, step: int) -> bytes | None:
         """After step ``step`` completed on this rank (before anything else of it).
         Returns the record written (a peer node keeps a copy: snapshot/peer_records.py),
         None when there was none to write."""
+        data = self.capture(step)
+        if data is not None:
+            self.keep(step, data)
+        return data
+
+    def keep(self, step: int, data: bytes) -> None:
+        """Write ``data``, this rank's record of ``step`` taken at its boundary, and
+        watch the tensors from here on."""
         if self._watched is None:  # the tensors exist from the first step on
             self._watched = self._tensors()
-        payload = _rng_bytes(self._numpy)
-        if len(payload) + _HEADER.size > SLOT_BYTES:
-            return None  # not expected (a slot is several times their size): skipped
-        header = _HEADER.pack(_MAGIC, step, *self._attempt, len(payload), zlib.crc32(payload))
-        data = header + payload
         if os.pwrite(self._fd, data, (step % 2) * SLOT_BYTES) != len(data):
             # A full tmpfs can cut a write short: the record is torn (its checksum says
             # so), and this step has none.
             raise OSError(errno.ENOSPC, f"{self.path}: short write of a boundary record")
         self.step = step
         self._versions = self._version_sum()
-        return data
 
     def unchanged(self) -> bool:
         """No tensor a snapshot holds changed since the last record (an in-place update
@@ -111,7 +127,7 @@ def write_peer_record(fd: int, data: bytes) -> int | None:
     if len(data) < _HEADER.size:
         return None
     magic, step, *_ = _HEADER.unpack_from(data)
-    if magic != _MAGIC or step < 0:
+    if magic not in (_MAGIC, _MAGIC_PRE_STEP) or step < 0:
         return None
     if os.pwrite(fd, data, (step % 2) * SLOT_BYTES) != len(data):
         raise OSError(errno.ENOSPC, "short write of a peer's boundary record")
@@ -123,13 +139,26 @@ def record_length(data: bytes | memoryview) -> int:
     if len(data) < _HEADER.size:
         return 0
     magic, _, _, _, _, length, _ = _HEADER.unpack_from(data)
-    return _HEADER.size + length if magic == _MAGIC else 0
+    return _HEADER.size + length if magic in (_MAGIC, _MAGIC_PRE_STEP) else 0
 
 
-def read_record(directory: Path, rank: int, step: int,
-                attempt: tuple[int, int, int]) -> dict[str, Any] | None:
+def record_step(data: bytes | memoryview) -> int | None:
+    """The step of the record at the start of ``data`` (None when it is none)."""
+    if record_length(data) == 0:
+        return None
+    return int(_HEADER.unpack_from(data)[1])
+
+
+def same_states(record: bytes, other: bytes) -> bool:
+    """Whether two records of one step hold the same RNG states (whatever their kind)."""
+    return record[4:] == other[4:]  # all but the magic
+
+
+def read_record(directory: Path, rank: int, step: int, attempt: tuple[int, int, int],
+                pre_step_ok: bool = False) -> dict[str, Any] | None:
     """Rank ``rank``'s RNG states at ``step`` of this attempt (None when its node's
-    record of that step is missing, torn or from another attempt)."""
+    record of that step is missing, torn or from another attempt, or was taken before
+    the optimizer step and ``pre_step_ok`` is False)."""
     try:
         raw = (directory / f"rank{rank}").read_bytes()
     except OSError:
@@ -140,7 +169,8 @@ def read_record(directory: Path, rank: int, step: int,
         return None
     magic, got_step, world, restarts, resumed, length, crc = _HEADER.unpack(head)
     payload = raw[offset + _HEADER.size:offset + _HEADER.size + length]
-    if (magic != _MAGIC or got_step != step or (world, restarts, resumed) != attempt
+    kinds = (_MAGIC, _MAGIC_PRE_STEP) if pre_step_ok else (_MAGIC,)
+    if (magic not in kinds or got_step != step or (world, restarts, resumed) != attempt
             or len(payload) != length or zlib.crc32(payload) != crc):
         return None
     return _rng_state(payload)

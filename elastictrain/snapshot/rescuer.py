@@ -3,6 +3,13 @@ a record of every step boundary, and on an uncaught error a commit of the last
 boundary to this node's memory tier. The protocol between ranks, the agent and the
 records is snapshot/rescue.py's; on several nodes each record also goes to other
 nodes (snapshot/peer_records.py), so a survivor there can rescue a lost node's step.
+
+On several nodes the record of a step leaves before the optimizer step (the
+optimizer's step pre-hook), and that step waits for the other nodes' records of it:
+a node lost after its last all-reduce of a step then costs that one step, not the
+memory interval. That record is the boundary's own as long as nothing draws random
+numbers between ``optimizer.step()`` and ``manager.step()``; each boundary checks it,
+and a rank that finds otherwise sends its boundary records from then on.
 """
 
 from __future__ import annotations
@@ -11,13 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elastictrain import watchdog
 from elastictrain.config import SnapshotConfig
 from elastictrain.dist import DistContext
 from elastictrain.log import get_logger
 from elastictrain.snapshot import rescue
 from elastictrain.snapshot.node_memory import NodeMemory
 from elastictrain.snapshot.peer_records import RecordStream
-from elastictrain.snapshot.rescue import BoundaryRecord, read_record
+from elastictrain.snapshot.rescue import BoundaryRecord, read_record, record_step, same_states
 from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.snapshot.training_state import TrainingState
@@ -28,6 +36,11 @@ log = get_logger("elastictrain.snapshot")
 # way (sent a moment before that node died, not yet written here); past it, it skips.
 PEER_RECORD_WAIT_S = 1.0
 _PEER_RECORD_POLL_S = 0.005
+# How long an optimizer step waits for the other nodes' records of its step without a
+# watchdog: as long as a collective waits by default (dist.collective_timeout_s). With
+# one, half the time it leaves, so that the rescue runs before it fires.
+_PRE_STEP_WAIT_S = 600.0
+_PRE_STEP_WAIT_MIN_S = 1.0
 
 
 class Rescuer:
@@ -49,6 +62,13 @@ class Rescuer:
         self.resumed_from = -1
         self._boundary: BoundaryRecord | None = None
         self._stream: RecordStream | None = None
+        self._pre_step_record: bytes | None = None  # the last one sent
+        # The last step whose record sent before its optimizer step proved to be its
+        # boundary's: this rank then trusts the other nodes' records of that step taken
+        # the same way (its own loop draws nothing between the two).
+        self._pre_step_matched = -1
+        register = getattr(train.optimizer, "register_step_pre_hook", None)
+        self._hook = register(self._before_optimizer_step) if enabled and register else None
 
     @property
     def active(self) -> bool:
@@ -59,20 +79,69 @@ class Rescuer:
         """This step's boundary record. A node whose memory directory refuses it (full)
         goes on without the rescue until a record succeeds again: a rescue finds the
         record of the step it would commit, or skips."""
-        assert self._memory.tier is not None
         try:
-            if self._boundary is None:
-                self._boundary = BoundaryRecord(self._memory.tier.boundary, self._ctx.rank,
-                                                self._attempt(), self._train.held_tensors)
-                rescue.arm(self._rescue)
-                self._stream = self._start_stream()
-            data = self._boundary.record(step)
-            if data is not None and self._stream is not None:
-                self._stream.publish(data)
+            boundary = self._start()
+            data = boundary.capture(step)
+            if data is None:
+                return
+            self._send_boundary(step, data)
+            boundary.keep(step, data)
         except OSError as exc:
             self._memory.health.failed("rescue boundary record", exc)
             return
         self._memory.health.ok("rescue boundary record")
+
+    def _start(self) -> BoundaryRecord:
+        """The boundary record (and the stream to other nodes), at first use."""
+        if self._boundary is None:
+            assert self._memory.tier is not None
+            self._boundary = BoundaryRecord(self._memory.tier.boundary, self._ctx.rank,
+                                            self._attempt(), self._train.held_tensors)
+            rescue.arm(self._rescue)
+            self._stream = self._start_stream()
+        return self._boundary
+
+    def _send_boundary(self, step: int, data: bytes) -> None:
+        """The boundary record to other nodes, unless the one sent before the optimizer
+        step holds the same states. One that differs means this loop draws random
+        numbers in between: from here on the records go at the boundary."""
+        stream, sent = self._stream, self._pre_step_record
+        if stream is None:
+            return
+        if sent is None or record_step(sent) != step:  # none sent for this step
+            stream.publish(data)
+        elif same_states(sent, data):
+            self._pre_step_matched = step
+        else:
+            stream.publish(data)
+            stream.stop_pre_step()
+            log.warning("snapshot.records_pre_step_off", step=step,
+                        reason="random numbers were drawn between optimizer.step() and "
+                        "manager.step(); the records go at the step boundary from here on")
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """(the optimizer's step pre-hook) Send this rank's record of the step about to
+        complete and wait for the other nodes' (peer_records.wait_pre_step)."""
+        step = self._train.step + 1
+        sent = self._pre_step_record
+        if not self.active or (sent is not None and record_step(sent) == step):
+            return  # a second optimizer step before the boundary: once per step
+        try:
+            boundary = self._start()
+        except OSError as exc:
+            self._memory.health.failed("rescue boundary record", exc)
+            return
+        stream = self._stream
+        if stream is None or not stream.pre_step:
+            return
+        data = boundary.capture(step, pre_step=True)
+        if data is None:
+            return
+        self._pre_step_record = data
+        stream.publish(data, pre_step=True)
+        left = watchdog.left_s()
+        stream.wait_pre_step(step, _PRE_STEP_WAIT_S if left is None
+                             else max(_PRE_STEP_WAIT_MIN_S, left / 2))
 
     def _start_stream(self) -> RecordStream | None:
         """This rank's records to other nodes, theirs to this node (several nodes and
@@ -86,6 +155,9 @@ class Rescuer:
 
     def disarm(self) -> None:
         """No rescue from here on (the run's end was agreed)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self._boundary is not None:
             rescue.disarm()
             self._boundary.close()
@@ -158,15 +230,18 @@ class Rescuer:
         here and that is not here yet is waited for, a moment (``PEER_RECORD_WAIT_S``):
         it may have been received and not yet written."""
         attempt = self._attempt()
-        rngs = [read_record(directory, rank, step, attempt)
-                for rank in range(self._ctx.world_size)]
         expected = self._peer_sources()
+        # Another node's record taken before its optimizer step is its boundary's when
+        # this rank's own proved so at this step (the same loop on every rank).
+        trusted = self._pre_step_matched == step
+        rngs = [read_record(directory, rank, step, attempt, rank in expected and trusted)
+                for rank in range(self._ctx.world_size)]
         deadline = time.monotonic() + PEER_RECORD_WAIT_S
         while any(rngs[r] is None for r in expected) and time.monotonic() < deadline:
             time.sleep(_PEER_RECORD_POLL_S)  # another process of this node writes them
             for rank in expected:
                 if rngs[rank] is None:
-                    rngs[rank] = read_record(directory, rank, step, attempt)
+                    rngs[rank] = read_record(directory, rank, step, attempt, trusted)
         return rngs
 
     def _peer_sources(self) -> set[int]:

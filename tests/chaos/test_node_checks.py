@@ -115,17 +115,24 @@ def test_lost_steps_are_bounded_by_the_tier_and_by_the_rescue() -> None:
 
 
 def test_a_record_still_in_flight_at_the_loss_allows_the_memory_interval() -> None:
-    """Node b died after step 15's all-reduce but before its record of 15 left: the
-    survivor skipped that rescue and the resume may lose the memory interval, but only
-    if b's records had been arriving until then."""
+    """Node b's loop draws random numbers between its optimizer step and its boundary,
+    so its records go at the boundary; it died after step 15's all-reduce but before
+    its record of 15 left: the survivor skipped that rescue and the resume may lose the
+    memory interval, but only if b's records had been arriving until then. Where the
+    records go before the optimizer step, the same skip is a failure."""
     skipped = ev("snapshot.rescue_skipped", 20.5, "a.0", snapshot_step=15,
                  reason="no record of step 15 on this node for rank(s) [1] (on another node, "
                         "or killed while writing or sending it)")
     stopped = ev("snapshot.records_stopped", 20.4, "a.0", direction="receive", source=1,
                  received=14)
-    resume = [*BEFORE, skipped, ev("resume", 22, "a.0", from_step=12, tier="memory")]
+    at_boundary = ev("snapshot.records_pre_step_off", 5, "b.0", step=3)
+    resume = [*BEFORE, at_boundary, skipped,
+              ev("resume", 22, "a.0", from_step=12, tier="memory")]
     races = [*resume[:-1], stopped, resume[-1]]
     assert check_node_resumes(races, [A, B], trained(15, 2), PEER, Loss(20, False)) is None
+    pre_step = [e for e in races if e is not at_boundary]
+    assert "allowed 1" in str(
+        check_node_resumes(pre_step, [A, B], trained(15, 2), PEER, Loss(20, False)))
     assert "allowed 1" in str(  # no record had ever arrived: not the race
         check_node_resumes(resume, [A, B], trained(15, 2), PEER, Loss(20, False)))
     other_step = [*BEFORE, {**skipped, "reason": skipped["reason"].replace("15", "14")},

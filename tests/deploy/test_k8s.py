@@ -198,9 +198,10 @@ def test_container_command_as_pid_1_takes_final_snapshot_on_sigterm(
                                 env=child_env(tmp_path, **env), start_new_session=True)
     try:
         ev = storage / "events"
-        wait_for(lambda: ev.exists() and any(e.get("rank") == 0 and e["step"] >= 10 for e in
-                                             events(ev, "snapshot.committed")),
+        wait_for(lambda: proc.poll() is not None or (ev.exists() and any(
+            e.get("rank") == 0 and e["step"] >= 10 for e in events(ev, "snapshot.committed"))),
                  240, "a first snapshot")
+        assert proc.poll() is None, (tmp_path / "pod.log").read_text(errors="replace")[-3000:]
         pid1 = _namespace_init(proc.pid)
         os.kill(pid1, signal.SIGTERM)  # what the kubelet does on pod deletion
         rc = proc.wait(timeout=120)

@@ -12,6 +12,11 @@ SIGKILLed by PID and its memory directory wiped.
     A's survivor commits step 25 from B's boundary record streamed to A: the job loses
     no completed step. Replaced: resumes 25 from memory on both, bit-exact. Not
     replaced (``--nnodes 1:2``): A alone resumes 25 from its own memory.
+(d) B lost after its last all-reduce of step 26 and before its optimizer step (both
+    ranks parked there): A's optimizer step waits for B's record of step 26, finds B's
+    connection ended and raises before it changes anything, so its rescue commits step
+    25, with B's record of 25 sent before B's optimizer step. The job loses only the
+    step in progress; bit-exact after the replacement.
 (c) B lost after the run's last step, before the end agreement in ``close()``: A's
     ``close()`` fails the end, and its rescue commits the last step from B's record, so
     the restart with B's replacement finishes from there: nothing lost, bit-exact.
@@ -149,11 +154,12 @@ def test_replaced_node_restores_from_the_surviving_nodes_memory(
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("replaced", "nproc"), [(True, 1), (False, 1), (True, 2)])
+@pytest.mark.parametrize(("replaced", "nproc"), [(False, 1), (True, 2)])
 def test_survivor_rescues_the_step_of_a_lost_node(tmp_path: Path, agents: Agents,
-                                                  reference_digest: str,
                                                   replaced: bool, nproc: int) -> None:
-    """With two workers a node, B's ranks 2 and 3 stream their records to A's 0 and 1."""
+    """With two workers a node, B's ranks 2 and 3 stream their records to A's 0 and 1.
+    (Replaced with one worker a node, bit-exact: (d), the same rescue from a record
+    sent before the optimizer step.)"""
     node_a, node_b, common = _two_nodes(
         agents, tmp_path, "2" if replaced else "1:2",
         extra=("--memory-every=1000", f"--park-in={PARK + 1}"), nproc=nproc)
@@ -179,8 +185,6 @@ def test_survivor_rescues_the_step_of_a_lost_node(tmp_path: Path, agents: Agents
         assert _resumes(ev) == _from_peer(ev, "a", "b2")
         # (Four gloo ranks resumed from step 25 end on other bits than an uninterrupted
         # run even on one node, after a worker kill: no check against one here.)
-        if nproc == 1:
-            assert _digest(ev) == reference_digest  # bit-exact
     else:
         assert _resumes(ev) == [(0, PARK, "memory", None)]
         (resume,) = [e for e in resumes]
@@ -208,5 +212,29 @@ def test_a_node_lost_after_the_last_step_costs_no_step(tmp_path: Path, agents: A
     resumes = [e for e in events(ev, "resume") if e.get("from_step") is not None]
     assert {(e["from_step"], e["tier"], e["lost_steps"]) for e in resumes} == {
         (STEPS, "memory", 0)}
+    assert [e for e in events(ev, "snapshot.loaded") if e["tier"] == "durable"] == []
+    assert _digest(ev) == reference_digest  # bit-exact
+
+
+@pytest.mark.timeout(900)
+def test_a_node_lost_after_its_last_all_reduce_costs_only_the_step_in_progress(
+        tmp_path: Path, agents: Agents, reference_digest: str) -> None:
+    node_a, node_b, common = _two_nodes(
+        agents, tmp_path, "2", extra=("--memory-every=1000", f"--park-after={PARK + 1}"))
+    pids = _wait_parked(tmp_path / "gates", 2)  # both after step 26's all-reduce
+    _kill_node(node_b, [pids[1]], tmp_path / "mem-b")
+    (tmp_path / "gates" / "go").write_text("")  # A's optimizer step meets B's death
+    ev = tmp_path / "ev"
+    wait_for(lambda: events(ev / "a", "snapshot.rescued")
+             or events(ev / "a", "snapshot.rescue_skipped"), 120, "node A's rescue")
+    agents.start("b2", tmp_path / "run", tmp_path / "mem-b2", is_host=0, **common)
+    assert node_a.wait(timeout=400) == 0, _log(agents)
+
+    rescued = events(ev / "a", "snapshot.rescued")
+    assert [(e["snapshot_step"], e["error"]) for e in rescued] == [(PARK, "PeerNodeLost")], \
+        events(ev / "a", "snapshot.rescue_skipped")
+    resumes = [e for e in events(ev, "resume") if e.get("from_step") is not None]
+    assert {(e["rescued"], e["lost_steps"]) for e in resumes} == {(True, 0)}
+    assert _resumes(ev) == _from_peer(ev, "a", "b2")
     assert [e for e in events(ev, "snapshot.loaded") if e["tier"] == "durable"] == []
     assert _digest(ev) == reference_digest  # bit-exact
