@@ -192,20 +192,27 @@ def test_survivor_rescues_the_step_of_a_lost_node(tmp_path: Path, agents: Agents
     assert [e for e in events(ev, "snapshot.loaded") if e["tier"] == "durable"] == []
 
 
-@pytest.mark.timeout(900)
-def test_a_node_lost_after_the_last_step_costs_no_step(tmp_path: Path, agents: Agents,
-                                                       reference_digest: str) -> None:
-    node_a, node_b, common = _two_nodes(
-        agents, tmp_path, "2", extra=("--memory-every=1000", f"--park={STEPS}"))
-    pids = _wait_parked(tmp_path / "gates", 2)  # both past the last step, before close()
+def _lose_parked_b_and_replace_it(agents: Agents, tmp_path: Path, park: str) -> Path:
+    """Both nodes (no memory snapshot after step 1) park at ``park``; B is lost, A goes
+    on and rescues (or skips), B's replacement joins, A finishes. The events' root."""
+    node_a, node_b, common = _two_nodes(agents, tmp_path, "2",
+                                        extra=("--memory-every=1000", park))
+    pids = _wait_parked(tmp_path / "gates", 2)
     _kill_node(node_b, [pids[1]], tmp_path / "mem-b")
-    (tmp_path / "gates" / "go").write_text("")  # A's close() meets B's death
+    (tmp_path / "gates" / "go").write_text("")
     ev = tmp_path / "ev"
     wait_for(lambda: events(ev / "a", "snapshot.rescued")
              or events(ev / "a", "snapshot.rescue_skipped"), 120, "node A's rescue")
     agents.start("b2", tmp_path / "run", tmp_path / "mem-b2", is_host=0, **common)
     assert node_a.wait(timeout=400) == 0, _log(agents)
+    return ev
 
+
+@pytest.mark.timeout(900)
+def test_a_node_lost_after_the_last_step_costs_no_step(tmp_path: Path, agents: Agents,
+                                                       reference_digest: str) -> None:
+    # Both past the last step, before close(): A's close() meets B's death.
+    ev = _lose_parked_b_and_replace_it(agents, tmp_path, f"--park={STEPS}")
     assert [e["error"] for e in events(ev / "a", "snapshot.rescued")] == ["RunEndNotAgreed"], \
         events(ev / "a", "snapshot.rescue_skipped")
     assert events(ev / "a", "run.end_not_agreed")
@@ -219,17 +226,8 @@ def test_a_node_lost_after_the_last_step_costs_no_step(tmp_path: Path, agents: A
 @pytest.mark.timeout(900)
 def test_a_node_lost_after_its_last_all_reduce_costs_only_the_step_in_progress(
         tmp_path: Path, agents: Agents, reference_digest: str) -> None:
-    node_a, node_b, common = _two_nodes(
-        agents, tmp_path, "2", extra=("--memory-every=1000", f"--park-after={PARK + 1}"))
-    pids = _wait_parked(tmp_path / "gates", 2)  # both after step 26's all-reduce
-    _kill_node(node_b, [pids[1]], tmp_path / "mem-b")
-    (tmp_path / "gates" / "go").write_text("")  # A's optimizer step meets B's death
-    ev = tmp_path / "ev"
-    wait_for(lambda: events(ev / "a", "snapshot.rescued")
-             or events(ev / "a", "snapshot.rescue_skipped"), 120, "node A's rescue")
-    agents.start("b2", tmp_path / "run", tmp_path / "mem-b2", is_host=0, **common)
-    assert node_a.wait(timeout=400) == 0, _log(agents)
-
+    # Both after step 26's all-reduce: A's optimizer step meets B's death.
+    ev = _lose_parked_b_and_replace_it(agents, tmp_path, f"--park-after={PARK + 1}")
     rescued = events(ev / "a", "snapshot.rescued")
     assert [(e["snapshot_step"], e["error"]) for e in rescued] == [(PARK, "PeerNodeLost")], \
         events(ev / "a", "snapshot.rescue_skipped")
