@@ -5,6 +5,7 @@ come in time, raises ``PeerNodeLost`` before the step changes anything."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -15,7 +16,12 @@ import pytest
 from elastictrain.errors import PeerNodeLost
 from elastictrain.snapshot.peer_records import RecordStream
 from elastictrain.snapshot.record_links import RecordLinks
-from elastictrain.snapshot.rescue import BoundaryRecord, read_record, same_states
+from elastictrain.snapshot.rescue import (
+    BoundaryRecord,
+    read_record,
+    same_states,
+    write_peer_record,
+)
 from tests.helpers import wait_for
 
 ATTEMPT = (2, 0, -1)
@@ -201,3 +207,32 @@ def test_a_loop_drawing_random_numbers_after_its_optimizer_step_sends_at_the_bou
         step(3, draw=False)
         assert stream.published[3:] == [(3, False)]  # at the boundary only
     assert [e["step"] for e in logs if e["event"] == "snapshot.records_pre_step_off"] == [2]
+
+
+def test_another_nodes_pre_step_record_is_used_only_where_this_ranks_own_matched(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 (another node) sent its record of step 4 before its optimizer step; rank 0
+    wrote its own at the boundary. The rescue reads rank 1's only if rank 0's own early
+    record of step 4 held its boundary's states (else it skips: never a wrong RNG)."""
+    from types import SimpleNamespace
+
+    from elastictrain.snapshot import rescuer as rescuer_module
+    from elastictrain.snapshot.rescuer import Rescuer
+
+    monkeypatch.setattr(rescuer_module, "PEER_RECORD_WAIT_S", 0.05)
+    BoundaryRecord(tmp_path, 0, ATTEMPT, lambda: []).record(4)
+    early = BoundaryRecord(tmp_path, 9, ATTEMPT, lambda: []).capture(4, pre_step=True)
+    assert early is not None
+    fd = os.open(tmp_path / "rank1", os.O_RDWR | os.O_CREAT, 0o600)
+    try:  # where and how the receiving thread keeps it
+        assert write_peer_record(fd, early) == 4
+    finally:
+        os.close(fd)
+    rescuer = Rescuer.__new__(Rescuer)
+    rescuer._ctx = SimpleNamespace(world_size=2)  # type: ignore[assignment]
+    rescuer._restart_count, rescuer.resumed_from = ATTEMPT[1], ATTEMPT[2]
+    monkeypatch.setattr(rescuer, "_peer_sources", lambda: {1})
+    rescuer._pre_step_matched = 4
+    assert all(state is not None for state in rescuer._records(tmp_path, 4))
+    rescuer._pre_step_matched = 3  # its own early record of step 4 differed
+    assert rescuer._records(tmp_path, 4)[1] is None
