@@ -132,6 +132,10 @@ class Watchdog:
             return self.config.startup_timeout_s
         return self.config.timeout_s
 
+    def left_s(self) -> float:
+        """Seconds before it fires if nothing moves (negative: overdue)."""
+        return self.limit_s - (time.monotonic() - self._last)
+
     def idle_s(self, now: float | None = None) -> float | None:
         """Seconds without progress if over the limit, else None."""
         idle = (time.monotonic() if now is None else now) - self._last
@@ -236,9 +240,7 @@ def beat(step: int) -> None:
 
 def left_s() -> float | None:
     """Seconds before the process-wide watchdog fires if nothing moves (None: none)."""
-    if _current is None:
-        return None
-    return _current.limit_s - (time.monotonic() - _current._last)
+    return None if _current is None else _current.left_s()
 
 
 def wait_moving(join: Callable[[float | None], bool], moved: Callable[[], int]) -> None:
