@@ -20,11 +20,19 @@ pytest_plugins = ["tests.shared_runs"]
 IMPLY_PROCESSES = ("distributed", "bench")
 
 
+# Session fixtures that run a whole job (tests/shared_runs.py): the tests that share one
+# are kept on one pytest-xdist worker (``--dist loadgroup``), so the job runs once.
+SHARED_RUNS = ("one_kill_demo", "two_kills_demo")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if any(item.get_closest_marker(name) for name in IMPLY_PROCESSES):
             item.add_marker(pytest.mark.processes)
+        shared = [name for name in SHARED_RUNS if name in getattr(item, "fixturenames", ())]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
 
 
 def _noting(original: Callable[..., Any], what: str, seen: list[str]) -> Callable[..., Any]:

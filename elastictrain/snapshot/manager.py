@@ -64,8 +64,7 @@ from elastictrain.snapshot.rng import capture_rng
 from elastictrain.snapshot.save_schedule import SaveSchedule
 from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.saver_interface import LoadRequest, SaverSettings, SnapshotSaver
-from elastictrain.snapshot.sharded.save import ShardedSaver
-from elastictrain.snapshot.sharded.state import has_dtensor_params
+from elastictrain.snapshot.sharded.detect import has_dtensor_params
 from elastictrain.snapshot.training_state import TrainingState, unwrap
 from elastictrain.storage import Store
 
@@ -128,9 +127,12 @@ class SnapshotManager:
         self.run_id = setup.run_id
         self.sharded = has_dtensor_params(unwrap(model)) if sharded is None else sharded
         durable = SaverSettings.for_durable(self.config)
-        self._saver: SnapshotSaver = (
-            ShardedSaver(self.store, durable, self.ctx, unwrap(model), optimizer)
-            if self.sharded else Saver(self.store, durable))
+        self._saver: SnapshotSaver
+        if self.sharded:  # imported here: DCP costs a DDP worker's start-up a second
+            from elastictrain.snapshot.sharded.save import ShardedSaver
+            self._saver = ShardedSaver(self.store, durable, self.ctx, unwrap(model), optimizer)
+        else:
+            self._saver = Saver(self.store, durable)
         self._train = TrainingState(model, optimizer, scheduler, scaler, sampler, ctx=self.ctx,
                                     run_id=self.run_id, checksum=self.config.checksum,
                                     saver_holds_model=self._saver.saves_model_and_optimizer)

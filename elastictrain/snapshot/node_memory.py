@@ -11,7 +11,7 @@ and training goes on with durable snapshots (``memory.Health`` says so once).
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -25,9 +25,11 @@ from elastictrain.snapshot.peer_restore import PeerCopies
 from elastictrain.snapshot.record_links import RecordLinks, connect_record_links
 from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.saver_interface import SaverSettings
-from elastictrain.snapshot.sharded.memory_restore import ShardedMemory
-from elastictrain.snapshot.sharded.memory_save import ShardedMemorySaver
 from elastictrain.storage import Store
+
+if TYPE_CHECKING:  # imported where used: DCP costs a DDP worker's start-up a second
+    from elastictrain.snapshot.sharded.memory_restore import ShardedMemory
+    from elastictrain.snapshot.sharded.memory_save import ShardedMemorySaver
 
 log = get_logger("elastictrain.snapshot")
 
@@ -88,6 +90,9 @@ class NodeMemory:
     def _open_sharded(self, model: nn.Module, optimizer: Any | None) -> None:
         """Every rank saves its parts (every rank calls it together): only when every
         rank's memory directory opened, since every memory save is a collective."""
+        from elastictrain.snapshot.sharded.memory_restore import ShardedMemory
+        from elastictrain.snapshot.sharded.memory_save import ShardedMemorySaver
+
         ctx, config = self._ctx, self._config
         missing = int(self.tier is None)
         if ctx.initialized:

@@ -11,12 +11,6 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
-
-
-def has_dtensor_params(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded (FSDP2 / any DTensor layout): its parameters are DTensors."""
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def current_state(model: nn.Module, optimizer: Any | None) -> dict[str, Any]:
