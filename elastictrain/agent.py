@@ -29,6 +29,10 @@ What it adds, each by overriding one of the agent's documented steps
   A group being restarted has nothing worth saving, and even a clean Python
   exit after ``import torch`` takes seconds (docs/preemption.md), which every
   recovery would pay. Survivors of a preemption (a peer exited 75) are left to finish;
+* **a snapshot before a membership change**: when a node joins (torchrun restarts a
+  healthy group at the new size), the agent first asks its workers for a snapshot of
+  the step they are at (``snapshot/restart_save.py``) and stops them once each is ready
+  (saved, or closing), or after ``launch.rescue_timeout_s`` (``agent.saved_before_restart``);
 * **a rescue finishes first**: a survivor writing the last step to node memory
   (``snapshot/rescue.py``) is killed only once it is done, or after
   ``launch.rescue_timeout_s`` (``agent.rescue_waited``, ``agent.rescue_timeout``);
@@ -95,7 +99,13 @@ from elastictrain.exitbarrier import (
 from elastictrain.failure import ERROR_FIELDS, fix_line
 from elastictrain.log import bind, get_logger
 from elastictrain.proctree import tree_cpu_ticks
-from elastictrain.rescue_marks import armed_pids, rescuing_pids
+from elastictrain.rescue_marks import (
+    armed_pids,
+    clear_save_marks,
+    ready_pids,
+    request_save,
+    rescuing_pids,
+)
 from elastictrain.standby.client import Standby
 from elastictrain.standby.context import starting_from
 
@@ -232,6 +242,8 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         if self.end_dir is not None:
             runend.clear(self.end_dir)
+        if self.rescue_dir is not None:
+            clear_save_marks(self.rescue_dir)
         self._end_logged = False
         super()._initialize_workers(worker_group)
         self._detected = False
@@ -396,7 +408,31 @@ class ElasticTrainAgent(LocalElasticAgent):
         log.info("agent.restart", reason="membership_change" if healthy else "failure",
                  from_restart_count=self.restart_count(),
                  remaining_restarts=self._remaining_restarts)
+        if healthy:
+            self._save_before_restart()
         super()._restart_workers(worker_group)
+
+    def _save_before_restart(self) -> None:
+        """Ask the healthy workers for a snapshot of the step they are at and wait until
+        every running one is ready (saved, then waiting to be stopped; or closing), or
+        for ``launch.rescue_timeout_s``: the new group resumes where this one stood."""
+        if self.rescue_dir is None:
+            return
+        try:
+            request_save(self.rescue_dir)
+        except OSError as error:  # the node's tmpfs refused the file: restart as torchrun
+            log.warning("agent.save_before_restart_failed", error=str(error)[:300])
+            return
+        started = time.monotonic()
+        while True:
+            running = {pid for pid, code in self._worker_codes().items() if code is None}
+            ready = ready_pids(self.rescue_dir) & running
+            elapsed = time.monotonic() - started
+            if not running or ready == running or elapsed >= self.rescue_timeout_s:
+                break
+            time.sleep(0.005)
+        log.info("agent.saved_before_restart", ready=len(ready), running=len(running),
+                 waited_s=round(elapsed, 3), timed_out=bool(running) and ready != running)
 
     def _exit_barrier(self) -> None:
         # torchrun's version waits for every agent of the round, a lost one too.

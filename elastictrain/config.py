@@ -246,7 +246,8 @@ class LaunchDefaults(_Model):
     # torchrun restarts the group, which restores and finishes again (docs/faults.md).
     exit_timeout_s: float = Field(default=60.0, gt=0)
     # After a worker failed, the agent stops the others only once a survivor writing a
-    # rescue (docs/memory-tier.md#rescue) is done, or after this long.
+    # rescue (docs/memory-tier.md#rescue) is done, or after this long; when a node joins,
+    # once its workers saved the step they are at (docs/elastic-resume.md), or as long.
     rescue_timeout_s: float = Field(default=30.0, gt=0)
     # A survivor armed for a rescue (memory tier on) that has not met its error yet gets
     # this long to begin one before the agent stops it.

@@ -6,7 +6,8 @@ The launcher makes a private directory for the marks under this user's root in t
 node's shared memory and names it to its workers in ``MARKS_ENV``: it cannot know the
 memory directory, whose name comes from the storage URL the script passes. A worker is
 marked ``armed-<pid>`` there while it would rescue on an uncaught error, and
-``rescuing-<pid>`` while it writes a rescue.
+``rescuing-<pid>`` while it writes a rescue. The same directory carries the agent's
+request for a save before it restarts a healthy group (below).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from elastictrain.env import RESCUE_MARKS_VAR
 from elastictrain.errors import ConfigError
-from elastictrain.localfiles import private_dir
+from elastictrain.localfiles import open_private, private_dir
 from elastictrain.log import get_logger
 from elastictrain.shm import exclusive, hold, user_dirs, user_root
 
@@ -90,3 +91,33 @@ def sweep_marks() -> list[Path]:
                 log.info("snapshot.memory_removed", path=str(path), reason="launcher gone",
                          tier="memory")
     return removed
+
+
+# -- the save before a restart of a healthy group -----------------------------------------
+# When a node joins (or the rendezvous re-forms for any reason while every worker is
+# healthy) torchrun stops the group and starts it again at the new size. The agent first
+# asks its workers for a snapshot of the step they are at (``request_save``); they agree
+# on it at the next step boundary, save, mark themselves ``ready-<pid>`` and wait to be
+# stopped (snapshot/restart_save.py), so the new group resumes where the old one stood.
+# A worker in ``close()`` is ready too: its loop is done, it takes no more steps.
+SAVE_REQUEST = "save-before-restart"  # the agent asks for a save before it restarts
+READY = "ready-"  # + the PID of a worker that has nothing more to save: stop it now
+
+
+def request_save(directory: Path) -> None:
+    """Ask this launcher's workers for a snapshot before their group is restarted."""
+    os.close(open_private(directory / SAVE_REQUEST, os.O_WRONLY | os.O_CREAT))
+
+
+def ready_pids(directory: Path) -> set[int]:
+    """PIDs of the workers that answered the request (or are closing): the agent may stop
+    them without losing a step."""
+    return _marked_pids(directory, READY)
+
+
+def clear_save_marks(directory: Path) -> None:
+    """Remove the request and the saved marks: a new group starts without them."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if name == SAVE_REQUEST or name.startswith(READY):
+                (directory / name).unlink(missing_ok=True)

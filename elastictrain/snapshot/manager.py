@@ -59,6 +59,7 @@ from elastictrain.snapshot.persister import SaveHandle
 from elastictrain.snapshot.preempt_exit import pending_stop, save_and_exit
 from elastictrain.snapshot.progress import ProgressFile, ProgressReport
 from elastictrain.snapshot.rescuer import Rescuer
+from elastictrain.snapshot.restart_save import RestartRequest, save_before_restart
 from elastictrain.snapshot.resume import MemoryOutcome, ResumeInfo, apply_and_report
 from elastictrain.snapshot.rng import capture_rng
 from elastictrain.snapshot.save_schedule import SaveSchedule
@@ -140,7 +141,9 @@ class SnapshotManager:
                                        self.sharded, unwrap(model), optimizer)
         self.memory_store = self._node_memory.store
         self._memory = self._node_memory.saver
-        self._schedule = SaveSchedule(self.config, self.ctx, setup.events_dir, clock)
+        self._restart = RestartRequest.from_env()
+        self._schedule = SaveSchedule(self.config, self.ctx, setup.events_dir, clock,
+                                      self._restart)
         # Before the copy fence: its optimizer-step hook then runs first, and a record
         # other nodes wait for leaves before this rank waits for its copies.
         self._rescuer = Rescuer(self.config.rescue and not self.sharded, self.config,
@@ -267,6 +270,8 @@ class SnapshotManager:
             self.sampler.advance()
         if self._rescuer.active:  # first: a failure anywhere after this finds the boundary
             self._rescuer.record_boundary(self.step_count)
+        if self._restart is not None:
+            self._restart.stepped()
         bind_step(self.step_count)
         if self._progress is not None:
             self._progress.write(self.step_count)
@@ -280,6 +285,9 @@ class SnapshotManager:
             self._stop_preempted(decision.stop)
         if decision.failed_step:
             self._raise_failed(decision.failed_step)
+        if decision.restart:
+            self._save_before_restart()
+            return None
         if decision.durable:
             try:
                 return self.save()
@@ -359,6 +367,37 @@ class SnapshotManager:
                                    defer=self._fence.deferred())
         self._schedule.memory_saved(time.perf_counter() - started)
 
+    def _save_before_restart(self) -> None:
+        """The agent restarts the group next (a node joins): snapshot this step first,
+        to memory where every node has it, and wait to be stopped (restart_save.py)."""
+        assert self._restart is not None  # only its request decides a restart save
+        memory = self._memory_committed if self.config.memory_every is not None else None
+        save_before_restart(self.ctx, self._restart, self.step_count, memory,
+                            self._durable_committed)
+
+    def _memory_committed(self) -> bool:
+        """A memory snapshot of this step (every rank), waited for: whether this node's
+        copy committed."""
+        self._save_memory()
+        if self._memory is None:  # a writer whose node refused the tier holds no copy
+            return not (self.sharded or self.ctx.local_rank == 0)
+        try:
+            self._memory.wait()
+        except Exception:  # logged by the persister; the caller falls back to durable
+            return False
+        return True
+
+    def _durable_committed(self) -> bool:
+        """A durable snapshot of this step (every rank), waited for: whether it committed
+        where this rank persists."""
+        try:
+            self._save(copy_behind=False)
+            if self._persists_here():
+                self._saver.wait()
+        except Exception:  # an agreed earlier failure, or this one: logged where it failed
+            return False
+        return True
+
     def _stop_preempted(self, stop: preempt.StopRequest) -> NoReturn:
         save_and_exit(stop, self.ctx, self._saver, self._persists_here(),
                       lambda: self._save(copy_behind=False), self.step_count)
@@ -397,6 +436,9 @@ class SnapshotManager:
         self._fence.remove()
         self._saver.close()
         self._node_memory.finish_saves()
+        if self._restart is not None:  # its saves are done and it takes no more steps:
+            self._restart.ready()  # a restart for a joining node need not wait for it
+            self._restart.close()
         if not runend.agree_and_mark(self.ctx):
             # The rescue stays armed and the node's memory snapshots stay: the error
             # commits the last step to node memory (a peer's record of it included),

@@ -2,10 +2,11 @@
 intervals (snapshot/interval.py) and the marks they count from, and the per-step
 agreement that makes every rank decide the same.
 
-Step triggers are deterministic. Clocks, preemption notices, the writer's failed
-persist and its automatic memory interval differ between ranks: they ride one small
-all-reduce, on the steps where one is needed anyway (preemption on, a time trigger
-not already due, or an automatic memory interval). The step path stays
+Step triggers are deterministic. Clocks, preemption notices, the agent's request for
+a save before it restarts the group, the writer's failed persist and its automatic
+memory interval differ between ranks: they ride one small all-reduce, on the steps
+where one is needed anyway (preemption on, a launcher that may ask for a save, a time
+trigger not already due, or an automatic memory interval). The step path stays
 collective-free otherwise: the save agrees on a failure.
 """
 
@@ -23,6 +24,7 @@ from elastictrain.snapshot.interval import (
     failure_history,
     interval_steps,
 )
+from elastictrain.snapshot.restart_save import RestartRequest
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Decision:
     memory: bool  # a memory snapshot is due (never together with a durable one)
     stop: preempt.StopRequest | None  # an agreed preemption notice
     failed_step: int  # the step of a background persist that gave up, or 0
+    restart: bool = False  # the agent asked for a save: it restarts the group next
 
 
 class SaveSchedule:
@@ -45,11 +48,14 @@ class SaveSchedule:
     Args:
         events_dir: this run's events; its earlier attempts feed the automatic interval.
         clock: monotonic seconds (tests inject a fake one).
+        restart: the launcher's request for a save before a restart, if it may ask.
     """
 
     def __init__(self, config: SnapshotConfig, ctx: DistContext,
-                 events_dir: str | None, clock: Callable[[], float]) -> None:
+                 events_dir: str | None, clock: Callable[[], float],
+                 restart: RestartRequest | None = None) -> None:
         self._config, self._ctx, self._clock = config, ctx, clock
+        self._restart = restart
         self._last_save_step, self._last_save_time = 0, clock()
         self._last_memory_step, self._last_memory_time = 0, clock()
         self._unfenced_cost: float | None = None
@@ -126,27 +132,29 @@ class SaveSchedule:
                watcher: preempt.PreemptionWatcher | None) -> Decision:
         """What ``step`` does, the same on every rank (``failed_step``: this rank's
         contribution to agreeing on a failed persist, asked only when agreeing)."""
-        durable, stop, failed, memory_vote = self._agree(step, failed_step, watcher)
+        durable, stop, failed, memory_vote, restart = self._agree(step, failed_step, watcher)
         every_memory = self._config.memory_every
         memory = not durable and (memory_vote if every_memory == "auto" else
                                   every_memory is not None and step % every_memory == 0)
-        return Decision(durable, memory, stop, failed)
+        return Decision(durable, memory, stop, failed, restart)
 
     def _agree(self, step: int, failed_step: Callable[[], int],
                watcher: preempt.PreemptionWatcher | None,
-               ) -> tuple[bool, preempt.StopRequest | None, int, bool]:
+               ) -> tuple[bool, preempt.StopRequest | None, int, bool, bool]:
         every = self._config.every_steps
         due = isinstance(every, int) and step % every == 0
         elapsed: bool | None = None  # None: no time trigger to check at this step
         if (self._config.every_seconds is not None or self._config.auto) and not due:
             elapsed = self._time_due(step)
-        if watcher is None and elapsed is None and not self._memory_auto:
-            return due, None, 0, False
+        restart = self._restart
+        if watcher is None and elapsed is None and not self._memory_auto and restart is None:
+            return due, None, 0, False, False
         notice = watcher.flags() if watcher is not None else []
+        asked = int(restart is not None and restart.requested())
         agreed = self._ctx.all_reduce_max([int(bool(elapsed)), failed_step(),
-                                           int(self._memory_time_due(step)), *notice])
-        stop = watcher.agreed(agreed[3:]) if watcher is not None else None
-        return due or bool(agreed[0]), stop, agreed[1], bool(agreed[2])
+                                           int(self._memory_time_due(step)), asked, *notice])
+        stop = watcher.agreed(agreed[4:]) if watcher is not None else None
+        return due or bool(agreed[0]), stop, agreed[1], bool(agreed[2]), bool(agreed[3])
 
     def _time_due(self, step: int) -> bool:
         """This rank's vote for a save now: a fixed ``every_seconds`` that elapsed, or

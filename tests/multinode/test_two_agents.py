@@ -5,7 +5,8 @@ worker, joined by a c10d rendezvous on 127.0.0.1, as docs/guide.md describes mul
 use: the README's example and the FSDP2 example, unmodified. Both launchers must exit 0
 soon after the last step, and no attempt may re-run the end (resume from the final
 step). Then the faults at the end: a worker failing after the agreed end, a SIGTERM while
-an agent waits for the other node, and a node lost and replaced mid-run.
+an agent waits for the other node, and a node lost and replaced mid-run; and a node that
+joins mid-run.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tests.helpers import REPO, child_env, events, free_port, run_cli
 
 pytestmark = pytest.mark.distributed
 
+TRAIN_JOB = REPO / "tests" / "train_job.py"
 EXAMPLES = {"ddp": (REPO / "examples" / "ddp_resumable.py", []),
             "fsdp": (REPO / "examples" / "fsdp_resumable.py", ["--steps", "40"])}
 
@@ -302,6 +304,32 @@ def test_a_node_lost_and_replaced_mid_run(cluster: Any) -> None:
     wait_until(committed.exists, 180, "the snapshot of step 10")
     resumed = replace_node(job, lost)
     assert resumed and all(e["from_step"] >= 10 for e in resumed)
+
+
+def test_a_node_joining_mid_run_costs_no_step(cluster: Any, tmp_path: Path) -> None:
+    """A second node joins a one-node job (``--nnodes 1:2``) while it trains, with no
+    periodic snapshot to go back to. Before torchrun restarts the healthy group at world
+    size 2, the agent asks its worker for a snapshot of the step it is at: the new group
+    resumes there, from the first node's memory (the joining node receives it from that
+    node), instead of starting over."""
+    gates = tmp_path / "gates"
+    job = cluster("run", "1:2")
+    job.script = TRAIN_JOB
+    job.script_args = ["400", "--every", "1000", "--memory-every", "1000", "--step-s", "0.05",
+                       "--park", "5", "--gates", str(gates)]
+    job.start()
+    wait_until((gates / "rank0.json").exists, 180, "the lone node to train 5 steps")
+    job.start()
+    (gates / "go").write_text("")  # trains on while the second node starts and joins
+    assert job.wait_all(timeout=240) == [0, 0]
+    assert_clean_end(job)
+    (saved,) = worker_events(job, "snapshot.saved_for_restart")
+    assert saved["tier"] == "memory" and 5 < saved["snapshot_step"] < 400
+    (waited,) = job_events(job, "agent.saved_before_restart")
+    assert (waited["ready"], waited["running"], waited["timed_out"]) == (1, 1, False)
+    resumed = [e for e in worker_events(job, "resume") if e.get("world_size") == 2]
+    assert sorted((e["from_step"], e["tier"]) for e in resumed) == [
+        (saved["snapshot_step"], "memory")] * 2
 
 
 def replace_node(job: Cluster, lost: Node) -> list[dict[str, Any]]:

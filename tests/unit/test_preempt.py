@@ -164,8 +164,8 @@ def test_one_all_reduce_per_step_carries_time_trigger_and_notice(
     for _ in range(5):
         snap.step()
     assert len(ctx.all_reduces) == 5
-    # [time due, failed save's step, memory snapshot due, noticed, notice age]
-    assert all(len(v) == 5 for v in ctx.all_reduces)
+    # [time due, failed save's step, memory snapshot due, restart asked, noticed, notice age]
+    assert all(len(v) == 6 for v in ctx.all_reduces)
     assert all(v[2] == 0 for v in ctx.all_reduces)  # no memory tier: never a vote
 
 

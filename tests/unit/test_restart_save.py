@@ -1,0 +1,126 @@
+"""The snapshot before a restart of a healthy group (a node joins): the agent's request,
+its agreement at a step boundary, the save (memory where there is a tier, else durable),
+the ready mark, and the wait to be stopped (snapshot/restart_save.py,
+rescue_marks.py). The whole path under two real agents: tests/multinode/test_two_agents.py."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from elastictrain.dist import DistContext
+from elastictrain.env import RESCUE_MARKS_VAR
+from elastictrain.rescue_marks import (
+    READY,
+    SAVE_REQUEST,
+    clear_save_marks,
+    ready_pids,
+    request_save,
+)
+from elastictrain.snapshot import restart_save
+from elastictrain.snapshot.manager import SnapshotManager
+from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.snapshot.restart_save import RestartRequest
+from tests.helpers import wait_for
+
+
+@pytest.fixture
+def marks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A launcher's marks directory named to this process, and a short wait to be stopped
+    (no agent stops this test)."""
+    directory = tmp_path / "marks"
+    directory.mkdir(mode=0o700)
+    monkeypatch.setenv(RESCUE_MARKS_VAR, str(directory))
+    monkeypatch.setattr(restart_save, "RESTART_PAUSE_S", 0.01)
+    return directory
+
+
+def test_a_request_is_answered_once_and_marks_this_worker_ready(marks: Path) -> None:
+    request = RestartRequest.from_env()
+    assert request is not None and not request.requested()
+    request_save(marks)
+    assert request.requested()
+    assert stat.S_IMODE((marks / SAVE_REQUEST).stat().st_mode) == 0o600
+    request.ready()
+    assert not request.requested()  # answered: no second save this attempt
+    assert ready_pids(marks) == {os.getpid()}
+    clear_save_marks(marks)
+    assert not os.listdir(marks)
+
+
+def test_no_launcher_no_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(RESCUE_MARKS_VAR, raising=False)
+    assert RestartRequest.from_env() is None
+
+
+def _manager(tmp_path: Path, **settings: Any) -> SnapshotManager:
+    ctx = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
+    return SnapshotManager(str(tmp_path / "s"), model=torch.nn.Linear(2, 2), ctx=ctx,
+                           every_steps=10, **settings)
+
+
+def _steps(snap: SnapshotManager, count: int) -> None:
+    for _ in range(count):
+        snap.step()
+
+
+@pytest.mark.parametrize("tier", ["durable", "memory"])
+def test_the_step_at_the_request_is_saved_then_training_waits(
+        tmp_path: Path, marks: Path, tier: str) -> None:
+    settings = ({"memory_every": 5, "memory_dir": str(tmp_path / "memory")}
+                if tier == "memory" else {})
+    snap = _manager(tmp_path, **settings)
+    snap.restore()
+    _steps(snap, 13)
+    request_save(marks)
+    with capture_logs() as logs:
+        _steps(snap, 1)  # step 14: agreed, saved, marked ready, waited to be stopped
+        _steps(snap, 2)  # not stopped (no agent here): training goes on, no second save
+        snap.wait()
+    in_memory = list_snapshot_dirs(snap.memory_store) if snap.memory_store else []
+    snap.close()  # removes the memory snapshots: the run finished
+    (saved,) = [e for e in logs if e["event"] == "snapshot.saved_for_restart"]
+    assert (saved["snapshot_step"], saved["tier"]) == (14, tier)
+    assert [e["snapshot_step"] for e in logs if e["event"] == "snapshot.restart_not_taken"] == [14]
+    assert (marks / f"{READY}{os.getpid()}").exists()
+    committed = [e["snapshot_step"] for e in logs if e["event"] == "snapshot.committed"]
+    assert 14 in committed  # committed before the worker said it was ready
+    newest_durable = list_snapshot_dirs(snap.store)[0]
+    if tier == "durable":
+        assert newest_durable == 14
+    else:
+        assert newest_durable == 10
+        assert 14 in in_memory
+
+
+def test_a_closing_worker_is_ready_without_a_request(tmp_path: Path, marks: Path) -> None:
+    """A worker in close() takes no more steps: the agent need not wait for it."""
+    snap = _manager(tmp_path)
+    snap.restore()
+    _steps(snap, 3)
+    snap.close()
+    assert ready_pids(marks) == {os.getpid()}
+
+
+def test_a_worker_taking_no_step_is_ready_without_a_save(
+        tmp_path: Path, marks: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parked, evaluating or restoring: no step comes, so nothing new to save; the agent
+    is told at once instead of waiting its full time for a step."""
+    monkeypatch.setattr(restart_save, "IDLE_PATIENCE_S", 0.2)
+    snap = _manager(tmp_path)
+    snap.restore()
+    _steps(snap, 3)
+    with capture_logs() as logs:
+        request_save(marks)
+        wait_for(lambda: ready_pids(marks) == {os.getpid()}, 30, "the idle worker's mark")
+        _steps(snap, 2)  # ready already: the agent may stop it any time, no save now
+    assert [e["event"] for e in logs if e["event"].startswith("snapshot.restart")] == [
+        "snapshot.restart_ready_idle"]
+    assert not [e for e in logs if e["event"] == "snapshot.saved_for_restart"]
+    snap.close()
