@@ -140,12 +140,23 @@ def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLif
             if rescue_pending and after_loss and not record_in_flight(events, max(trained),
                                                                      previous, ts):
                 allowed = 1
+            if not after_loss and saved_for_restart(events, previous, ts):
+                allowed = 0  # a join: the group saved the step it stood at first
             if lost > allowed:
                 return f"{where} lost {lost} steps (from step {start}; allowed {allowed})"
         if after_loss:
             rescue_pending = False
         previous = ts
     return None
+
+
+def saved_for_restart(events: Sequence[dict[str, Any]], since: float, until: float) -> bool:
+    """Whether the group that stopped between ``since`` and ``until`` saved the step it
+    stood at for a node that joined (``snapshot.saved_for_restart``) and waited to be
+    stopped (no ``snapshot.restart_not_taken``): its restart may lose no step."""
+    def within(name: str) -> bool:
+        return any(e.get("event") == name and since < float(e["ts"]) < until for e in events)
+    return within("snapshot.saved_for_restart") and not within("snapshot.restart_not_taken")
 
 
 _NO_RECORD = re.compile(r"no record of step (\d+) ")

@@ -114,6 +114,21 @@ def test_lost_steps_are_bounded_by_the_tier_and_by_the_rescue() -> None:
     assert check_node_resumes(resume, [A, B], trained(15, 2), PEER, Loss(20, True)) is None
 
 
+def test_a_join_the_group_saved_for_may_lose_no_step() -> None:
+    """A node joins (no loss): the group saved step 15, the step it stood at, before it
+    re-formed, so the resume must start there; where it was not stopped in time (it trained
+    on) the memory interval applies as before."""
+    saved = ev("snapshot.saved_for_restart", 21, "a.0", snapshot_step=15, tier="memory")
+    at_15 = [*BEFORE, saved, memory(21, "a.0", 15, 0),
+             ev("resume", 22, "a.0", from_step=15, tier="memory")]
+    assert check_node_resumes(at_15, [A], trained(15, 2), PEER, None) is None
+    at_12 = [*BEFORE, saved, ev("resume", 22, "a.0", from_step=12, tier="memory")]
+    assert "allowed 0" in str(check_node_resumes(at_12, [A], trained(15, 2), PEER, None))
+    not_taken = ev("snapshot.restart_not_taken", 21.5, "a.0", snapshot_step=15)
+    assert check_node_resumes([*at_12[:-1], not_taken, at_12[-1]], [A], trained(15, 2),
+                              PEER, None) is None
+
+
 def test_a_record_still_in_flight_at_the_loss_allows_the_memory_interval() -> None:
     """Node b's loop draws random numbers between its optimizer step and its boundary,
     so its records go at the boundary; it died after step 15's all-reduce but before
