@@ -317,9 +317,10 @@ def test_a_node_joining_mid_run_costs_no_step(cluster: Any, tmp_path: Path) -> N
     job.script = TRAIN_JOB
     job.script_args = ["400", "--every", "1000", "--memory-every", "1000", "--step-s", "0.05",
                        "--park", "5", "--gates", str(gates)]
-    job.start()
+    env = {"PYTHONPATH": str(REPO)}  # the job imports the tests' helpers
+    job.start(env=env)
     wait_until((gates / "rank0.json").exists, 180, "the lone node to train 5 steps")
-    job.start()
+    job.start(env=env)
     (gates / "go").write_text("")  # trains on while the second node starts and joins
     assert job.wait_all(timeout=240) == [0, 0]
     assert_clean_end(job)
