@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import gc
 import os
 import shutil
 import signal
@@ -439,6 +440,7 @@ def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
     from elastictrain import gracewatch
     from elastictrain.agent import ElasticTrainAgent, WorkersFatal, installed, on_grace_expired
 
+    gc.freeze()  # as in a worker (runtime.init): the imports leave the collector's view
     with tempfile.TemporaryDirectory(prefix="elastictrain-end-") as end_dir, \
             installed(launch, rescue_dir, Path(end_dir), shutdown_timeout_s), \
             gracewatch.watching(shutdown_timeout_s + GRACE_MARGIN_S, notices,

@@ -30,6 +30,7 @@ read the workers' events there, beside the agent's).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -115,6 +116,10 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
     global _current
     _current = Runtime(settings, env, ctx, str(sink.path.parent), run_id,
                        sink.path.name)
+    # What was imported so far (torch alone: some 190 thousand objects) leaves the cyclic
+    # collector's view: its full collections during training no longer walk it, nor does
+    # the interpreter's exit (figures: docs/recovery.md#the-garbage-collector).
+    gc.freeze()
     return _current
 
 

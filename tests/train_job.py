@@ -59,9 +59,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import elastictrain as et
@@ -150,7 +147,11 @@ def model_of(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def sharded(net: torch.nn.Module, world_size: int) -> torch.nn.Module:
-    """FSDP2 over every rank (CPU, gloo): each linear layer and the root."""
+    """FSDP2 over every rank (CPU, gloo): each linear layer and the root. (Imported here:
+    FSDP2 and DCP cost a DDP job's every worker a second of start-up.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in net.modules():
         if isinstance(layer, torch.nn.Linear):
@@ -161,6 +162,8 @@ def sharded(net: torch.nn.Module, world_size: int) -> torch.nn.Module:
 
 def full_digest(model: torch.nn.Module, rank: int) -> None:
     """(all ranks: a gather) rank 0 logs ``params.digest`` of the full parameters."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                    cpu_offload=True))
     if rank == 0:
