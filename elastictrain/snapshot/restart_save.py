@@ -156,6 +156,8 @@ def save_before_restart(ctx: DistContext, request: RestartRequest, step: int,
                  duration_s=round(time.monotonic() - started, 4))
     request.ready()
     with watchdog.busy("snapshot.wait_for_restart"):
-        threading.Event().wait(RESTART_PAUSE_S)  # the agent stops this process
-    log.warning("snapshot.restart_not_taken", snapshot_step=step, waited_s=RESTART_PAUSE_S,
+        left = watchdog.left_s()  # a short startup_timeout_s must not fire meanwhile
+        pause = RESTART_PAUSE_S if left is None else min(RESTART_PAUSE_S, max(0.0, left - 1))
+        threading.Event().wait(pause)  # the agent stops this process
+    log.warning("snapshot.restart_not_taken", snapshot_step=step, waited_s=round(pause, 3),
                 action="training goes on")
