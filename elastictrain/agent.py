@@ -102,6 +102,7 @@ from elastictrain.proctree import tree_cpu_ticks
 from elastictrain.rescue_marks import (
     armed_pids,
     clear_save_marks,
+    listening_pids,
     ready_pids,
     request_save,
     rescuing_pids,
@@ -414,8 +415,9 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     def _save_before_restart(self) -> None:
         """Ask the healthy workers for a snapshot of the step they are at and wait until
-        every running one is ready (saved, then waiting to be stopped; or closing), or
-        for ``launch.rescue_timeout_s``: the new group resumes where this one stood."""
+        every running one that listens is ready (saved, then waiting to be stopped; or
+        closing, or taking no step), or for ``launch.rescue_timeout_s``: the new group
+        resumes where this one stood."""
         if self.rescue_dir is None:
             return
         try:
@@ -426,13 +428,16 @@ class ElasticTrainAgent(LocalElasticAgent):
         started = time.monotonic()
         while True:
             running = {pid for pid, code in self._worker_codes().items() if code is None}
-            ready = ready_pids(self.rescue_dir) & running
+            listening = listening_pids(self.rescue_dir) & running
+            ready = ready_pids(self.rescue_dir) & listening
             elapsed = time.monotonic() - started
-            if not running or ready == running or elapsed >= self.rescue_timeout_s:
+            if ready == listening or elapsed >= self.rescue_timeout_s:
                 break
             time.sleep(0.005)
-        log.info("agent.saved_before_restart", ready=len(ready), running=len(running),
-                 waited_s=round(elapsed, 3), timed_out=bool(running) and ready != running)
+        if listening:
+            log.info("agent.saved_before_restart", ready=len(ready), listening=len(listening),
+                     running=len(running), waited_s=round(elapsed, 3),
+                     timed_out=ready != listening)
 
     def _exit_barrier(self) -> None:
         # torchrun's version waits for every agent of the round, a lost one too.

@@ -99,14 +99,22 @@ def sweep_marks() -> list[Path]:
 # asks its workers for a snapshot of the step they are at (``request_save``); they agree
 # on it at the next step boundary, save, mark themselves ``ready-<pid>`` and wait to be
 # stopped (snapshot/restart_save.py), so the new group resumes where the old one stood.
-# A worker in ``close()`` is ready too: its loop is done, it takes no more steps.
+# A worker in ``close()`` is ready too: its loop is done, it takes no more steps. The
+# agent waits only for workers that listen (a SnapshotManager made the mark): a script
+# without one, or a worker still starting, has nothing to save and is never waited for.
 SAVE_REQUEST = "save-before-restart"  # the agent asks for a save before it restarts
+LISTENING = "listening-"  # + the PID of a worker that answers the request
 READY = "ready-"  # + the PID of a worker that has nothing more to save: stop it now
 
 
 def request_save(directory: Path) -> None:
     """Ask this launcher's workers for a snapshot before their group is restarted."""
     os.close(open_private(directory / SAVE_REQUEST, os.O_WRONLY | os.O_CREAT))
+
+
+def listening_pids(directory: Path) -> set[int]:
+    """PIDs of the workers that answer a request for a save (the agent waits for them)."""
+    return _marked_pids(directory, LISTENING)
 
 
 def ready_pids(directory: Path) -> set[int]:
@@ -119,5 +127,5 @@ def clear_save_marks(directory: Path) -> None:
     """Remove the request and the saved marks: a new group starts without them."""
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
-            if name == SAVE_REQUEST or name.startswith(READY):
+            if name == SAVE_REQUEST or name.startswith((READY, LISTENING)):
                 (directory / name).unlink(missing_ok=True)

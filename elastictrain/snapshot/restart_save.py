@@ -27,7 +27,7 @@ from elastictrain import watchdog
 from elastictrain.dist import DistContext
 from elastictrain.localfiles import open_private
 from elastictrain.log import get_logger
-from elastictrain.rescue_marks import MARKS_ENV, READY, SAVE_REQUEST
+from elastictrain.rescue_marks import LISTENING, MARKS_ENV, READY, SAVE_REQUEST
 
 log = get_logger("elastictrain.snapshot")
 
@@ -65,6 +65,8 @@ class RestartRequest:
         if not named:
             return None
         request = cls(Path(named))
+        if not request._mark(LISTENING):
+            return None  # the agent could not see an answer: it does not wait for one
         context = contextvars.copy_context()  # its event keeps run_id, rank, ...
         threading.Thread(target=context.run, args=(request._watch,), daemon=True,
                          name="elastictrain-restart-request").start()
@@ -102,11 +104,17 @@ class RestartRequest:
         if self._state == "ready":
             return
         self._state = "ready"
+        self._mark(READY)  # if it fails, the agent waits launch.rescue_timeout_s instead
+
+    def _mark(self, prefix: str) -> bool:
         try:
-            os.close(open_private(self._directory / f"{READY}{os.getpid()}",
+            os.close(open_private(self._directory / f"{prefix}{os.getpid()}",
                                   os.O_WRONLY | os.O_CREAT))
-        except OSError as exc:  # the agent then waits launch.rescue_timeout_s instead
-            log.warning("snapshot.restart_mark_failed", error=str(exc))
+        except OSError as exc:  # a full tmpfs, a directory gone with its launcher
+            log.warning("snapshot.restart_mark_failed", mark=prefix.rstrip("-"),
+                        error=str(exc))
+            return False
+        return True
 
     def _watch(self) -> None:
         seen: float | None = None

@@ -327,7 +327,7 @@ def test_a_node_joining_mid_run_costs_no_step(cluster: Any, tmp_path: Path) -> N
     (saved,) = worker_events(job, "snapshot.saved_for_restart")
     assert saved["tier"] == "memory" and 5 < saved["snapshot_step"] < 400
     (waited,) = job_events(job, "agent.saved_before_restart")
-    assert (waited["ready"], waited["running"], waited["timed_out"]) == (1, 1, False)
+    assert (waited["ready"], waited["listening"], waited["timed_out"]) == (1, 1, False)
     resumed = [e for e in worker_events(job, "resume") if e.get("world_size") == 2]
     assert sorted((e["from_step"], e["tier"]) for e in resumed) == [
         (saved["snapshot_step"], "memory")] * 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,11 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from elastictrain.agent import ElasticTrainAgent
 from elastictrain.dist import DistContext
 from elastictrain.env import RESCUE_MARKS_VAR
 from elastictrain.rescue_marks import (
+    LISTENING,
     READY,
     SAVE_REQUEST,
     clear_save_marks,
@@ -124,3 +127,31 @@ def test_a_worker_taking_no_step_is_ready_without_a_save(
         "snapshot.restart_ready_idle"]
     assert not [e for e in logs if e["event"] == "snapshot.saved_for_restart"]
     snap.close()
+
+
+def test_the_agent_waits_only_for_workers_that_listen(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker without a SnapshotManager (a script of its own, or one still importing)
+    never answers: the agent must not wait its full time for it; one that listens and
+    does not answer is waited for until the limit."""
+    agent = ElasticTrainAgent.__new__(ElasticTrainAgent)  # no torchrun agent behind it
+    agent.rescue_dir, agent.rescue_timeout_s = tmp_path, 30.0
+    monkeypatch.setattr(agent, "_worker_codes", lambda: {111: None, 222: None})
+    started = time.monotonic()
+    with capture_logs() as logs:
+        agent._save_before_restart()
+    assert time.monotonic() - started < 5
+    assert (tmp_path / SAVE_REQUEST).exists()
+    assert not [e for e in logs if e["event"] == "agent.saved_before_restart"]
+    (tmp_path / f"{LISTENING}111").touch()
+    (tmp_path / f"{READY}222").touch()  # not listening: its mark changes nothing
+    agent.rescue_timeout_s = 0.2
+    with capture_logs() as logs:
+        agent._save_before_restart()
+    (waited,) = [e for e in logs if e["event"] == "agent.saved_before_restart"]
+    assert (waited["listening"], waited["ready"], waited["timed_out"]) == (1, 0, True)
+    (tmp_path / f"{READY}111").touch()
+    with capture_logs() as logs:
+        agent._save_before_restart()
+    (waited,) = [e for e in logs if e["event"] == "agent.saved_before_restart"]
+    assert (waited["listening"], waited["ready"], waited["timed_out"]) == (1, 1, False)
