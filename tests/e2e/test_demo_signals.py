@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,11 +55,13 @@ def assert_stopped_with_final_snapshot(storage: Path, output: str, sig: str,
 
 
 @pytest.fixture
-def tmux(tmp_path: Path) -> Iterator[list[str]]:
+def tmux() -> Iterator[list[str]]:
     """A private tmux server (its own socket), killed at the end."""
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed")
-    base = ["tmux", "-L", f"et-{tmp_path.name}"]
+    # Unique on this machine: tmp_path's name is not (two xdist workers' tests of one
+    # name get the same one), and a shared server's kill-server ends the other's session.
+    base = ["tmux", "-L", f"et-{uuid.uuid4().hex[:12]}"]
     try:
         yield base
     finally:

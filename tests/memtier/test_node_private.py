@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,7 @@ def test_one_users_memory_root_never_blocks_anothers(tmp_path: Path, jobs: Jobs)
     mine = jobs.start(tmp_path / "run", steps=3, park=2)
     assert mine.line()["memory_dir"].startswith(str(jobs.shm / f"elastictrain-{os.geteuid()}"))
     assert mine.line() == {"parked": 2}
-    theirs_root = Path("/tmp") / f"et-other-{tmp_path.name}"
+    theirs_root = Path("/tmp") / f"et-other-{uuid.uuid4().hex[:12]}"  # unique on the machine
     assert as_other("mkdir", "-p", str(theirs_root)).returncode == 0
     try:
         theirs = jobs.start(theirs_root / "run", steps=2, user=OTHER, cwd=theirs_root,
