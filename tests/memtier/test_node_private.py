@@ -28,7 +28,9 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: runs as a
 @pytest.fixture(autouse=True)
 def other_user() -> None:
     if subprocess.run(["id", OTHER], capture_output=True).returncode != 0:
-        subprocess.run(["useradd", "-m", OTHER], check=True)
+        # Another xdist worker may add it at the same moment: "already exists" is fine.
+        subprocess.run(["useradd", "-m", OTHER], capture_output=True, check=False)
+    assert subprocess.run(["id", OTHER], capture_output=True).returncode == 0, "useradd failed"
 
 
 def as_other(*cmd: str) -> subprocess.CompletedProcess[bytes]:
