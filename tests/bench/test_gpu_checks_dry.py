@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, child_env
 
 pytestmark = [pytest.mark.bench, pytest.mark.distributed]
 
@@ -20,7 +20,7 @@ def test_every_gpu_check_passes_in_dry_mode(tmp_path: Path) -> None:
     out = tmp_path / "checks.json"
     subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_checks.py"), "--dry",
                     f"--out={out}"], cwd=tmp_path, capture_output=True, timeout=840,
-                   check=False)
+                   check=False, env=child_env(tmp_path))  # its work directory: in tmp_path
     report = json.loads(out.read_text())
     assert report["dry"] is True and report["device"] == "cpu"
     checks = report["checks"]
