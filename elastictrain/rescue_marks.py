@@ -118,13 +118,14 @@ def listening_pids(directory: Path) -> set[int]:
 
 
 def ready_pids(directory: Path) -> set[int]:
-    """PIDs of the workers that answered the request (or are closing): the agent may stop
-    them without losing a step."""
+    """PIDs of the workers that answered the request (saved, idle or closing): the agent
+    may stop them without losing a step."""
     return _marked_pids(directory, READY)
 
 
 def clear_save_marks(directory: Path) -> None:
-    """Remove the request and the saved marks: a new group starts without them."""
+    """Remove the request and the listening and ready marks: a new group starts without
+    them."""
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
             if name == SAVE_REQUEST or name.startswith((READY, LISTENING)):
