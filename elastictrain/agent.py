@@ -277,6 +277,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         if forked and not self._standby_announced:
             self._standby_announced = True
             log.info("agent.standby_ready", pid=standby.pid,
+                     from_launcher=standby.info.get("from_launcher"),
                      ready_after_s=standby.info.get("ready_after_s"),
                      preload_s=standby.info.get("preload_s"), modules=list(standby.modules),
                      failed=standby.info.get("failed") or {},

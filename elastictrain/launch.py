@@ -525,10 +525,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # a command-line problem, not a config file one
         return _usage_error(exc)
     args, given = _given(torchrun_parser(), full, os.environ)
-    os.environ.update(launcher_environ())
     # One launch id for this launcher and its workers: a requeue or relaunch of the
     # same run is a new launch in the event log (elastictrain.events).
-    launch = os.environ[LAUNCH_ID_VAR] = new_launch_id()
+    launch = new_launch_id()
+    environ = launcher_environ({LAUNCH_ID_VAR: launch})
+    if settings.launch.standby:  # before this process changes its environment
+        _fork_standby(args, settings.launch, environ)
+    os.environ.update(environ)
     run_id = str(args.rdzv_id)
     # --tee asks for the workers' output on the terminal, where it would tear the view.
     if not view_wanted(quiet=no_view) or "tee" in given:
@@ -549,6 +552,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join([summary(view.state, code, _launch_meaning(code), output), *why]),
           flush=True)
     return code
+
+
+def _fork_standby(args: argparse.Namespace, launch: LaunchDefaults,
+                  environ: dict[str, str]) -> None:
+    """Import what the agent needs of torch, then fork the standby from this process
+    (``standby.client.fork_from_launcher``), so that it does not import torch again.
+
+    Called from ``main`` before it changes the environment (``fork_from_launcher``), and
+    before the live view, the event log or any thread starts, with no ``with`` block
+    open: a worker forked from the standby leaves through ``main``'s callers by
+    ``SystemExit``."""
+    import torch.distributed.run  # noqa: F401  # the agent's; imported here for both
+
+    from elastictrain.standby.client import fork_from_launcher
+
+    if args.no_python or args.run_path:
+        return  # not a command the standby runs (standby.context.python_argv)
+    module = ["-m"] if args.module else []
+    title = " ".join([sys.executable, "-u", *module, args.training_script,
+                      *args.training_script_args])
+    fork_from_launcher(launch.standby_preload, title, environ)
 
 
 def _launch_meaning(code: int) -> str:

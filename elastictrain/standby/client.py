@@ -17,6 +17,8 @@ for the same rank can start later.
 from __future__ import annotations
 
 import ctypes
+import gc
+import io
 import json
 import os
 import select
@@ -26,8 +28,10 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from elastictrain.errors import ElasticTrainError
 from elastictrain.proctree import stat_fields
@@ -68,7 +72,7 @@ class Standby:
         self.ready_timeout_s = ready_timeout_s
         self.info: dict[str, Any] = {}
         self._sock: socket.socket | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | ForkedProcess | None = None
         self._pending = b""
         self._exits: dict[int, int] = {}  # request number -> exit code
         self._replies: dict[int, dict[str, Any]] = {}
@@ -89,7 +93,18 @@ class Standby:
         return None if self._proc is None else self._proc.pid
 
     def start(self) -> None:
-        """Start the standby process; its imports run while the agent goes on."""
+        """Take the standby forked from the launcher (:func:`fork_from_launcher`), or
+        start a new one; its imports run while the agent goes on."""
+        global _forked
+        forked, _forked = _forked, None
+        if forked is not None and forked.modules == tuple(self.modules):
+            self._proc, self._sock = forked.proc, forked.sock
+            self.subreaper, self.started_at = forked.subreaper, forked.started_at
+            self.info["from_launcher"] = True
+            return
+        if forked is not None:  # other modules: closing its socket ends it
+            forked.sock.close()
+        self.info["from_launcher"] = False
         # Before the standby exists: its forks must re-parent to us if it dies.
         self.subreaper = become_subreaper()
         ours, theirs = socket.socketpair()
@@ -358,3 +373,137 @@ class StandbyProcess:
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
+
+
+# -- a standby forked from the launcher -----------------------------------------------------
+class ForkedProcess:
+    """A child this process forked, with the part of ``Popen``'s API the standby's
+    handle uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"standby {self.pid}", timeout or 0)
+            time.sleep(0.01)
+        return self.returncode  # type: ignore[return-value]  # set by poll()
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+@dataclass
+class _Forked:
+    proc: ForkedProcess
+    sock: socket.socket
+    modules: tuple[str, ...]
+    started_at: float
+    subreaper: bool
+
+
+_forked: _Forked | None = None  # forked by fork_from_launcher, until Standby.start() takes it
+
+
+def fork_from_launcher(modules: Sequence[str], worker_title: str,
+                       environ: dict[str, str]) -> str | None:
+    """Fork this launcher into the standby that :meth:`Standby.start` then takes, so the
+    torch the launcher imported is not imported again by a new process (about 2 s of
+    CPU per launch). None when forked, else why not (then ``start`` starts a new one).
+    The standby imports ``modules`` under ``environ``, the environment the launcher
+    goes on with (some of torch reads variables when imported).
+
+    Called where the launcher holds nothing a worker must not inherit: no Python thread
+    but this one, no logging set up, no ``with`` block open, and every frame above the
+    caller lets ``SystemExit`` pass: a worker forked from the standby leaves through
+    those frames, as it would from a new interpreter's top level. And before this
+    process sets any environment variable (``_why_not_fork``).
+    """
+    global _forked
+    why_not = _why_not_fork(worker_title)
+    if why_not is not None:
+        return why_not
+    subreaper = become_subreaper()  # before the fork: the standby's orphans come here
+    ours, theirs = socket.socketpair()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # or the child would write the launcher's buffered output again
+    gc.freeze()  # the imports' objects stay shared with the standby, not copied on a GC
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        _become_standby(theirs, modules, environ)
+    theirs.close()
+    _forked = _Forked(ForkedProcess(pid), ours, tuple(modules), time.monotonic(), subreaper)
+    return None
+
+
+def _why_not_fork(worker_title: str) -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "not Linux"
+    if threading.active_count() > 1:
+        return "the launcher runs other threads"
+    try:  # /proc/<pid>/stat: where the command line's and the environment's strings are
+        arg_start, arg_end, env_start, env_end = (int(f) for f in stat_fields("self")[45:49])
+    except (OSError, IndexError, ValueError):
+        return "no /proc/self/stat"
+    # A worker's title takes the room of the launcher's command line (server._child).
+    if len(worker_title) >= arg_end - arg_start:
+        return "a worker's command line is longer than the launcher's"
+    # setproctitle finds the command line's memory from the first environment string;
+    # once this process has set a variable, that string may be a copy elsewhere, and
+    # no title could be set.
+    environ = ctypes.POINTER(ctypes.c_void_p).in_dll(ctypes.CDLL(None), "environ")
+    if not environ or not env_start <= (environ[0] or 0) < env_end:
+        return "the launcher changed its environment before the fork"
+    return None
+
+
+def _become_standby(sock: socket.socket, modules: Sequence[str],
+                    environ: dict[str, str]) -> NoReturn:
+    """The forked child: made what a new standby process (``BOOT``) is, then its loop."""
+    os.environ["SPT_NOENV"] = "1"  # as BOOT sets it, before setproctitle is imported
+    from elastictrain.standby import server
+
+    server.take_title()  # setproctitle finds the command line's memory on its first call
+    os.environ.clear()  # then the launcher's environment, under which a new standby
+    os.environ.update(environ)  # would import
+
+    try:
+        for notice in server.NOTICES:  # a scheduler's notice is for the agent
+            signal.signal(notice, signal.SIG_IGN)
+        os.setsid()  # a Ctrl-C on the terminal is for the agent alone
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        # The standby's socket object (server.main) becomes the descriptor's only owner:
+        # a second one here would close the same number again when a worker's frames
+        # are freed at its exit, by then another file's (torch's store loop then spun).
+        agent_fd = sock.detach()
+        # What a new standby would not have: descriptors the launcher inherited (no
+        # Python object owns them at this point).
+        os.closerange(3, agent_fd)
+        os.closerange(agent_fd + 1, os.sysconf("SC_OPEN_MAX"))
+        for fd, name in ((1, "stdout"), (2, "stderr")):  # as ``python -u`` has them
+            stream = getattr(sys, name)
+            unbuffered = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False),
+                                          encoding=stream.encoding, errors=stream.errors,
+                                          write_through=True)
+            setattr(sys, name, unbuffered)
+            setattr(sys, f"__{name}__", unbuffered)
+        server.run([f"--fd={agent_fd}", *modules])
+    except BaseException:
+        if server.in_worker():
+            raise  # a worker's SystemExit (or KeyboardInterrupt) ends it as at top level
+        traceback.print_exc()
+        os._exit(1)

@@ -52,7 +52,7 @@ NOTICES = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.
 def main(argv: list[str] | None = None) -> int:
     for notice in NOTICES:  # already, by client.BOOT; again for a direct call
         signal.signal(notice, signal.SIG_IGN)
-    setproctitle(f"elastictrain standby (agent {os.getppid()})")
+    take_title()
     parser = argparse.ArgumentParser(prog="elastictrain standby")
     parser.add_argument("--fd", type=int, required=True, help="the agent's socket")
     parser.add_argument("modules", nargs="*", help="modules to import before any fork")
@@ -69,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
                  "threads": len(os.listdir("/proc/self/task"))})
     serve(sock)
     return 0
+
+
+def take_title() -> None:
+    """Show as the standby of the agent that started it (tools find it by this title)."""
+    setproctitle(f"elastictrain standby (agent {os.getppid()})")
 
 
 def preload(modules: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -153,6 +158,8 @@ def _child(request: dict[str, Any], sock: socket.socket, selector: selectors.Bas
     interpreter does: ``SystemExit`` up to the top, then the interpreter's own
     finalization (threads joined, ``atexit``, objects torn down while finalizing: a
     process group's destructor then no longer waits on a thread that wants the GIL)."""
+    global _in_worker
+    _in_worker = True
     try:
         signal.set_wakeup_fd(-1)
         # The standby's descriptors are closed through the objects that own them. A bare
@@ -201,6 +208,14 @@ def _threads_from_environment() -> None:
     value = os.environ.get("OMP_NUM_THREADS", "")
     if torch is not None and value.isdigit() and int(value) > 0:
         torch.set_num_threads(int(value))
+
+
+_in_worker = False  # set in a forked worker, from the moment it stops being the standby
+
+
+def in_worker() -> bool:
+    """Whether this process is a worker forked by the standby (not the standby)."""
+    return _in_worker
 
 
 # What the script left behind, held until the interpreter finalizes: freed earlier,
