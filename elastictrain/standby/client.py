@@ -419,8 +419,8 @@ _forked: _Forked | None = None  # forked by fork_from_launcher, until Standby.st
 def fork_from_launcher(modules: Sequence[str], worker_title: str,
                        environ: dict[str, str]) -> str | None:
     """Fork this launcher into the standby that :meth:`Standby.start` then takes, so the
-    torch the launcher imported is not imported again by a new process (about 2 s of
-    CPU per launch). None when forked, else why not (then ``start`` starts a new one).
+    torch the launcher imported is not imported again by a new process (figures:
+    docs/recovery.md). None when forked, else why not (then ``start`` starts a new one).
     The standby imports ``modules`` under ``environ``, the environment the launcher
     goes on with (some of torch reads variables when imported).
 
