@@ -134,5 +134,14 @@ def jobs(tmp_path: Path, shm: Path) -> Iterator[Jobs]:
         started.stop_all()
 
 
-def files_under(path: Path) -> list[Path]:
-    return [p for p in path.rglob("*")]
+def stats_under(path: Path) -> dict[Path, os.stat_result]:
+    """``lstat`` of ``path`` and of everything under it. An entry removed between
+    the listing and its stat is left out: retention prunes the older step after the newer
+    one's commit, which a job's ``wait()`` does not wait for."""
+    stats = {}
+    for entry in [path, *path.rglob("*")]:
+        try:
+            stats[entry] = entry.lstat()
+        except FileNotFoundError:
+            continue
+    return stats

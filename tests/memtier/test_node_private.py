@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.snapshot import layout
-from tests.memtier.nodejobs import Jobs, files_under, jobs, shm
+from tests.memtier.nodejobs import Jobs, jobs, shm, stats_under
 
 __all__ = ["jobs", "shm"]
 
@@ -44,11 +44,11 @@ def test_memory_files_are_private_to_the_user(tmp_path: Path, jobs: Jobs) -> Non
                      ELASTICTRAIN_SNAPSHOT__MEMORY_DIR=str(memory_dir))
     job.line()
     assert job.line() == {"parked": 3}
-    found = files_under(memory_dir)
+    stats = stats_under(memory_dir)
     payload = memory_dir / layout.step_dir(3) / layout.PAYLOAD
-    assert payload in found and (memory_dir / "boundary" / "rank0") in found
-    loose = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in [memory_dir, *found]
-             if stat.S_IMODE(p.stat().st_mode) != (0o700 if p.is_dir() else 0o600)}
+    assert payload in stats and (memory_dir / "boundary" / "rank0") in stats
+    loose = {str(p): oct(stat.S_IMODE(st.st_mode)) for p, st in stats.items()
+             if stat.S_IMODE(st.st_mode) != (0o700 if stat.S_ISDIR(st.st_mode) else 0o600)}
     assert not loose, loose
     assert as_other("cat", str(payload)).returncode != 0
     assert as_other("ls", str(memory_dir)).returncode != 0

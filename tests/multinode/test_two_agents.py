@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from elastictrain.launch import DEFAULT_RDZV_CONF
 from tests.helpers import REPO, child_env, events, free_port, run_cli
 
 pytestmark = pytest.mark.distributed
@@ -204,8 +205,18 @@ COMBINATIONS = ([(launcher, nnodes, script) for launcher in ("run", "torchrun")
 @pytest.mark.parametrize("launcher,nnodes,script", COMBINATIONS)
 def test_both_agents_end_cleanly(cluster: Any, launcher: str, nnodes: str, script: str) -> None:
     job = cluster(launcher, nnodes, script)
-    job.start()
-    job.start()
+    # Both nodes must be in the run for its end to be theirs. With "1:2" and the launcher's
+    # one-second last call, the first node trains alone at once and, on a loaded machine,
+    # can finish all 40 steps before the second has imported torch; the second then runs
+    # its own one-node attempt from the final step. A last call as long as torchrun's
+    # default lets the second join the first round (the rendezvous closes when it does).
+    # A node joining a run in progress: test_a_node_joining_mid_run_costs_no_step.
+    long_last_call = DEFAULT_RDZV_CONF.replace("last_call_timeout=1,", "last_call_timeout=30,")
+    assert long_last_call != DEFAULT_RDZV_CONF
+    extra = ([f"--rdzv-conf={long_last_call}"] if launcher == "run" and nnodes == "1:2"
+             else [])
+    job.start(extra)
+    job.start(extra)
     assert job.wait_all(timeout=240) == [0, 0]
     assert_clean_end(job)
     if launcher == "run":
