@@ -47,6 +47,12 @@ What it adds, each by overriding one of the agent's documented steps
   :mod:`elastictrain.exitbarrier`): a node lost after the run's agreed end does not hold
   the survivors for torchrun's 300 s; ``agent.exit_barrier_short`` says how many agents
   were gone;
+* **a finished run takes no one in** (``_nodes_waiting``): torchrun restarts a healthy
+  group when a node waits in the rendezvous; once this node's workers agreed the run's
+  end, a node arriving then is not taken in (it reads the finished job as the others
+  leave) and a rendezvous store that is gone (its host ended or was lost after the end)
+  does not end a script still working after ``close()``
+  (``agent.join_after_end_ignored``, ``agent.rendezvous_lost_after_end``);
 * **workers forked from a standby** (``launch.standby``): a process started with the
   agent imports torch once, and every worker group, first and restarted, is forked
   from it (``_start_workers``; :mod:`elastictrain.standby`); ``agent.standby_ready``
@@ -63,7 +69,7 @@ import inspect
 import json
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -76,6 +82,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousGracefulExitError,
 )
 
@@ -194,6 +201,12 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._loop_signature: tuple[str, ...] | None = None
         self._loop_count = 0
         self.rendezvous_error: str | None = None  # why the rendezvous ended this launcher
+        self._store_lost_after_end = False
+        self._join_after_end_logged = False
+        # torchrun's monitor loop asks the handler itself (it has no step to override).
+        handler = self._worker_group.spec.rdzv_handler
+        ask_store = handler.num_nodes_waiting
+        handler.num_nodes_waiting = lambda: self._nodes_waiting(ask_store)  # type: ignore[method-assign]
         ElasticTrainAgent.latest = self
 
     @property
@@ -206,6 +219,34 @@ class ElasticTrainAgent(LocalElasticAgent):
         ended = runend.ended_pids(self.end_dir) if self.end_dir is not None else set()
         return self._finished or (bool(codes) and all(
             code == 0 or pid in ended for pid, code in codes.items()))
+
+    def _past_the_end(self) -> bool:
+        """A worker of this node marked the run's agreed end: every rank reached it."""
+        if self.end_dir is None:
+            return False
+        return bool(set(self._worker_codes()) & runend.ended_pids(self.end_dir))
+
+    def _nodes_waiting(self, ask_store: Callable[[], int]) -> int:
+        """How many nodes wait to join, for torchrun's membership restart: 0 once the run
+        ended here. After the end a joining node would only restart a finished group,
+        and the store may be gone with the node that hosted it; this node's workers,
+        perhaps still evaluating or writing files, are left to end on their own."""
+        if not self._past_the_end():
+            return ask_store()
+        if self._store_lost_after_end:
+            return 0
+        try:
+            waiting = ask_store()
+        except (RendezvousConnectionError, DistStoreError) as error:
+            self._store_lost_after_end = True  # a lost host does not come back: ask no more
+            running = sorted(pid for pid, code in self._worker_codes().items() if code is None)
+            log.warning("agent.rendezvous_lost_after_end", running=running,
+                        error=str(error.__cause__ or error)[:300])
+            return 0
+        if waiting and not self._join_after_end_logged:
+            self._join_after_end_logged = True
+            log.info("agent.join_after_end_ignored", waiting=waiting)
+        return 0
 
     def restart_count(self) -> int:
         """The attempt number torchrun gives workers (TORCHELASTIC_RESTART_COUNT)."""

@@ -23,6 +23,7 @@ from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.sharded.memory_node import complete, read_held
 from elastictrain.storage import open_store
 from tests.helpers import events, wait_for
+from tests.memtier.nodejobs import stats_under
 from tests.memtier.test_memtier_e2e import (
     EVERY,
     PARK,
@@ -149,8 +150,8 @@ def test_two_workers_a_node_restore_sharded_state_from_the_buddy(
     for mem in (tmp_path / "mem-a", tmp_path / "mem-b"):
         assert _held_here(mem, PARK) == (True, 4)  # its own two parts and its buddy's two
         # Parts written and parts received alike are the user's alone.
-        loose = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in [mem, *mem.rglob("*")]
-                 if stat.S_IMODE(p.stat().st_mode) != (0o700 if p.is_dir() else 0o600)}
+        loose = {str(p): oct(stat.S_IMODE(st.st_mode)) for p, st in stats_under(mem).items()
+                 if stat.S_IMODE(st.st_mode) != (0o700 if stat.S_ISDIR(st.st_mode) else 0o600)}
         assert not loose, loose
     _kill_node(node_b, [pids[2], pids[3]], tmp_path / "mem-b")
     (tmp_path / "gates" / "go").write_text("")

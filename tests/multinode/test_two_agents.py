@@ -229,6 +229,7 @@ def test_both_agents_end_cleanly(cluster: Any, launcher: str, nnodes: str, scrip
 # end, as a worker aborting in teardown would; rank 0 still writes FLAG) or "late" (rank 1
 # writes FLAG and evaluates for an hour while rank 0's node waits for it; "late-here": the
 # same on the node started with ET_TEST_LATE=1, which writes its pid). Or before it:
+# "late-gate": as "late-here", until the test writes FLAG.go. Or before it:
 # "vanish" (rank 1 writes its pid to FLAG after its last step and waits there, once, for
 # the test to take its node away before the end is agreed).
 AFTER_THE_END = '''
@@ -259,14 +260,19 @@ if mode == "late-here" and os.environ.get("ET_TEST_LATE") == "1":
     open(flag + ".tmp", "w").write(str(os.getpid()))
     os.rename(flag + ".tmp", flag)
     time.sleep(3600)
+if mode == "late-gate" and os.environ.get("ET_TEST_LATE") == "1":
+    open(flag + ".tmp", "w").write(str(os.getpid()))
+    os.rename(flag + ".tmp", flag)
+    while not os.path.exists(flag + ".go"):  # the test opens the gate
+        time.sleep(0.02)
 '''
 
 
-def after_the_end(cluster: Any, tmp_path: Path, mode: str,
-                  launcher: str = "run") -> tuple[Cluster, Path]:
+def after_the_end(cluster: Any, tmp_path: Path, mode: str, launcher: str = "run",
+                  nnodes: str = "2:2") -> tuple[Cluster, Path]:
     script, flag = tmp_path / "after_the_end.py", tmp_path / "flag"
     script.write_text(AFTER_THE_END)
-    job = cluster(launcher, "2:2")
+    job = cluster(launcher, nnodes)
     job.script, job.script_args = script, [mode, str(flag)]
     return job, flag
 
@@ -401,4 +407,42 @@ def test_a_node_lost_after_the_agreed_end_holds_no_survivor(
     # and the finished job, and has nothing to do.
     assert replacement.proc.wait(timeout=120) == 0, replacement.text()[-3000:]
     assert len(job_events(job, "agent.job_already_finished")) == 1
+    assert_clean_end(job)
+
+
+@pytest.mark.parametrize("event", ["host_lost", "node_joins"])
+def test_a_script_working_after_the_end_is_left_to_finish(
+        cluster: Any, tmp_path: Path, event: str) -> None:
+    """Node B's script works on after close() (an evaluation, an export) while node A,
+    which serves the rendezvous store, waits in the exit barrier. Then A is lost
+    ("host_lost"), or a third node arrives to join a job of 2 to 3 nodes ("node_joins",
+    which torchrun would take in with a restart). B's agent neither
+    fails on the lost store nor restarts the finished group for the newcomer: B's script
+    ends when it is done, every launcher left exits 0 (the newcomer reads that the job
+    finished), and the run's end is recorded once."""
+    job, flag = after_the_end(cluster, tmp_path, "late-gate",
+                              nnodes="2:2" if event == "host_lost" else "2:3")
+    host = job.start()
+    late = job.start(env={"ET_TEST_LATE": "1"})
+    wait_until(flag.exists, 180, "node B's script after the end")
+    assert int(flag.read_text()) in descendants(late.proc.pid)
+    if event == "host_lost":
+        kill_tree(host.proc.pid)
+        host.proc.wait(timeout=30)
+        job.nodes.remove(host)
+        seen = "agent.rendezvous_lost_after_end"
+    else:
+        newcomer = job.start()
+        seen = "agent.join_after_end_ignored"
+    # What B's agent does about it: the event, or (as torchrun's own agent) a restart of
+    # the group for the newcomer, or an exit on the lost store that ends B's script.
+    wait_until(lambda: job_events(job, seen) or job_events(job, "agent.restart")
+               or late.proc.poll() is not None, 120, f"{seen} (log: {late.text()[-2000:]})")
+    assert late.proc.poll() is None, f"B's launcher ended: {late.text()[-3000:]}"
+    assert not job_events(job, "agent.restart"), "the finished group was restarted"
+    (tmp_path / "flag.go").write_text("")
+    assert job.wait_all(timeout=120) == [0] * len(job.nodes), late.text()[-3000:]
+    if event == "node_joins":
+        assert newcomer.proc.returncode == 0
+        assert len(job_events(job, "agent.job_already_finished")) == 1
     assert_clean_end(job)
