@@ -20,9 +20,11 @@ pytest_plugins = ["tests.shared_runs"]
 IMPLY_PROCESSES = ("distributed", "bench")
 
 
-# Session fixtures that run a whole job (tests/shared_runs.py): the tests that share one
-# are kept on one pytest-xdist worker (``--dist loadgroup``), so the job runs once.
-SHARED_RUNS = ("one_kill_demo", "two_kills_demo")
+# Session and module fixtures that run a whole job (tests/shared_runs.py, the memory
+# tier's uninterrupted references, FSDP2's): the tests that share one are kept on one
+# pytest-xdist worker (``--dist loadgroup``), so the job runs once.
+SHARED_RUNS = ("one_kill_demo", "two_kills_demo", "reference_digest", "fsdp_reference",
+               "fsdp_uninterrupted")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects

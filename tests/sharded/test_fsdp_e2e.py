@@ -52,7 +52,8 @@ def samples_per_step(record: Path) -> dict[int, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[int, Any]]:
+def fsdp_uninterrupted(
+        tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[int, Any]]:
     """An uninterrupted 2-rank run: its final parameters and its samples per step."""
     tmp = tmp_path_factory.mktemp("reference")
     final = run_to_end(tmp, 2, tmp / "store", tmp / "rec")
@@ -63,8 +64,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
 
 @pytest.mark.timeout(600)
 def test_sigkill_then_resume_bit_exact_and_at_one_rank(
-        tmp_path: Path, reference: tuple[dict[str, Any], dict[int, Any]]) -> None:
-    ref_final, ref_steps = reference
+        tmp_path: Path, fsdp_uninterrupted: tuple[dict[str, Any], dict[int, Any]]) -> None:
+    ref_final, ref_steps = fsdp_uninterrupted
     storage, killed = tmp_path / "store", tmp_path / "killed"
     manifest = storage / layout.step_dir(10) / layout.MANIFEST
     with started(torchrun(2, storage, killed, f"--steps={STEPS}", "--stall-after=12"),
@@ -90,8 +91,8 @@ def test_sigkill_then_resume_bit_exact_and_at_one_rank(
 
 @pytest.mark.timeout(600)
 def test_grow_one_to_two_to_three_keeps_data_order(
-        tmp_path: Path, reference: tuple[dict[str, Any], dict[int, Any]]) -> None:
-    _, ref_steps = reference
+        tmp_path: Path, fsdp_uninterrupted: tuple[dict[str, Any], dict[int, Any]]) -> None:
+    _, ref_steps = fsdp_uninterrupted
     storage = tmp_path / "store"
     first = run_to_end(tmp_path, 1, storage, tmp_path / "w1", steps=10)
     grown = run_to_end(tmp_path, 2, storage, tmp_path / "w2", steps=15)
