@@ -220,12 +220,14 @@ class WatchdogConfig(_Model):
 
 
 ModuleName = Annotated[str, Field(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")]
-# torch._dynamo: DDP and the optimizers import it on first use; s3fs (an extra) on
-# first use of S3, and is skipped where it is not installed (docs/recovery.md).
-# The package imports its API on first use, so its two heavy modules are named here.
+# torch._dynamo: DDP and the optimizers import it on first use. The package imports its
+# API on first use, so its two heavy modules are named here.
 STANDBY_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim",
-                   "torch._dynamo", "elastictrain.runtime", "elastictrain.snapshot.manager",
-                   "s3fs")
+                   "torch._dynamo", "elastictrain.runtime", "elastictrain.snapshot.manager")
+# An object store's client, preloaded too when the launched command names a URL of its
+# scheme (skipped where the extra is not installed): a job on local or shared disk does
+# not pay its import in every launch (docs/recovery.md).
+STORAGE_CLIENTS = {"s3": "s3fs", "s3a": "s3fs"}
 
 
 class LaunchDefaults(_Model):

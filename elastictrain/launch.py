@@ -33,6 +33,7 @@ import atexit
 import contextlib
 import gc
 import os
+import re
 import shutil
 import signal
 import socket
@@ -525,6 +526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # a command-line problem, not a config file one
         return _usage_error(exc)
     args, given = _given(torchrun_parser(), full, os.environ)
+    settings.launch.standby_preload = standby_modules(settings.launch.standby_preload,
+                                                      args.training_script_args)
     # One launch id for this launcher and its workers: a requeue or relaunch of the
     # same run is a new launch in the event log (elastictrain.events).
     launch = new_launch_id()
@@ -552,6 +555,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join([summary(view.state, code, _launch_meaning(code), output), *why]),
           flush=True)
     return code
+
+
+def standby_modules(preload: list[str], script_args: Sequence[str]) -> list[str]:
+    """``launch.standby_preload``, plus the client of each object store whose URL the
+    script's arguments name (``s3://bucket/ckpt``, ``--storage=s3://…``)."""
+    from elastictrain.config import STORAGE_CLIENTS
+
+    schemes = {m.group(1).lower() for arg in script_args
+               for m in re.finditer(r"(?<![\w+.-])([A-Za-z][\w+.-]*)://", arg)}
+    clients = [STORAGE_CLIENTS[s] for s in sorted(schemes) if s in STORAGE_CLIENTS]
+    return [*preload, *(c for c in dict.fromkeys(clients) if c not in preload)]
 
 
 def _fork_standby(args: argparse.Namespace, launch: LaunchDefaults,

@@ -63,6 +63,7 @@ def test_a_killed_worker_is_replaced_by_a_fork_of_the_standby(tmp_path: Path) ->
         (ready,) = job.of("agent.standby_ready")
         standby = int(ready["pid"])
         assert ready["failed"] == {} and "torch" in ready["modules"]
+        assert "s3fs" not in ready["modules"]  # a job on local disk does not import it
         assert ready["from_launcher"] is True  # forked from the launcher, not a new process
         assert {parent_of(p) for p in pids.values()} == {standby}
         os.kill(pids[1], signal.SIGKILL)

@@ -62,6 +62,9 @@ def test_demo_on_s3_survives_a_kill_and_falls_back_past_a_missing_object(
     assert first["restarts"] == 1 and first["resumed_from"] == [None, 30]
     assert first["lost_steps"] == 4 and first["final_step"] == 60
     assert first["storage"] == s3.url()
+    # The workers' storage is named on the command line: the standby preloaded s3fs.
+    ready = events(tmp_path / "events", "agent.standby_ready")
+    assert ready and all("s3fs" in e["modules"] for e in ready), ready
     assert {30, 40, 50, 60} <= set(first["committed_steps"])
     stored = snapshot_dirs(s3)
     assert sorted(stored) == [40, 50, 60]  # keep=3

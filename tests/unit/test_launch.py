@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from elastictrain import launch
-from elastictrain.config import LaunchDefaults
+from elastictrain.config import STANDBY_PRELOAD, LaunchDefaults
 from elastictrain.errors import ConfigError
-from elastictrain.launch import torchrun_argv
+from elastictrain.launch import standby_modules, torchrun_argv
 from tests.helpers import run_cli
 
 DEFAULTS = LaunchDefaults()
@@ -106,3 +106,16 @@ def test_a_torch_without_shutdown_timeout_gets_the_grace_from_the_agent(
                                      {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"}) == 45
     assert launch.shutdown_timeout_s(argparse.Namespace(shutdown_timeout=7), DEFAULTS,
                                      {}) == 7
+
+
+@pytest.mark.parametrize("script_args,added", [
+    (["./ckpt", "--steps=10"], []),
+    (["s3://bucket/run"], ["s3fs"]),
+    (["--storage=S3://bucket/run", "--mirror", "s3a://other/run"], ["s3fs"]),
+    (["file:///tmp/run", "gs3://not-s3"], []),
+])
+def test_the_standby_preloads_the_client_of_an_object_store_the_script_names(
+        script_args: list[str], added: list[str]) -> None:
+    base = list(STANDBY_PRELOAD)
+    assert standby_modules(base, script_args) == base + added
+    assert standby_modules(["torch", "s3fs"], script_args) == ["torch", "s3fs"]  # once
