@@ -16,6 +16,7 @@ for the same rank can start later.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import io
@@ -151,11 +152,19 @@ class Standby:
             except OSError as exc:
                 raise self._abandon(f"standby gone: {exc}") from exc
             deadline = time.monotonic() + self.spawn_timeout_s
-            while number not in self._replies:
-                if not self._read(deadline - time.monotonic()):
-                    raise self._abandon(
-                        "the standby ended before answering a spawn request" if self._lost
-                        else f"spawn failed after {self.spawn_timeout_s:.1f}s (no answer)")
+            try:
+                while number not in self._replies:
+                    if not self._read(deadline - time.monotonic()):
+                        raise self._abandon(
+                            "the standby ended before answering a spawn request" if self._lost
+                            else f"spawn failed after {self.spawn_timeout_s:.1f}s (no answer)")
+            except StandbyUnavailable:
+                raise
+            except BaseException:
+                # A notice (torchrun's handler raises SignalException) while the standby
+                # forked this worker: nobody will hold it to stop it, so it is stopped here.
+                self._stop_unanswered(number)
+                raise
             pid = int(self._replies.pop(number)["pid"])
             self._handed.add(pid)
             return StandbyProcess(self, number, pid, _started(pid))
@@ -218,6 +227,22 @@ class Standby:
             return EXIT_UNKNOWN
         being_adopted = self.subreaper and fields[1] != str(os.getpid())
         return None if fields[0] not in ("Z", "X") or being_adopted else EXIT_UNKNOWN
+
+    def _stop_unanswered(self, number: int) -> None:
+        """SIGKILL the worker of spawn request ``number``, which the agent stopped waiting
+        for, once the standby names it (within ``spawn_timeout_s``, as any answer)."""
+        deadline = time.monotonic() + self.spawn_timeout_s
+        while number not in self._replies and not self._lost:
+            if not self._read(deadline - time.monotonic()):
+                return
+        reply = self._replies.pop(number, None)
+        if reply is None:
+            return
+        pid = int(reply["pid"])
+        # It may not have called setsid() yet: its own pid, then its session's group.
+        for kill in (os.kill, os.killpg):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid, signal.SIGKILL)
 
     def _abandon(self, reason: str) -> StandbyUnavailable:
         """Stop using the standby for good: SIGKILL it (a stopped one too) so it forks

@@ -56,8 +56,13 @@ class StandbyHandler:
         # ProcessLookupError: it ended between the poll and this signal.
         if self.proc.poll() is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
+        sig = death_sig or signal.SIGTERM
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            # Not a group leader yet: just forked, its setsid() still to come.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, sig)
 
 
 class StandbyContext(SubprocessContext):
@@ -79,13 +84,22 @@ class StandbyContext(SubprocessContext):
                 handlers[local_rank] = StandbyHandler(proc, local_rank)
         except StandbyUnavailable:
             # Lost mid-group: stop what it started and start the whole group with Popen.
-            for handler in handlers.values():
-                handler.close(signal.SIGKILL)
-                handler.proc.wait()
+            self._stop(handlers)
             super()._start()
             return
+        except BaseException:
+            # A notice mid-group (torchrun's SignalException): the context never held
+            # these workers, so its close() would not stop them.
+            self._stop(handlers)
+            raise
         self.subprocess_handlers = handlers  # type: ignore[assignment]
         self.forked = True
+
+    @staticmethod
+    def _stop(handlers: dict[int, StandbyHandler]) -> None:
+        for handler in handlers.values():
+            handler.close(signal.SIGKILL)
+            handler.proc.wait()
 
 
 def start_processes_with(standby: Standby, original: Callable[..., PContext],

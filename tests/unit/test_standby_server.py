@@ -296,3 +296,89 @@ def test_the_scripts_objects_live_until_the_interpreter_finalizes(
     assert result.returncode == fresh.returncode
     assert result.stdout.splitlines()[0] == fresh.stdout.splitlines()[0] == \
         "alive at atexit: True"
+
+
+def _processes_running(path: Path) -> list[int]:
+    """Live processes whose command line names ``path`` (a worker's title is its command)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if str(path).encode() in cmdline and pid_alive(int(entry)):
+                found.append(int(entry))
+    return found
+
+
+SLEEPER = """
+    import time
+    time.sleep(120)
+"""
+
+
+@pytest.mark.processes
+def test_a_notice_while_the_standby_forks_a_worker_stops_that_worker(
+        standby: Standby, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's handler raises ``SignalException`` while the agent waits for the
+    standby's answer: the worker it forked meanwhile has no holder to stop it, so the
+    client stops it before the exception goes on."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    job = script(tmp_path, SLEEPER, "sleeper.py")
+    assert standby.ready()
+    real_read = standby._read
+    calls = []
+
+    def notice_first(timeout_s: float) -> bool:
+        calls.append(timeout_s)
+        if len(calls) == 1:  # the notice arrives while the answer is awaited
+            raise SignalException("SIGTERM", signal.SIGTERM)
+        return real_read(timeout_s)
+
+    monkeypatch.setattr(standby, "_read", notice_first)
+    with pytest.raises(SignalException):
+        standby.spawn(["-u", str(job)], dict(os.environ), None, None)
+    monkeypatch.undo()
+    # The standby reports every fork's end: this one's, killed, comes at once.
+    number = standby._next
+
+    def reported() -> bool:
+        return number in standby._exits or (standby._read(0.05) and number in standby._exits)
+
+    wait_for(reported, 30, "the interrupted worker's end")
+    assert standby._exits[number] == -signal.SIGKILL
+    assert not _processes_running(job)
+    # The standby still serves.
+    assert spawn(standby, tmp_path, str(script(tmp_path, "print('ok')"))).stdout == "ok\n"
+
+
+@pytest.mark.processes
+def test_a_notice_between_two_workers_of_a_group_stops_the_first(
+        standby: Standby, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The notice comes after the standby forked local rank 0 and before rank 1: the
+    context never held rank 0, so it stops it itself before the exception goes on."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
+
+    from elastictrain.standby.context import StandbyContext
+
+    job = script(tmp_path, SLEEPER, "sleeper.py")
+    real_spawn = standby.spawn
+    spawned = []
+
+    def notice_second(*args: object) -> StandbyProcess:
+        if spawned:
+            raise SignalException("SIGTERM", signal.SIGTERM)
+        spawned.append(real_spawn(*args))  # type: ignore[arg-type]
+        return spawned[-1]
+
+    monkeypatch.setattr(standby, "spawn", notice_second)
+    context = StandbyContext(standby, name="trainer", entrypoint=sys.executable,
+                             args={0: ("-u", str(job)), 1: ("-u", str(job))},
+                             envs={0: {}, 1: {}},
+                             logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+    with pytest.raises(SignalException):
+        context.start()
+    assert len(spawned) == 1 and spawned[0].poll() is not None
+    assert not _processes_running(job)
