@@ -238,11 +238,7 @@ class Standby:
         reply = self._replies.pop(number, None)
         if reply is None:
             return
-        pid = int(reply["pid"])
-        # It may not have called setsid() yet: its own pid, then its session's group.
-        for kill in (os.kill, os.killpg):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                kill(pid, signal.SIGKILL)
+        signal_worker(int(reply["pid"]), signal.SIGKILL)
 
     def _abandon(self, reason: str) -> StandbyUnavailable:
         """Stop using the standby for good: SIGKILL it (a stopped one too) so it forks
@@ -353,6 +349,17 @@ def _children(parent: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue  # ended during the walk
     return found
+
+
+def signal_worker(pid: int, sig: signal.Signals) -> None:
+    """Signal a forked worker's process group (it calls setsid(), as torchrun's Popen
+    workers start sessions of their own), or the worker alone while it is not a group
+    leader yet (just forked). A worker that already ended is left alone."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _kill_and_reap(pid: int) -> None:

@@ -10,7 +10,6 @@ reports and the stop signals stay torchrun's own.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -21,7 +20,12 @@ from typing import Any
 import torch.distributed.elastic.agent.server.local_elastic_agent as local_agent
 from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
 
-from elastictrain.standby.client import Standby, StandbyProcess, StandbyUnavailable
+from elastictrain.standby.client import (
+    Standby,
+    StandbyProcess,
+    StandbyUnavailable,
+    signal_worker,
+)
 
 OnStart = Callable[[bool, "str | None"], None]  # (forked, why not)
 
@@ -51,18 +55,10 @@ class StandbyHandler:
         self.local_rank_id = local_rank_id
 
     def close(self, death_sig: signal.Signals | None = None) -> None:
-        # The worker called setsid(): its process group is its own, as with Popen.
         # Not once it is known to have ended: its pid may be another process's by now.
-        # ProcessLookupError: it ended between the poll and this signal.
         if self.proc.poll() is not None:
             return
-        sig = death_sig or signal.SIGTERM
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            # Not a group leader yet: just forked, its setsid() still to come.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, sig)
+        signal_worker(self.proc.pid, death_sig or signal.SIGTERM)
 
 
 class StandbyContext(SubprocessContext):
