@@ -530,14 +530,21 @@ def restore_worker(rank: int, world: int, port: int, root: str, size_mb: float, 
 
 def measure_restore(root: Path, size_mb: float, reps: int, world: int) -> dict[str, list[float]]:
     """Restore and raw-read times (seconds, every repetition) and the peak RSS growth of
-    the worst rank over the payload's bytes, from ``world`` spawned gloo ranks."""
+    the worst rank over the payload's bytes, from ``world`` gloo ranks in fresh processes."""
     out = root.parent / f"restore-{world}.json"
-    torch_mp.spawn(restore_worker, args=(world, free_port(), str(root), size_mb, reps, str(out)),
-                   nprocs=world, join=True)
+    torch_mp.start_processes(restore_worker,
+                             args=(world, free_port(), str(root), size_mb, reps, str(out)),
+                             nprocs=world, join=True, start_method=FRESH_PROCESS)
     return dict(json.loads(out.read_text()))
 
 
 # -- the run ------------------------------------------------------------------------
+# Each method and each restore rank runs in a process of its own, forked from a server
+# that imported this script's modules and ran nothing (``main`` sets its preload): as
+# fresh as a spawned interpreter, without importing torch again for every one of them.
+FRESH_PROCESS = "forkserver"
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """A save method to build in a fresh process: ``kind`` sync, dcp or elastictrain."""
@@ -589,7 +596,7 @@ def measure_apart(spec: MethodSpec, args: argparse.Namespace, root: Path,
     out = (root / f"method-{spec.kind}-{spec.mode}-{spec.copy_at_once}-{spec.run}"
                   f"-{spec.paced_mb_s}.json")
     os.sync()  # no dirty pages of the method before: their write-back is not this one's
-    proc = torch_mp.get_context("spawn").Process(
+    proc = torch_mp.get_context(FRESH_PROCESS).Process(
         target=method_process, args=(spec, size_mb, args.batch, args.saves, str(root), str(out)))
     proc.start()
     proc.join()
@@ -903,6 +910,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # By name: Python 3.11's forkserver drops the main script's path, so "__main__" would
+    # preload nothing. torch._dynamo: the optimizer's first use imports it (~2 s).
+    torch_mp.get_context(FRESH_PROCESS).set_forkserver_preload(["bench_snapshot",
+                                                                "torch._dynamo"])
     torch.set_num_threads(1)
     et_log.configure(level="warning", stream=sys.stderr)
     stdout = os.dup(1)
