@@ -14,6 +14,13 @@ and stops, or any S3 endpoint with ``--endpoint``), a state of ``--size-mb``:
   concurrency): raw baselines that show where the server (moto: one Python process)
   is the limit. ``persist_vs_best_raw_put`` compares persist with the fastest of the
   three raw uploads, ``restore_vs_best_raw_get`` restore with the faster raw read;
+* the persist's own parts, timed alone in the same rounds: ``serialize`` (``torch.save``
+  of the state, checksummed, into a sink that keeps nothing) and ``commit_requests``
+  (the manifest lookup that finds nothing, and a small PUT the size of a manifest).
+  ``persist_floor_s`` is the best raw upload plus those two: a single PUT is sent
+  only once the state is serialised (the client signs the whole body), so below the
+  multipart threshold they add up, and ``persist_vs_floor`` says how close the persist
+  comes to that;
 * ``restore``: discovery (fresh listing, manifest) and the verified read (size and
   checksum) of the payload: the storage work. ``restore_with_load`` is the whole restore:
   ``torch.load`` streams the payload while its size and checksum are checked on the
@@ -65,6 +72,8 @@ from benchlib import (
 
 from elastictrain import log as et_log
 from elastictrain.config import StorageConfig
+from elastictrain.errors import StorageNotFoundError
+from elastictrain.snapshot import layout
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot, serialize_payload
 from elastictrain.snapshot.reader import newest_first, verify_snapshot
 from elastictrain.snapshot.retention import prune
@@ -72,6 +81,16 @@ from elastictrain.storage import open_store
 
 MB = 1e6
 MIB = 2**20
+
+
+class NullSink(io.RawIOBase):
+    """A writable stream that keeps nothing: what serialising alone costs."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return memoryview(data).nbytes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -216,6 +235,14 @@ def run(args: argparse.Namespace, endpoint: str, size_mb: float,
                             checksum_algorithm="crc32")
         persist_snapshot(store, state, meta)
 
+    def serialize() -> None:
+        serialize_payload(state, NullSink(), "crc32")
+
+    def commit_requests() -> None:
+        with contextlib.suppress(StorageNotFoundError):
+            store.read_bytes("bench-floor/absent/manifest.json")
+        store.write_bytes("bench-floor/manifest.json", b"m" * manifest_bytes)
+
     def restore(load: bool = False) -> None:
         """Discovery (fresh listing, manifest) and the verified read (the storage work);
         with ``load``, deserialized on the same streamed reads (a whole restore)."""
@@ -226,12 +253,14 @@ def run(args: argparse.Namespace, endpoint: str, size_mb: float,
     ops: dict[str, Callable[[], Any]] = {
         "raw_put": lambda: fs.pipe_file(raw_key, raw), "boto3_put": boto3_put,
         "boto3_tuned_put": lambda: boto3_put(tuned), "persist": persist,
+        "serialize": serialize, "commit_requests": commit_requests,
         "raw_get": lambda: fs.cat_file(raw_key), "boto3_get": boto3_get,
         "restore": restore, "restore_with_load": lambda: restore(load=True)}
     times: dict[str, list[float]] = {name: [] for name in ops}
     cpu: dict[str, list[float]] = {name: [] for name in ops}
     server_cpu: dict[str, list[float]] = {name: [] for name in ops}
     persist()
+    manifest_bytes = len(store.read_bytes(f"{layout.step_dir(step)}/{layout.MANIFEST}"))
     restore()
     fs.pipe_file(raw_key, raw)  # warm-up: connections, credentials, code paths
     boto3_put()
@@ -262,6 +291,8 @@ def summarize(args: argparse.Namespace, endpoint: str, size: int,
               times: dict[str, list[float]], peaks: dict[str, int],
               probe: dict[str, Any]) -> dict[str, Any]:
     median = {k: statistics.median(v) for k, v in times.items()}
+    floor = (min(median["raw_put"], median["boto3_put"], median["boto3_tuned_put"])
+             + median["serialize"] + median["commit_requests"])
     mb_s = {k: round(size / MB / v, 1) for k, v in median.items() }
     return {
         **probe,
@@ -281,6 +312,8 @@ def summarize(args: argparse.Namespace, endpoint: str, size: int,
         "restore_vs_boto3_get": round(median["boto3_get"] / median["restore"], 3),
         "persist_vs_best_raw_put": round(min(median["raw_put"], median["boto3_put"],
                                              median["boto3_tuned_put"]) / median["persist"], 3),
+        "persist_floor_s": round(floor, 4),
+        "persist_vs_floor": round(floor / median["persist"], 3),
         "restore_vs_best_raw_get": round(min(median["raw_get"], median["boto3_get"])
                                          / median["restore"], 3),
         "persist_peak_bytes_over_state": round(peaks["persist_peak_python_bytes"] / size, 3),
@@ -316,6 +349,10 @@ def table(r: dict[str, Any]) -> str:
         f"{cpus('persist')}   vs best raw {r['persist_vs_best_raw_put']:.2f} (s3fs "
         f"{fmt(r['persist_vs_raw_put_spread'], 2)}, boto3 {r['persist_vs_boto3_put']:.2f}, "
         f"tuned {r['persist_vs_boto3_tuned_put']:.2f})",
+        f"  {'  serialize + checksum':26} {fmt(sp['serialize']):>23} {'':8} {cpus('serialize')}",
+        f"  {'  commit: lookup + PUT':26} {fmt(sp['commit_requests']):>23} {'':8} "
+        f"{cpus('commit_requests')}   floor (best raw put + these) {r['persist_floor_s']:.3f} s,"
+        f" persist_vs_floor {r['persist_vs_floor']:.2f}",
         f"  {'raw s3fs cat_file (GET)':26} {fmt(sp['raw_get']):>23} {r['raw_get_mb_s']:8.1f} "
         f"{cpus('raw_get')}",
         f"  {'raw boto3 download_fileobj':26} {fmt(sp['boto3_get']):>23} "
