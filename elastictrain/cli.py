@@ -314,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
         "demo or on a script, e.g.\n"
         "  elastictrain chaos --faults node --nodes 2 --trials 2 -- examples/ddp_resumable.py "
         "{storage}\n"
+        "--faults node,join also brings a lost node that was not replaced back later, "
+        "so the job grows back while it trains (with --no-replace: every trial).\n"
         "A script's steps are read from its train.progress events (logged every step "
         "for the trial): every resume is checked (the newest complete copy, the steps "
         "lost), and the digest at full size, but not exactly-once data, which needs the "

@@ -7,7 +7,8 @@ a script's steps are read from its ``train.progress`` events instead
 (:mod:`.stepmarks`). A trial loses one node at a
 drawn time (:class:`~elastictrain.chaos.schedule.NodeFault`): abruptly or silently,
 then replaced by a new agent with an empty memory directory (the job is ``--nnodes
-N:N`` and waits for it) or not (``--nnodes N-1:N``: it goes on one node smaller).
+N:N`` and waits for it) or not (``--nnodes N-1:N``: it goes on one node smaller; with
+``join`` among the kinds such a node comes back later, and the job grows back).
 
 Checks, besides the single-agent ones that still apply (snapshots verify, nothing left
 running, no credential in any file, node memory private and emptied at the end):
@@ -248,29 +249,41 @@ class NodeTrial:
                         and phase_at is not None and now >= phase_at:
                     pids = self.job.kill(victim)
                     self.injected[-1] += f", SIGKILL {len(pids)} processes"
-                    phase, phase_at = (("replace", time.monotonic() + fault.replace_after_s)
-                                       if fault.replace else ("done", None))
+                    if fault.replace:
+                        phase, phase_at = "replace", time.monotonic() + fault.replace_after_s
+                    else:  # a rejoin, when drawn, once the smaller job has trained
+                        phase = "rejoin" if fault.rejoin_after_steps is not None else "done"
+                        phase_at = None
+                elif phase == "rejoin" and fault is not None and self.loss is not None \
+                        and self._trained_since(self.loss.ts) >= (fault.rejoin_after_steps or 0):
+                    self._replace(fault.node, rejoin=True)
+                    phase = "done"
                 elif phase == "replace" and fault is not None and phase_at is not None \
                         and now >= phase_at:
                     self._replace(fault.node)
                     phase, phase_at = "done", None
-                if not running and phase in ("wait", "done"):
+                if not running and phase in ("wait", "rejoin", "done"):
                     break
                 orphan_since = self._stop_orphan(running, orphan_since)
                 self.timed_out = time.monotonic() - started > self.timeout_s
                 time.sleep(_POLL_S)  # polling the agents and the fault clock
             if phase == "wait" and fault is not None:
                 self.injected.append(f"{fault.describe()} not injected (job done)")
+            if phase == "rejoin":
+                self.injected.append("rejoin: none started (the job ended first)")
             if not self.timed_out:
                 self.leftovers = self._wait_gone(10.0)
         finally:
             self.job.close()
             self.wall_s = time.monotonic() - started
 
-    def _replace(self, index: int) -> None:
-        """Start a new agent for node ``index``, unless the others already ended."""
+    def _replace(self, index: int, rejoin: bool = False) -> None:
+        """Start a new agent for node ``index``, unless the others already ended; a
+        rejoin joins a job that went on without the node (it grows back)."""
         if any(n.index != index for n in self.job.running()):
-            self.injected.append(f"replaced: {self.job.add(index).name} started")
+            name = self.job.add(index).name
+            self.injected.append(f"rejoined: {name} started, the job one node smaller"
+                                 if rejoin else f"replaced: {name} started")
         else:
             self.injected.append("replacement: none started (the job had ended)")
 
@@ -283,6 +296,14 @@ class NodeTrial:
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.1)  # polling processes exiting, with a deadline
+
+    def _trained_since(self, ts: float) -> int:
+        """The steps some rank trained after ``ts`` (epoch seconds): the demo's sample
+        records, or a script's step marks as first logged."""
+        if self.opts.script is None:
+            return len({int(r["step"]) for r in self.marks() if float(r["ts"]) > ts})
+        self._read_new_marks()
+        return sum(1 for first in self._first_marked.values() if first > ts)
 
     def _due(self, fault: NodeFault, clock: float) -> float | None:
         """When the loss is due (monotonic clock): ``at_s`` after the agents started,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import asdict, dataclass
+from dataclasses import replace as replace_fields
 from typing import Any
 
 from elastictrain.errors import ConfigError
@@ -31,7 +32,9 @@ STANDBY_FAULTS = ("standby_stop", "standby_kill", "pid_recycle")
 # A whole node lost (chaos/nodes.py): one agent's process tree SIGKILLed and its memory
 # directory wiped, in a job of several agents. Named with --faults only, with no other
 # kind but ``storage``: a node trial runs a job of its own shape (agents, memory tier).
-NODE_FAULTS = ("node",)
+# ``join`` (with ``node`` only): a lost node that is not replaced at once comes back
+# later, so the job that went on one node smaller grows back while it trains.
+NODE_FAULTS = ("node", "join")
 ALL_KINDS = (*FAULT_KINDS, *MEMORY_FAULTS, *STANDBY_FAULTS, *NODE_FAULTS)
 
 
@@ -97,6 +100,9 @@ class NodeFault:
         node: the agent's index (any of them: the rendezvous store runs apart).
         replace: a new agent with the same index and an empty memory directory starts
             ``replace_after_s`` after the loss; else the job goes on one node smaller.
+        rejoin_after_steps: a job that went on one node smaller (not ``replace``)
+            takes a new agent for the lost node once it has trained this many steps
+            after the loss (a join while it trains: the job grows back); None: never.
         silent: the node's processes are frozen (SIGSTOP) for ``hold_s`` before the
             SIGKILL, so its peers meet silence as from a machine that vanished, not the
             connection resets that processes killed on a live kernel send.
@@ -109,10 +115,13 @@ class NodeFault:
     replace_after_s: float
     silent: bool
     hold_s: float
+    rejoin_after_steps: int | None = None
 
     def describe(self) -> str:
         how = f"silent {self.hold_s:g}s" if self.silent else "abrupt"
-        then = f"replaced +{self.replace_after_s:g}s" if self.replace else "not replaced"
+        then = (f"replaced +{self.replace_after_s:g}s" if self.replace
+                else f"not replaced, rejoins after {self.rejoin_after_steps} step(s)"
+                if self.rejoin_after_steps is not None else "not replaced")
         when = (f"start+{self.at_s:.1f}s" if self.at_step is None
                 else f"step{self.at_step}+{self.at_s:.2f}s")
         return f"node(node{self.node}, {how}, {then})@{when}"
@@ -150,6 +159,9 @@ def parse_kinds(text: str) -> tuple[str, ...]:
         raise ConfigError(f"--faults={text!r}: unknown or empty fault kind {unknown}; fix: "
                           f"choose from {','.join(ALL_KINDS)}")
     others = [k for k in kinds if k not in (*NODE_FAULTS, "storage")]
+    if "join" in kinds and "node" not in kinds:
+        raise ConfigError(f"--faults={text!r}: join is a lost node coming back, so it needs "
+                          "node; fix: --faults node,join")
     if "node" in kinds and others:
         # A node trial is a job of several agents, judged by checks of its own; the
         # process and memory kinds target one agent's job.
@@ -213,6 +225,10 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
                             rank=memory_rng.randrange(world_size)))
     node = (draw_node_fault(random.Random(s ^ 0x6E6F6465), horizon_s, nodes, replace, steps,
                             step_s) if "node" in kinds else None)
+    if node is not None and "join" in kinds and not node.replace:
+        # From a stream of its own: the loss itself replays as without ``join``.
+        rejoin_rng = random.Random(s ^ 0x6A6F696E)
+        node = replace_fields(node, rejoin_after_steps=rejoin_rng.randint(1, 5))
     return Schedule(trial=trial, seed=s, faults=tuple(sorted(faults, key=lambda f: f.at_s)),
                     storage=storage, memory=tuple(sorted(memory, key=lambda f: f.at_s)),
                     node=node)

@@ -8,10 +8,13 @@ step to ``DIR/attemptNNN-rankR-pidP.jsonl``::
 
 ``world`` identifies one formation of the process group (rank 0 draws it and
 broadcasts it), so the lines of one attempt can be told apart from those of
-a step redone after a restart. A step is recorded after its optimizer step and
-before ``SnapshotManager.step()``, which may snapshot it: a committed snapshot
-of step ``s`` therefore implies every rank recorded ``s``. One ``write`` per
-line, so a SIGKILL leaves whole lines only.
+a step redone after a restart. A step is recorded after its backward passes and
+before its optimizer step: the snapshot of step ``s`` comes after it
+(``SnapshotManager.step()``), and so does the boundary record of ``s`` that each
+rank sends to the other nodes from inside its optimizer step, without which no
+survivor rescues ``s``. A committed or rescued snapshot of ``s`` therefore
+implies every rank recorded ``s``. One ``write`` per line, so a SIGKILL leaves
+whole lines only.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import contextlib
 import functools
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,10 +149,12 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
     gate(None)
     while snap.step_count < args.steps:
         for micro_batches in et.optimizer_steps(loader):
-            trained, loss = train_step(ddp, optimizer, micro_batches)
+            # Recorded before the optimizer step: the step's boundary record, which
+            # lets a peer node rescue the step, leaves in it (records.py says why).
+            record = (None if recorder is None else functools.partial(
+                recorder.record, snap.step_count + 1, snap.epoch))
+            loss = train_step(ddp, optimizer, micro_batches, record)
             scheduler.step()
-            if recorder is not None:  # before snap.step(): a snapshot implies the record
-                recorder.record(snap.step_count + 1, snap.epoch, trained)
             snap.step(loss=loss)
             if snap.step_count == resumed_at + 1:  # time to first step, for the summary
                 log.info("demo.first_step")
@@ -173,9 +175,11 @@ def train(args: argparse.Namespace, rt: et.Runtime) -> None:
 
 
 def train_step(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               micro_batches: list[tuple[et.Micro, Any]]) -> tuple[list[int], torch.Tensor]:
-    """One optimizer step over its micro-batches; returns the sample indices trained
-    and the last micro-batch's loss (a tensor: read only when reported).
+               micro_batches: list[tuple[et.Micro, Any]],
+               record: Callable[[list[int]], None] | None = None) -> torch.Tensor:
+    """One optimizer step over its micro-batches; returns the last micro-batch's loss
+    (a tensor: read only when reported). ``record`` gets the sample indices trained,
+    after the backward passes and before the optimizer step.
 
     All but the last backward run under ``no_sync`` (gradients accumulate locally;
     the last one all-reduces); each mean loss is scaled so the step's gradient is
@@ -191,8 +195,10 @@ def train_step(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer,
             # Scale 1 (the per-rank policy) skips the multiply: the graph stays as before.
             (loss if micro.loss_scale == 1.0 else loss * micro.loss_scale).backward()
         trained += index.tolist()
+    if record is not None:
+        record(trained)
     optimizer.step()
-    return trained, loss.detach()
+    return loss.detach()
 
 
 @torch.no_grad()

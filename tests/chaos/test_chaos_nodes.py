@@ -1,6 +1,7 @@
 """``elastictrain chaos --faults node`` end to end: the demo on two agents, each with its
 own memory directory, a clean run, then two seeded trials that each lose a whole node
-(every process of one agent SIGKILLed by PID, its memory wiped) and pass the checks:
+(every process of one agent SIGKILLed by PID, its memory wiped; with ``join``, a node
+not replaced comes back while the smaller job trains) and pass the checks:
 every other launcher exits 0, each sample trained once, each resume from the newest
 complete copy within its lost-step bound, the clean run's digest at full size, nothing
 left running. The same on the README's example script, its steps read from its
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.distributed  # several agents under elastictrain run
 @pytest.mark.timeout(500)
 def test_chaos_two_node_losses_on_the_demo_pass(tmp_path: Path) -> None:
     work = tmp_path / "chaos"
-    result = run_cli(["chaos", "--faults", "node", "--nodes", "2", "--nproc", "1",
+    result = run_cli(["chaos", "--faults", "node,join", "--nodes", "2", "--nproc", "1",
                       "--trials", "2", "--seed", "13", "--steps", "30", "--storage", str(work),
                       "--json"], tmp_path, timeout=480)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -31,9 +32,12 @@ def test_chaos_two_node_losses_on_the_demo_pass(tmp_path: Path) -> None:
     assert report["passed"] and report["clean_digest"]
     first, second = report["trials"]
     # Seed 13: node0 lost at once at step 13 and not replaced (the job goes on one node
-    # smaller); node1 frozen (silent) at step 21, killed, and replaced.
+    # smaller), then back once the smaller job trained a step (a join while it trains,
+    # or, where the survivor finished first, a node that finds the job done: either
+    # way a trial that must pass); node1 frozen (silent) at step 21, killed, replaced.
     assert first["injected"][0].startswith("node: SIGSTOP node0.0"), first
-    assert "at once" in first["injected"][0] and len(first["injected"]) == 1
+    assert "at once" in first["injected"][0] and len(first["injected"]) == 2
+    assert first["injected"][1].startswith("rejoined: node0.1 started"), first
     assert second["injected"][0].startswith("node: SIGSTOP node1.0"), second
     assert "held" in second["injected"][0]
     assert second["injected"][1] == "replaced: node1.1 started"

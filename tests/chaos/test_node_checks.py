@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,27 @@ def test_node_faults_replay_and_cover_every_variant() -> None:
     # The storage draws do not move when node faults are asked for beside them.
     assert make_schedule(4, 3, ("node", "storage"), 30.0, 2).storage == make_schedule(
         4, 3, ("storage",), 30.0, 2).storage
+
+
+def test_join_brings_back_only_a_node_not_replaced_and_replays_the_loss() -> None:
+    """``join``: a trial whose lost node is not replaced takes it back after a drawn
+    number of steps; the loss itself is drawn as without ``join`` (seeds replay)."""
+    plain = [make_schedule(4, t, ("node",), 30.0, 2, nodes=2).node for t in range(40)]
+    joins = [make_schedule(4, t, ("node", "join"), 30.0, 2, nodes=2).node for t in range(40)]
+    for without, with_join in zip(plain, joins, strict=True):
+        assert without is not None and with_join is not None
+        assert replace(with_join, rejoin_after_steps=None) == without
+        if without.replace:
+            assert with_join.rejoin_after_steps is None
+        else:
+            assert with_join.rejoin_after_steps is not None
+            assert 1 <= with_join.rejoin_after_steps <= 5
+            assert "rejoins after" in with_join.describe()
+    assert all(f is not None and f.rejoin_after_steps is None for f in plain)
+    assert any(f is not None and f.rejoin_after_steps for f in joins)
+    assert parse_kinds("node,join") == ("node", "join")
+    with pytest.raises(ConfigError, match="join is a lost node coming back"):
+        parse_kinds("join")
 
 
 @pytest.mark.processes
