@@ -97,13 +97,13 @@ def move_events_file(path: str | Path, upload: Uploader | None = None,
     new = Path(path)
     old.close()  # on object storage this also uploads it once more: harmless
     if old.path != new:
-        new.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(new.parent)
         try:
             written = old.path.read_bytes()
             old.path.unlink()
         except OSError:
             written = b""
-        with new.open("ab") as f:
+        with open(new, "ab", opener=private_opener) as f:  # 0600, as every event file
             f.write(written)
         if leave_link:
             with contextlib.suppress(OSError):

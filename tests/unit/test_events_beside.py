@@ -5,6 +5,8 @@ the file is spooled locally and uploaded under <storage>/events/<run id>/."""
 
 from __future__ import annotations
 
+import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +45,14 @@ def _reset_log() -> Iterator[None]:
 
 def test_the_file_moves_beside_the_snapshots(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    old = os.umask(0o022)
+    try:
+        _moves_beside(tmp_path, monkeypatch)
+    finally:
+        os.umask(old)
+
+
+def _moves_beside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rt = _runtime(tmp_path, monkeypatch)
     assert (tmp_path / "elastictrain-run" / "events" / "r1" / NAME).exists()
     runtime.events_beside(StorageConfig(url=str(tmp_path / "ckpt")))
@@ -51,6 +61,10 @@ def test_the_file_moves_beside_the_snapshots(tmp_path: Path,
     assert rt.events_dir == str(moved.parent)
     assert [e["event"] for e in read_events(moved)] == ["worker.start", "resume"]
     assert not (tmp_path / "elastictrain-run").exists()
+    # Private as every event file this user's processes create (docs/memory-tier.md),
+    # under the umask a shell gives (0022), in directories it created.
+    assert stat.S_IMODE(moved.stat().st_mode) == 0o600
+    assert {stat.S_IMODE(d.stat().st_mode) for d in (moved.parent, moved.parent.parent)} == {0o700}
     runtime.events_beside(StorageConfig(url=str(tmp_path / "other")))  # the first decides
     assert not (tmp_path / "other").exists()
 
