@@ -94,6 +94,14 @@ class RestoreOverwrote(ElasticTrainError):
     exit_code = EXIT_FATAL
 
 
+class ReplicasDiverged(ElasticTrainError):
+    """After a restore of replicated state, the ranks hold different parameters,
+    optimizer state or step (snapshot/replica_check.py): the run stops before its first
+    step rather than train on replicas that disagree; nothing was deleted."""
+
+    exit_code = EXIT_FATAL
+
+
 class RunEndNotAgreed(ElasticTrainError):
     """At ``SnapshotManager.close()`` a peer rank failed, or did not reach its own
     ``close()`` in time: the run has not ended. A failure, so that the launcher restarts

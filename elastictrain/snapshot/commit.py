@@ -56,6 +56,7 @@ class SnapshotMeta:
     checksum_algorithm: ChecksumAlgorithm
     dataset_len: int | None = None
     global_batch_size: int | None = None
+    attempt: int | None = None  # the job's attempt that takes it (snapshot/attempt.py)
 
 
 def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm,
@@ -214,6 +215,7 @@ def build_manifest(meta: SnapshotMeta, objects: list[ObjectEntry],
         objects=objects,
         dataset_len=meta.dataset_len,
         global_batch_size=meta.global_batch_size,
+        attempt=meta.attempt,
     ))
 
 

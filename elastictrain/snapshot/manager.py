@@ -140,6 +140,7 @@ class SnapshotManager:
         self._node_memory = NodeMemory(self.config, self.run_id, self.store, self.ctx,
                                        self.sharded, unwrap(model), optimizer)
         self.memory_store = self._node_memory.store
+        self._train.attempt = self._node_memory.attempt  # in every manifest it writes
         self._memory = self._node_memory.saver
         self._restart = RestartRequest.from_env()
         self._schedule = SaveSchedule(self.config, self.ctx, setup.events_dir, clock,
@@ -147,7 +148,7 @@ class SnapshotManager:
         # Before the copy fence: its optimizer-step hook then runs first, and a record
         # other nodes wait for leaves before this rank waits for its copies.
         self._rescuer = Rescuer(self.config.rescue and not self.sharded, self.config,
-                                self.ctx, self._node_memory, self._train, setup.restart_count)
+                                self.ctx, self._node_memory, self._train)
         self._fence = CopyFence(self.config, self._train, self.sharded,
                                 [s for s in (self._saver, self._memory) if s is not None],
                                 self._schedule)

@@ -26,7 +26,6 @@ class ManagerSetup:
         run_id: recorded in manifests.
         events_dir: this worker's events directory (its earlier attempts feed the
             automatic interval; the progress file goes beside it), or None.
-        restart_count: torchrun's restart count of this attempt.
         preemption: the preemption watcher of this process, if one was installed.
     """
 
@@ -35,7 +34,6 @@ class ManagerSetup:
     store: Store
     run_id: str
     events_dir: str | None
-    restart_count: int
     preemption: preempt.PreemptionWatcher | None
 
     @classmethod
@@ -65,7 +63,7 @@ class ManagerSetup:
         # Read after events_beside: it may have moved the directory.
         events_dir = rt.events_dir if rt is not None else settings.log.events_dir
         return cls(snapshot_config, found_ctx, store, run_id or settings.run_id or env.run_id,
-                   events_dir, env.restart_count, preempt.current())
+                   events_dir, preempt.current())
 
 
 def _storage_config(url: str, configured: StorageConfig) -> StorageConfig:

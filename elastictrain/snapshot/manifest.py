@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime, timezone
 
@@ -54,6 +55,9 @@ class Manifest(BaseModel):
     objects: list[ObjectEntry]
     dataset_len: int | None = None
     global_batch_size: int | None = None
+    # The job's attempt that took it (snapshot/attempt.py): it orders memory snapshots
+    # of one step taken by different attempts. Absent from older manifests.
+    attempt: int | None = Field(default=None, ge=0)
     signature: str | None = None  # HMAC over canonical_json() when a key is set (signing.py)
 
     @property
@@ -62,11 +66,24 @@ class Manifest(BaseModel):
 
     def canonical_json(self) -> bytes:
         """Every field but ``signature``, in one fixed byte form: what is signed."""
-        fields = self.model_dump(exclude={"signature"})
+        fields = self.model_dump(exclude=self._absent({"signature"}))
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
+    def identity(self) -> str:
+        """What two copies of one snapshot share and two different snapshots never do:
+        sha256 over every field but when it was written and its signature (two nodes
+        write their copies of a replicated snapshot each at its own time)."""
+        fields = self.model_dump(exclude=self._absent({"signature", "created_at"}))
+        return hashlib.sha256(json.dumps(fields, sort_keys=True,
+                                         separators=(",", ":")).encode()).hexdigest()
+
+    def _absent(self, exclude: set[str]) -> set[str]:
+        """``exclude`` and the optional fields this manifest leaves out: a manifest
+        written before a field existed reads, hashes and verifies as it did."""
+        return exclude | ({"attempt"} if self.attempt is None else set())
+
     def to_json(self) -> bytes:
-        data = self.model_dump()
+        data = self.model_dump(exclude=self._absent(set()))
         for entry in data["objects"]:  # format 1 manifests stay as they were
             for key in ("rank", "items"):
                 if entry[key] is None:

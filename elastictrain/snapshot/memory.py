@@ -1,13 +1,14 @@
 """The node-memory tier: where a node keeps its own copy of the newest snapshot, and
-the rule by which all ranks agree to restore from it.
+how a restore uses it.
 
 The state is replicated (DDP), so the local rank 0 of every node writes the same
 snapshot to its node's memory directory through the ordinary saver and commit
 protocol (manifest, checksums, atomic rename), ``keep=1``. A restart restores from
-memory when it is newer than the newest durable snapshot and every node holds that
-same step, or, with ``memory_replicas`` on several nodes, some node holds it and sends
-it to the others (snapshot/peer_restore.py); otherwise from durable storage, the
-source of truth. Use, choice and figures: docs/memory-tier.md.
+memory when the ranks agree on one memory snapshot newer than the newest durable one
+(snapshot/memory_choice.py): every node holds it, or, with ``memory_replicas`` on
+several nodes, some node holds it and sends it to the others
+(snapshot/peer_restore.py); otherwise from durable storage, the source of truth.
+Use, choice and figures: docs/memory-tier.md.
 
 A memory directory belongs to one user and one durable storage: by default
 ``/dev/shm/elastictrain-<uid>/run-<hash of the storage URL>``, so a relaunch of the
@@ -37,6 +38,7 @@ from elastictrain.log import get_logger
 from elastictrain.rescue_marks import sweep_marks
 from elastictrain.shm import LOCK, exclusive, hold, user_dirs, user_root
 from elastictrain.snapshot import layout
+from elastictrain.snapshot.attempt import ATTEMPT_FILE
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.snapshot.rescue import BOUNDARY_DIR
 from elastictrain.storage import Store
@@ -46,7 +48,6 @@ log = get_logger("elastictrain.snapshot")
 
 IDENTITY = "IDENTITY.json"
 RUN_PREFIX = "run-"  # a memory directory under the user's root
-NO_STEP = -1  # a rank whose node holds no committed memory snapshot
 
 
 def canonical_storage(url: str) -> str:
@@ -292,23 +293,6 @@ def _str(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def skip_reason(highest: int, lowest: int, durable_step: int) -> str | None:
-    """Why the ranks must not restore from memory, or None when they may.
-
-    Args:
-        highest, lowest: the largest and smallest newest-memory-step over all ranks
-            (``NO_STEP`` where a node holds none), from one all-reduce.
-        durable_step: the newest durable snapshot's step (``NO_STEP`` when none).
-    """
-    if highest == NO_STEP:
-        return "no memory snapshot"
-    if lowest != highest:
-        return "not every node holds the same step"
-    if highest <= durable_step:
-        return "not newer than the durable snapshot"
-    return None
-
-
 def drop_newer(store: Store, step: int | None) -> list[int]:
     """Remove memory snapshots newer than the step training resumes from (all of them
     on a fresh start): they belong to an abandoned timeline, and a later restart must
@@ -327,7 +311,7 @@ def remove_all(tier: MemoryTier) -> None:
     records, identity and lock. Only ever a directory this run claimed at open."""
     for name in (layout.SNAPSHOTS, BOUNDARY_DIR):
         shutil.rmtree(tier.path / name, ignore_errors=True)
-    for name in (IDENTITY, LOCK):
+    for name in (ATTEMPT_FILE, IDENTITY, LOCK):
         with contextlib.suppress(OSError):
             (tier.path / name).unlink()
     with contextlib.suppress(OSError):  # not empty (someone else's files): leave it

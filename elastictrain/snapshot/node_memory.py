@@ -18,8 +18,8 @@ from torch import nn
 from elastictrain.config import SnapshotConfig
 from elastictrain.dist import DistContext
 from elastictrain.errors import SnapshotWriteFailed
-from elastictrain.log import get_logger
-from elastictrain.snapshot import memory, peer_transport, rescue
+from elastictrain.log import bind, get_logger
+from elastictrain.snapshot import attempt, memory, peer_transport, rescue
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.peer_restore import PeerCopies
 from elastictrain.snapshot.record_links import RecordLinks, connect_record_links
@@ -47,6 +47,8 @@ class NodeMemory:
         peers: the other nodes (restore from their memory, the rescue's records), with
             ``memory_replicas`` > 0 on several nodes; else None (replicated state).
         sharded_memory: a sharded model's restore from the nodes' memory, or None.
+        attempt: the job's attempt, agreed by every rank (snapshot/attempt.py) when the
+            tier is configured, also on a rank whose node's directory refused; else None.
     """
 
     def __init__(self, config: SnapshotConfig, run_id: str, durable: Store,
@@ -60,6 +62,7 @@ class NodeMemory:
         self.taken_step = -1
         self.peers: PeerCopies | None = None
         self.sharded_memory: ShardedMemory | None = None
+        self.attempt: int | None = None
         self._saved = False  # a memory save was started this attempt
         # Who drops and, at the end, removes this node's snapshots: the node's lowest
         # rank (local rank 0 under torchrun; for sharded state, its leader, below).
@@ -67,6 +70,7 @@ class NodeMemory:
         self._open(run_id, sharded)
         if self._config.memory_every is None:
             return
+        self._agree_attempt()
         if sharded:
             assert model is not None  # the manager passes a sharded model
             self._open_sharded(model, optimizer)
@@ -86,6 +90,18 @@ class NodeMemory:
         if self._ctx.local_rank == 0 and not sharded:
             self.saver = Saver(self.tier.store, SaverSettings.for_memory(self._config),
                                tier="memory")
+
+    def _agree_attempt(self) -> None:
+        """(every rank) The job's attempt, kept in this node's directory by its first
+        local rank (a sharded leader is chosen later: the first local rank is one)."""
+        path = self.tier.path if self.tier is not None else None
+        self.attempt = attempt.agree(self._ctx, attempt.last_seen(path))
+        if path is not None and self._ctx.local_rank == 0:
+            try:
+                attempt.keep(path, self.attempt)
+            except OSError as exc:  # a full tmpfs: the next group may count this one again
+                self.health.failed("attempt record", exc)
+        bind(attempt=self.attempt)
 
     def _open_sharded(self, model: nn.Module, optimizer: Any | None) -> None:
         """Every rank saves its parts (every rank calls it together): only when every

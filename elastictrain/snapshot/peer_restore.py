@@ -1,10 +1,10 @@
 """Restore from a peer node's memory (docs/memory-tier.md#across-nodes).
 
 Replicated (DDP) state: every memory snapshot holds the whole state and every rank's
-RNG states (gathered at save), so any node's copy of a step is every node's copy. The
-ranks agree on the newest step that some node holds in memory and that is newer than
-the newest durable snapshot (``choose``, a pure function of what each node holds); each
-node lacking it receives the holder's files over the snapshot transport (its leader
+RNG states (gathered at save), so any node's copy of a snapshot is every node's copy.
+The ranks agree on one snapshot, by its identity (snapshot/memory_choice.py, a pure
+function of what each node holds); each node not holding it (none, or another snapshot
+of the same step) receives the holder's files over the snapshot transport (its leader
 from a holder's leader, holders taken in turn), checks every byte against the manifest
 the holder sent, and commits it to its own memory directory as the saver does (a
 ``.partial-`` directory, the manifest last, one rename). Then every rank loads its own
@@ -13,7 +13,7 @@ durable restore (memory is a cache; durable storage the truth).
 
 Call order (every rank)::
 
-    agree:    one all-gather of (newest memory step, has a memory directory) per rank
+    agree:    one all-gather of (newest memory snapshot, has a memory directory) per rank
     fetch:    (leaders) holder → lacking node, point to point; one all-reduce of outcomes
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass
 from typing import BinaryIO
 
 import torch
@@ -34,6 +33,7 @@ from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import new_hasher
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry
+from elastictrain.snapshot.memory_choice import Choice, Durable, Held, choose
 from elastictrain.snapshot.peer_transport import (
     TAG_COPY,
     NodeMap,
@@ -46,41 +46,7 @@ from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
 
-NO_STEP = -1  # as memory.NO_STEP: a node holding no committed memory snapshot
 CHUNK_BYTES = 64 << 20  # bytes per message: bounded memory on both ends
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What the ranks restore from memory: ``step`` (``NO_STEP`` with a ``reason`` not
-    to), and for each node lacking it the node that sends it (``sources``)."""
-
-    step: int
-    reason: str | None
-    sources: dict[int, int]
-
-
-def choose(held: list[int], can_receive: list[bool], durable_step: int) -> Choice:
-    """The newest step some node holds in memory, if newer than durable.
-
-    Args:
-        held: each node's newest committed memory step (``NO_STEP``: none).
-        can_receive: each node has a memory directory to receive a copy into.
-        durable_step: the newest durable snapshot's step (``NO_STEP``: none).
-    """
-    best = max(held, default=NO_STEP)
-    if best == NO_STEP:
-        return Choice(NO_STEP, "no memory snapshot", {})
-    if best <= durable_step:
-        return Choice(NO_STEP, "not newer than the durable snapshot", {})
-    holders = [node for node, step in enumerate(held) if step == best]
-    lacking = [node for node, step in enumerate(held) if step != best]
-    unable = [node for node in lacking if not can_receive[node]]
-    if unable:
-        return Choice(NO_STEP, f"node(s) {unable} lack step {best} and have no memory "
-                      "directory to receive it", {})
-    return Choice(best, None, {node: holders[i % len(holders)]
-                               for i, node in enumerate(lacking)})
 
 
 class PeerCopies:
@@ -97,12 +63,12 @@ class PeerCopies:
     def node(self) -> int:
         return self.nodes.node_of[self.ctx.rank]
 
-    def agree(self, step_here: int, can_receive: bool, durable_step: int) -> Choice:
+    def agree(self, held_here: Held, can_receive: bool, durable: Durable) -> Choice:
         """(all ranks) ``choose`` over what every node's leader found."""
-        found = self.ctx.all_gather_object((step_here, can_receive))
+        found = self.ctx.all_gather_object((held_here, can_receive))
         leaders = [self.nodes.leader(node) for node in range(self.nodes.count)]
-        return choose([int(found[r][0]) for r in leaders], [bool(found[r][1]) for r in leaders],
-                      durable_step)
+        return choose([found[r][0] for r in leaders], [bool(found[r][1]) for r in leaders],
+                      durable)
 
     def source_rank(self, choice: Choice) -> int | None:
         """The rank whose node's copy this node restores (None: its own)."""
@@ -202,8 +168,8 @@ def receive_copy(transport: PeerTransport, store: Store, step: int, src: int) ->
         try:
             store.write_bytes(f"{partial}/{layout.MANIFEST}", raw)  # last: the commit
             final = layout.step_dir(step)
-            if store.exists(final):  # an uncommitted leftover (it held no manifest)
-                store.delete(final, recursive=True)
+            if store.exists(final):  # a leftover, or another snapshot of this step that
+                store.delete(final, recursive=True)  # the agreement set aside
             store.rename(partial, final)
         except Exception as exc:
             problem = f"{type(exc).__name__}: {exc}"

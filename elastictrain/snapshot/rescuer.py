@@ -48,17 +48,15 @@ class Rescuer:
 
     Args:
         enabled: ``snapshot.rescue`` is on for a replicated model.
-        restart_count: this attempt's (torchrun's restart count), in every record.
 
     Attributes:
         resumed_from: the step this attempt resumed from (-1: fresh), in every record.
     """
 
     def __init__(self, enabled: bool, config: SnapshotConfig, ctx: DistContext,
-                 node_memory: NodeMemory, train: TrainingState, restart_count: int) -> None:
+                 node_memory: NodeMemory, train: TrainingState) -> None:
         self._enabled = enabled
         self._config, self._ctx, self._memory, self._train = config, ctx, node_memory, train
-        self._restart_count = restart_count
         self.resumed_from = -1
         self._boundary: BoundaryRecord | None = None
         self._stream: RecordStream | None = None
@@ -175,7 +173,10 @@ class Rescuer:
             self._memory.peers.record_links.close()
 
     def _attempt(self) -> tuple[int, int, int]:
-        return self._ctx.world_size, self._restart_count, self.resumed_from
+        # The job's attempt, alike on every node (snapshot/attempt.py): torchrun's
+        # restart count is each agent's own, and a joining node's is 0.
+        assert self._memory.attempt is not None  # agreed wherever the tier is configured
+        return self._ctx.world_size, self._memory.attempt, self.resumed_from
 
     def _rescue(self, error: BaseException) -> None:
         """On an uncaught error (runtime's excepthook): commit the last boundary to this

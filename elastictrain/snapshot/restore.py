@@ -14,11 +14,11 @@ Call order and roles::
               error or an unloadable payload anywhere → every rank raises
 
 With the node-memory tier (snapshot/memory.py), before the durable loop: every
-rank finds its node's newest committed memory snapshot, one collective agrees on
-it (memory when it is newer than the newest durable one and every node holds it; with
-peers, when some node holds it, and the nodes lacking it receive a copy first:
-snapshot/peer_restore.py), every rank reads and verifies its node's copy, and one
-all-reduce agrees on the outcome. Anything short of "verified everywhere", a read error
+rank finds its node's newest committed memory snapshot, one collective agrees on one
+snapshot by its identity (snapshot/memory_choice.py: newer than the newest durable one;
+every node holds it, or with peers some node does and the nodes not holding it receive
+a copy first: snapshot/peer_restore.py), every rank reads and verifies its node's copy,
+and one all-reduce agrees on the outcome. Anything short of "verified everywhere", a read error
 included, falls back to the durable loop: durable storage is the source of truth.
 A node's copy that failed to read, verify or load is deleted there
 (``snapshot.memory_set_aside``): memory is a cache, and a relaunch must not meet it again.
@@ -59,8 +59,9 @@ from elastictrain.errors import (
     StorageError,
 )
 from elastictrain.log import get_logger
-from elastictrain.snapshot import layout, memory
+from elastictrain.snapshot import layout
 from elastictrain.snapshot.manifest import Manifest
+from elastictrain.snapshot.memory_choice import NO_STEP, Durable, Held, choose
 from elastictrain.snapshot.onepass import InPlace
 from elastictrain.snapshot.peer_restore import PeerCopies
 from elastictrain.snapshot.reader import newest_first, read_manifest, verify_snapshot
@@ -136,8 +137,8 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
     manifests = _discover(store, ctx)
     written = _Written(ctx, in_place)
     if memory_tier or memory_store is not None or peers is not None:
-        durable_step = manifests[0].step if manifests else memory.NO_STEP
-        loaded = _load_memory(memory_store, ctx, durable_step, written, peers)
+        durable = Durable.of(manifests[0] if manifests else None)
+        loaded = _load_memory(memory_store, ctx, durable, written, peers)
         if loaded is not None:
             return loaded
     if manifests:
@@ -193,19 +194,20 @@ class _Written:
         return _Status(worst)
 
 
-def _load_memory(store: Store | None, ctx: DistContext, durable_step: int, written: _Written,
+def _load_memory(store: Store | None, ctx: DistContext, durable: Durable, written: _Written,
                  peers: PeerCopies | None) -> LoadedSnapshot | None:
-    """This node's memory snapshot when every rank agrees on it and it verifies
-    everywhere, else None (logged as ``snapshot.memory_skipped``)."""
+    """The memory snapshot every rank agrees on (snapshot/memory_choice.py), when it
+    verifies everywhere, else None (logged as ``snapshot.memory_skipped``)."""
     started = time.perf_counter()
+    durable_step = durable.step
     manifest, error = _newest_memory(store) if store is not None else (None, None)
-    step = manifest.step if manifest is not None else memory.NO_STEP
+    step = manifest.step if manifest is not None else NO_STEP
     peer_rank: int | None = None
-    if peers is None:
-        highest, neg_lowest = ctx.all_reduce_max([step, -step])
-        reason = memory.skip_reason(highest, -neg_lowest, durable_step)
+    if peers is None:  # each rank compares its node's copy; none crosses nodes
+        found = ctx.all_gather_object(Held.of(manifest))
+        reason = choose(found, [False] * len(found), durable, may_transfer=False).reason
     else:
-        choice = peers.agree(step, store is not None, durable_step)
+        choice = peers.agree(Held.of(manifest), store is not None, durable)
         reason = choice.reason
         if reason is None and choice.sources and not peers.fetch(choice, store):
             reason = "a copy to a node lacking it failed"
@@ -214,13 +216,13 @@ def _load_memory(store: Store | None, ctx: DistContext, durable_step: int, writt
             manifest, error = _manifest_of(store, choice.step)
     if reason is not None:
         log.info("snapshot.memory_skipped", memory_step=None if manifest is None else step,
-                 durable_step=None if durable_step == memory.NO_STEP else durable_step,
+                 durable_step=None if durable_step == NO_STEP else durable_step,
                  reason=reason, error=error)
         return None
     assert store is not None
     # In place only with a durable snapshot to fall back on (module docstring): with
     # none, a copy that fails after its bytes landed would leave no start possible.
-    in_place = written.in_place if durable_step != memory.NO_STEP else None
+    in_place = written.in_place if durable_step != NO_STEP else None
     outcome = (_load_here(store, manifest, in_place) if manifest is not None  # each node
                else _Outcome(_Status.FAILED, error=StorageError(str(error))))  # its own copy
     step = step if manifest is None else manifest.step

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from elastictrain.dist import DistContext
 from elastictrain.log import bind_step, get_logger
+from elastictrain.snapshot import replica_check
 from elastictrain.snapshot.restore import LoadedSnapshot
 from elastictrain.snapshot.training_state import TrainingState
 
@@ -57,6 +58,9 @@ def apply_and_report(loaded: LoadedSnapshot | None, train: TrainingState, ctx: D
         return ResumeInfo(None, train.epoch, None, ctx.world_size, previous_high or 0)
     step, payload = loaded.step, loaded.payload
     rng_rule = train.apply(payload)
+    digest = train.replica_digest()
+    if digest is not None:  # every rank holds what every other one does, or all stop
+        replica_check.check(ctx, digest, step)
     lost = None if previous_high is None else max(0, previous_high - step)
     info = ResumeInfo(step, train.epoch, int(payload["world_size"]), ctx.world_size, lost,
                       loaded.tier)
@@ -67,6 +71,7 @@ def apply_and_report(loaded: LoadedSnapshot | None, train: TrainingState, ctx: D
     log.info("resume", from_step=step, lost_steps=lost, epoch=info.epoch, tier=loaded.tier,
              peer_rank=loaded.peer_rank,
              memory_kept=outcome.memory_kept, rescued=outcome.rescued,
+             state_digest=None if digest is None else f"{digest:08x}",
              saved_world_size=info.saved_world_size, world_size=info.world_size,
              world_size_changed=info.saved_world_size != info.world_size,
              **train.resume_fields(payload, rng_rule))

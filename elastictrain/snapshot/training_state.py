@@ -12,6 +12,7 @@ from elastictrain.config import ChecksumAlgorithm
 from elastictrain.data import ElasticSampler, check_dataset_len
 from elastictrain.dist import DistContext
 from elastictrain.errors import ConfigError
+from elastictrain.snapshot import replica_check
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.onepass import InPlace
 from elastictrain.snapshot.rng import reseed_for_new_world, restore_rng
@@ -46,6 +47,7 @@ class TrainingState:
         self.scheduler, self.scaler = scheduler, scaler
         self.sampler = sampler
         self.step = 0
+        self.attempt: int | None = None  # the job's attempt (snapshot/attempt.py), if agreed
         self.extras: dict[str, Any] = {}
         self._epoch = 0
         self._ctx = ctx
@@ -97,6 +99,7 @@ class TrainingState:
             dataset_len=self.sampler.dataset_len if self.sampler is not None else None,
             global_batch_size=(self.sampler.global_batch if self.sampler is not None
                                else None),
+            attempt=self.attempt,
         )
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
@@ -162,6 +165,15 @@ class TrainingState:
             return "restored"
         reseed_for_new_world(rng_states[0], self.step, self._ctx.rank)
         return "reseeded"
+
+    def replica_digest(self) -> int | None:
+        """The digest every rank of replicated state shares (snapshot/replica_check.py);
+        None for sharded state, which differs per rank by design."""
+        if self._saver_holds_model:
+            return None
+        return replica_check.state_digest(
+            unwrap(self.model).state_dict(),
+            self.optimizer.state_dict() if self.optimizer is not None else None, self.step)
 
     def resume_fields(self, payload: dict[str, Any], rng_rule: str) -> dict[str, Any]:
         """Batch policy and RNG rule of a resume, for the ``resume`` event."""

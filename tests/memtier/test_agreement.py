@@ -16,26 +16,12 @@ from structlog.testing import capture_logs
 from elastictrain.dist import DistContext
 from elastictrain.errors import ConfigError
 from elastictrain.snapshot import layout, memory
-from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.snapshot.memory_choice import Held
+from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.storage import open_store
 from tests.fault_stores import FailingReads
 from tests.unit.test_manager import build, train
-
-NO = memory.NO_STEP
-
-
-@pytest.mark.parametrize(("highest", "lowest", "durable", "reason"), [
-    (7, 7, 5, None),                                   # every node holds 7, newer: memory
-    (7, 7, NO, None),                                  # no durable snapshot yet
-    (NO, NO, 5, "no memory snapshot"),
-    (7, NO, 5, "not every node holds the same step"),  # a replaced node holds none
-    (8, 7, 5, "not every node holds the same step"),   # a node's last write was lost
-    (7, 7, 7, "not newer than the durable snapshot"),
-    (7, 7, 10, "not newer than the durable snapshot"),
-])
-def test_skip_reason(highest: int, lowest: int, durable: int, reason: str | None) -> None:
-    assert memory.skip_reason(highest, lowest, durable) == reason
 
 
 def _run(tmp_path: Path, until: int, mem: str = "mem") -> Any:
@@ -118,31 +104,48 @@ def test_memory_read_error_falls_back_to_durable(tmp_path: Path) -> None:
 
 
 class _PeerCtx(DistContext):
-    """One process standing for two nodes: the all-reduces also see a peer's values."""
+    """One process standing for two nodes: the all-reduces also see a peer's values,
+    the all-gather the peer's newest memory snapshot (None: the same as this one's)."""
 
-    def __init__(self, peer: list[list[int]]) -> None:
+    def __init__(self, peer: list[list[int]], held: Held | None = None) -> None:
         super().__init__(0, 2, 0, "gloo", torch.device("cpu"), False)
-        self.peer = peer
+        self.peer, self.held = peer, held
 
     def all_reduce_max(self, values: list[int]) -> list[int]:
         theirs = self.peer.pop(0) if self.peer else values  # later: the peer agrees
         return [max(a, b) for a, b in zip(values, theirs, strict=True)]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj, obj if self.held is None else self.held]
 
-def test_a_peer_node_on_another_step_means_durable(tmp_path: Path) -> None:
+
+def _held_here(tmp_path: Path) -> Held:
+    return Held.of(read_manifest(open_store(str(tmp_path / "mem")), 7))
+
+
+@pytest.mark.parametrize("other", ["step 6", "same step, another snapshot",
+                                   "same step, an earlier attempt"])
+def test_a_peer_node_holding_another_snapshot_means_durable(tmp_path: Path, other: str) -> None:
+    """Without copies across nodes, every node must hold the very same snapshot: never
+    each node its own (two ranks would train on from different states)."""
     _run(tmp_path, 7)
-    ctx = _PeerCtx([[6, -6]])  # the other node's newest memory snapshot is step 6
+    here = _held_here(tmp_path)
+    peer = {"step 6": Held(6, here.attempt, "x"),
+            "same step, another snapshot": Held(7, here.attempt, "x"),
+            "same step, an earlier attempt": Held(7, here.attempt - 1, "x")}[other]
     with capture_logs() as logs:
-        loaded = load_newest(open_store(str(tmp_path / "run")), ctx, "each",
+        loaded = load_newest(open_store(str(tmp_path / "run")), _PeerCtx([], peer), "each",
                              open_store(str(tmp_path / "mem")))
     assert loaded is not None and (loaded.step, loaded.tier) == (5, "durable")
     (skipped,) = [e for e in logs if e["event"] == "snapshot.memory_skipped"]
-    assert skipped["reason"] == "not every node holds the same step"
+    expected = ("2 different snapshots of step 7" if other == "same step, another snapshot"
+                else "no copy may cross nodes")
+    assert expected in skipped["reason"]
 
 
 def test_a_peer_that_fails_to_verify_means_durable(tmp_path: Path) -> None:
     _run(tmp_path, 7)
-    ctx = _PeerCtx([[7, -7], [1, 0]])  # same step everywhere, corrupt on the peer
+    ctx = _PeerCtx([[1, 0]])  # same snapshot everywhere, corrupt on the peer
     loaded = load_newest(open_store(str(tmp_path / "run")), ctx, "each",
                          open_store(str(tmp_path / "mem")))
     assert loaded is not None and (loaded.step, loaded.tier) == (5, "durable")

@@ -1,6 +1,6 @@
-"""The memory tier across nodes, in one process: the agreement's choice (which step,
-which node sends it to which), the ring of record buddies, a snapshot copy and the
-record stream over an in-process transport (two threads stand for two ranks)."""
+"""The memory tier across nodes, in one process: the ring of record buddies, a snapshot
+copy and the record stream over an in-process transport (two threads stand for two
+ranks)."""
 
 from __future__ import annotations
 
@@ -9,41 +9,14 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 
 from elastictrain.snapshot import layout
-from elastictrain.snapshot.peer_restore import NO_STEP, Choice, choose, receive_copy, send_copy
+from elastictrain.snapshot.peer_restore import receive_copy, send_copy
 from elastictrain.snapshot.peer_transport import NodeMap
 from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
 from tests.unit.test_manager import build, train
-
-NO = NO_STEP
-
-
-@pytest.mark.parametrize(("held", "receive", "durable", "expected"), [
-    # every node holds 7: memory, nothing to copy
-    ([7, 7], [True, True], 5, Choice(7, None, {})),
-    # a replaced node holds nothing: node 0 sends it 7
-    ([7, NO], [True, True], 5, Choice(7, None, {1: 0})),
-    # a node whose last write was lost: the newest wins, sent to the older one
-    ([7, 8], [True, True], 5, Choice(8, None, {0: 1})),
-    # holders take turns: two holders, three lacking nodes
-    ([9, NO, 9, 4, NO], [True] * 5, 5, Choice(9, None, {1: 0, 3: 2, 4: 0})),
-    # no durable snapshot yet
-    ([7, NO], [True, True], NO, Choice(7, None, {1: 0})),
-    ([NO, NO], [True, True], 5, Choice(NO, "no memory snapshot", {})),
-    ([7, NO], [True, True], 7, Choice(NO, "not newer than the durable snapshot", {})),
-    ([6, 7], [True, True], 9, Choice(NO, "not newer than the durable snapshot", {})),
-    # a node lacking it has no memory directory (a full tmpfs): durable
-    ([7, NO], [True, False], 5,
-     Choice(NO, "node(s) [1] lack step 7 and have no memory directory to receive it", {})),
-    # one that holds it needs none
-    ([7, 7], [True, False], 5, Choice(7, None, {})),
-])
-def test_choose(held: list[int], receive: list[bool], durable: int, expected: Choice) -> None:
-    assert choose(held, receive, durable) == expected
 
 
 def test_nodes_from_keys_and_record_ring() -> None:

@@ -230,7 +230,8 @@ def test_another_nodes_pre_step_record_is_used_only_where_this_ranks_own_matched
         os.close(fd)
     rescuer = Rescuer.__new__(Rescuer)
     rescuer._ctx = SimpleNamespace(world_size=2)  # type: ignore[assignment]
-    rescuer._restart_count, rescuer.resumed_from = ATTEMPT[1], ATTEMPT[2]
+    rescuer._memory = SimpleNamespace(attempt=ATTEMPT[1])  # type: ignore[assignment]
+    rescuer.resumed_from = ATTEMPT[2]
     monkeypatch.setattr(rescuer, "_peer_sources", lambda: {1})
     rescuer._pre_step_matched = 4
     assert all(state is not None for state in rescuer._records(tmp_path, 4))

@@ -1,0 +1,69 @@
+"""After a restore of replicated (DDP) state: every rank holds the same state, or the
+run stops.
+
+The restore agrees on one snapshot and verifies its bytes, but a replica rebuilt wrong
+(two nodes that each loaded a copy of their own, a fault between load and apply) would
+go on training on other parameters while every launcher reports success. So every rank
+hashes what it now holds, the parameters and buffers, the optimizer's state and the
+step, and one all-reduce compares the hashes. A mismatch raises ``ReplicasDiverged`` on
+every rank before the first step. Sharded (FSDP2) state differs per rank by design: its
+restore checks each shard against its manifest instead. Cost: docs/memory-tier.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from isal import isal_zlib
+
+from elastictrain.dist import DistContext
+from elastictrain.errors import ReplicasDiverged
+from elastictrain.snapshot.tensorbytes import tensor_bytes
+
+_MASK = (1 << 32) - 1
+
+
+def state_digest(model_state: dict[str, Any], optimizer_state: dict[str, Any] | None,
+                 step: int) -> int:
+    """CRC-32 over the step, every tensor of ``model_state`` (sorted keys) and every
+    tensor of the optimizer's per-parameter state, in order. Equal replicas give equal
+    digests; a differing bit changes it."""
+    crc = isal_zlib.crc32(str(step).encode())
+    for key in sorted(model_state):
+        crc = _update(isal_zlib.crc32(key.encode(), crc), model_state[key])
+    if optimizer_state is not None:
+        for index in sorted(optimizer_state.get("state", {})):
+            entries = optimizer_state["state"][index]
+            for name in sorted(entries):
+                crc = _update(crc, entries[name])
+    return crc & _MASK
+
+
+def _update(crc: int, value: Any) -> int:
+    if not isinstance(value, torch.Tensor):
+        return isal_zlib.crc32(repr(value).encode(), crc)
+    # reshape: a 0-d tensor (BatchNorm's num_batches_tracked, Adam's step) has no byte view
+    flat = value.detach().cpu().contiguous().reshape(-1)
+    return isal_zlib.crc32(tensor_bytes(flat.view(torch.uint8)) if flat.numel() else b"", crc)
+
+
+def check(ctx: DistContext, digest: int, step: int) -> None:
+    """(every rank) Raise ``ReplicasDiverged`` on every rank unless every rank's
+    ``digest`` is this one."""
+    if not ctx.initialized or ctx.world_size == 1:
+        return
+    highest, neg_lowest = ctx.all_reduce_max([digest, -digest])
+    if highest == -neg_lowest:
+        return
+    found = ctx.all_gather_object(digest)
+    groups: dict[int, list[int]] = {}
+    for rank, value in enumerate(found):
+        groups.setdefault(value, []).append(rank)
+    described = "; ".join(f"ranks {ranks}: {value:08x}" for value, ranks in groups.items())
+    raise ReplicasDiverged(
+        f"after restoring step {step} the ranks hold different states ({described}): "
+        "training on would give each replica other weights, so the run stops here; "
+        "nothing was deleted; fix: inspect the snapshot with `elastictrain snapshots "
+        "verify`, then relaunch (a restore that meets this again reads durable storage "
+        "after you remove the node-memory directories, docs/memory-tier.md)")
