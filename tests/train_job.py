@@ -9,7 +9,8 @@ the optimizer, the batch, the storage faults and where the job stops for the tes
 
 * ``--fsdp``: the model sharded with FSDP2 (``fully_shard`` on each linear layer and the
   root, a CPU mesh of the world size) instead of DDP; rank 0 logs ``params.digest`` of
-  the full parameters (gathered) at the end, as the manager does for replicated state.
+  the full parameters (gathered) at the end, as the manager does for replicated state;
+  with DDP every rank logs ``params.rank_digest`` of its own replica at the end.
 * ``--every``, ``--memory-every``, ``--memory-dir``, ``--persister``: the snapshot
   policy; what is not given comes from ``ELASTICTRAIN_*`` (the manager is built without
   ``ctx`` or ``config``, as a user script would).
@@ -31,6 +32,9 @@ the optimizer, the batch, the storage faults and where the job stops for the tes
 * ``--park-after N --gates DIR``: in the first attempt every rank stops in step N after
   its backward (the gradients all-reduced, the optimizer step not taken) and parks on
   the gates (the test kills a node meanwhile: a node lost after its last all-reduce).
+* ``--again``: once the first park was released (``DIR/go``), the same park happens once
+  more, in any attempt, on ``DIR/again`` (a second event after the first: the test
+  acts on the job the first one left).
 * ``--die-in N``: rank 1 of the first attempt SIGKILLs itself in the middle of step N,
   between its forward and its backward; ``--late-survivor``: rank 0 meets that death
   only after the agent saw it (it starts its backward once ``agent.failure_detected`` is
@@ -64,6 +68,7 @@ from torch.nn.parallel import DistributedDataParallel
 import elastictrain as et
 from elastictrain.launch import EVENTS_DIR_VAR
 from elastictrain.log import get_logger
+from elastictrain.snapshot.digest import param_digest
 from elastictrain.storage import Store, open_store
 from tests.fault_stores import GatedStore, SwitchedStore, TricklingStore
 
@@ -102,6 +107,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gates", type=Path)
     p.add_argument("--stdin", action="store_true", help="park on stdin, not on gates")
     p.add_argument("--park-in", type=int, default=0)
+    p.add_argument("--again", action="store_true")
     p.add_argument("--park-after", type=int, default=0)
     p.add_argument("--die-in", type=int, default=0)
     p.add_argument("--late-survivor", action="store_true")
@@ -185,6 +191,18 @@ def park_on_gates(gates: Path, rank: int) -> None:
         time.sleep(0.05)
 
 
+def park_gates(args: argparse.Namespace, first_attempt: bool) -> Path | None:
+    """Where the park of ``--park``/``--park-in`` waits now, if it does: in the first
+    attempt on the gates; with ``--again``, once more in any attempt once the first was
+    released."""
+    if first_attempt and not (args.gates / "go").exists():
+        return Path(args.gates)
+    if args.again and (args.gates / "go").exists() \
+            and not (args.gates / "again" / "go").exists():
+        return Path(args.gates) / "again"
+    return None
+
+
 def await_event(events_dir: Path, name: str) -> None:
     """Wait until an event ``name`` is in a file under ``events_dir`` (with a deadline)."""
     deadline = time.monotonic() + PARK_TIMEOUT_S
@@ -246,8 +264,9 @@ def train(args: argparse.Namespace, rt: Any) -> None:
         else:
             x = torch.randn(args.batch, args.width)
         loss = model(x).pow(2).mean()
-        if first_attempt and snap.step_count + 1 == args.park_in:
-            park_on_gates(args.gates, rank)
+        gates = park_gates(args, first_attempt) if snap.step_count + 1 == args.park_in else None
+        if gates is not None:
+            park_on_gates(gates, rank)
         if first_attempt and rank == 1 and snap.step_count + 1 == args.die_in:
             os.kill(os.getpid(), signal.SIGKILL)
         if first_attempt and args.late_survivor and snap.step_count + 1 == args.die_in:
@@ -264,15 +283,18 @@ def train(args: argparse.Namespace, rt: Any) -> None:
                 snap.wait()
                 say(parked=args.park)
                 sys.stdin.readline()
-            elif first_attempt and not (args.gates / "go").exists():
+            elif (gates := park_gates(args, first_attempt)) is not None:
                 # A copy behind commits once the training thread judged it (at the next
                 # step's fence, or here): a parked rank takes no next step.
                 snap.wait()
-                park_on_gates(args.gates, rank)
+                park_on_gates(gates, rank)
     if args.final_save:
         snap.save()
     if args.fsdp:
         full_digest(model, rank)
+    else:  # every replica's own: the tests check that every rank ends on one state
+        get_logger("elastictrain.snapshot").info(
+            "params.rank_digest", param_digest=param_digest(net), final_step=snap.step_count)
     snap.close()  # logs params.digest and run.finished (final_step) on rank 0
     if args.say:
         say(done=snap.step_count)

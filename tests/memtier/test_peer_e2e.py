@@ -68,16 +68,18 @@ def _tree(root: int) -> list[int]:
     return found
 
 
-def _kill_node(agent: Any, workers: list[int], mem: Path) -> None:
+def _kill_node(agent: Any, workers: list[int], mem: Path | None) -> None:
     """A node lost without notice: SIGKILL its agent's whole tree (agent, standby,
-    workers) and its workers by PID, then its memory is gone."""
+    workers) and its workers by PID, then its memory is gone (``mem``; None: it
+    survives, as a tmpfs does when only the processes died)."""
     pids = sorted(set(_tree(agent.pid)) | set(workers))
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     agent.wait(timeout=30)
     wait_for(lambda: not any(pid_alive(p) for p in pids), 30, "node B's processes to exit")
-    shutil.rmtree(mem)
+    if mem is not None:
+        shutil.rmtree(mem)
 
 
 def _two_nodes(agents: Agents, tmp_path: Path, nnodes: str, extra: tuple[str, ...] = (),

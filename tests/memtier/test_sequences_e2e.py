@@ -1,0 +1,87 @@
+"""Node memory across nodes when a second event follows the first, under real
+``elastictrain run`` agents (gloo, CPU; two agents on this machine stand for two nodes,
+one worker each, each with a memory directory of its own).
+
+(a) A node comes back with its memory from a timeline the job left. Both nodes park
+    after step 25 (memory of 25 on both); node B's processes are SIGKILLed while its
+    memory directory survives. Node A's memory is lost too, so A alone restarts from
+    durable step 20 and trains 21-25 again at world size 1 (other bits), then parks once
+    more. B's replacement starts on B's old directory: both nodes now hold a step 25,
+    from two attempts. The ranks agree on A's (the newer attempt's), B receives it, and
+    both resume from the same state (their ``state_digest`` agree): never each its own.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import events, free_port, wait_for
+from tests.memtier.test_memtier_e2e import PARK, Agents, _log, _wait_parked, agents
+from tests.memtier.test_peer_e2e import _kill_node
+
+pytestmark = [pytest.mark.distributed, pytest.mark.processes]
+__all__ = ["agents"]  # a fixture, used by name
+
+
+def _last_resumes(ev: Path) -> list[dict[str, Any]]:
+    """Each rank's last resume event."""
+    last: dict[int, dict[str, Any]] = {}
+    for e in sorted(events(ev, "resume"), key=lambda e: e["ts"]):
+        last[e["rank"]] = e
+    return [last[r] for r in sorted(last)]
+
+
+def _memory_commits(ev: Path, step: int) -> int:
+    return len([e for e in events(ev, "snapshot.committed")
+                if e.get("tier") == "memory" and e["snapshot_step"] == step])
+
+
+@pytest.mark.timeout(600)
+def test_a_node_back_with_memory_from_a_left_timeline_receives_the_jobs_snapshot(
+        tmp_path: Path, agents: Agents) -> None:
+    common: dict[str, Any] = {
+        "nnodes": "1:2", "endpoint": f"127.0.0.1:{free_port()}", "park": PARK,
+        "extra": ("--again",),
+        # No rescue: node A's restart must go back to durable step 20 and train 21-25
+        # again (a rescue would commit A's step 25 from B's record instead).
+        "env": {"ELASTICTRAIN_SNAPSHOT__RESCUE": "false"}}
+    root, gates_a, gates_b = tmp_path / "run", tmp_path / "gates-a", tmp_path / "gates-b"
+    node_a = agents.start("a", root, tmp_path / "mem-a", is_host=1, gates=gates_a, **common)
+    node_b = agents.start("b", root, tmp_path / "mem-b", is_host=0, gates=gates_b, **common)
+    ev = tmp_path / "ev"
+    _wait_parked(gates_a, 1)
+    pid_b = _wait_parked(gates_b, 1)
+    wait_for(lambda: _memory_commits(ev / "a", PARK) == _memory_commits(ev / "b", PARK) == 1,
+             60, "both nodes' memory snapshots of step 25")
+
+    _kill_node(node_b, list(pid_b.values()), None)  # B's memory directory survives
+    shutil.rmtree(tmp_path / "mem-a" / "snapshots")  # A's memory of step 25 is lost
+    (gates_a / "go").write_text("")
+    # A alone: back to durable step 20, steps 21-25 again at world size 1, parked again.
+    _wait_parked(gates_a / "again", 1)
+    wait_for(lambda: _memory_commits(ev / "a", PARK) == 2, 60, "A's second step 25 in memory")
+    (first_b,) = [e for e in events(ev / "b", "snapshot.committed")
+                  if e.get("tier") == "memory" and e["snapshot_step"] == PARK]
+    second_a = [e for e in events(ev / "a", "snapshot.committed")
+                if e.get("tier") == "memory" and e["snapshot_step"] == PARK][-1]
+    assert second_a["attempt"] > first_b["attempt"]
+
+    node_b2 = agents.start("b2", root, tmp_path / "mem-b", is_host=0,
+                           gates=tmp_path / "gates-b2", **common)
+    wait_for(lambda: events(ev / "b2", "resume"), 240, "the replacement's resume")
+    (gates_a / "again" / "go").write_text("")
+    assert node_a.wait(timeout=300) == 0, _log(agents)
+    assert node_b2.wait(timeout=60) == 0, _log(agents)
+
+    resumes = _last_resumes(ev)
+    assert [(e["from_step"], e["tier"], e["world_size"]) for e in resumes] == \
+        [(PARK, "memory", 2)] * 2
+    finals = events(ev, "params.rank_digest")
+    assert len(finals) == 2 and len({e["param_digest"] for e in finals}) == 1, finals
+    assert len({e["state_digest"] for e in resumes}) == 1, resumes  # checked at the resume
+    (received,) = events(ev / "b2", "snapshot.memory_received")
+    assert (received["snapshot_step"], received["verified"]) == (PARK, True)
