@@ -32,9 +32,9 @@ the optimizer, the batch, the storage faults and where the job stops for the tes
 * ``--park-after N --gates DIR``: in the first attempt every rank stops in step N after
   its backward (the gradients all-reduced, the optimizer step not taken) and parks on
   the gates (the test kills a node meanwhile: a node lost after its last all-reduce).
-* ``--again``: once the first park was released (``DIR/go``), the same park happens once
-  more, in any attempt, on ``DIR/again`` (a second event after the first: the test
-  acts on the job the first one left).
+* ``--again M``: once the first park was released (``DIR/go``), the same kind of park
+  happens once more, at step M, in any attempt, on ``DIR/again`` (a second event after
+  the first: the test acts on the job the first one left).
 * ``--die-in N``: rank 1 of the first attempt SIGKILLs itself in the middle of step N,
   between its forward and its backward; ``--late-survivor``: rank 0 meets that death
   only after the agent saw it (it starts its backward once ``agent.failure_detected`` is
@@ -107,7 +107,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gates", type=Path)
     p.add_argument("--stdin", action="store_true", help="park on stdin, not on gates")
     p.add_argument("--park-in", type=int, default=0)
-    p.add_argument("--again", action="store_true")
+    p.add_argument("--again", type=int, default=0)
     p.add_argument("--park-after", type=int, default=0)
     p.add_argument("--die-in", type=int, default=0)
     p.add_argument("--late-survivor", action="store_true")
@@ -191,14 +191,15 @@ def park_on_gates(gates: Path, rank: int) -> None:
         time.sleep(0.05)
 
 
-def park_gates(args: argparse.Namespace, first_attempt: bool) -> Path | None:
-    """Where the park of ``--park``/``--park-in`` waits now, if it does: in the first
-    attempt on the gates; with ``--again``, once more in any attempt once the first was
-    released."""
-    if first_attempt and not (args.gates / "go").exists():
+def park_gates(args: argparse.Namespace, first_attempt: bool, step: int,
+               first: int) -> Path | None:
+    """Where a park at ``step`` waits, if it does (``first``: the step of the park,
+    ``--park`` or ``--park-in``): in the first attempt on the gates; with ``--again``,
+    once more in any attempt once the first was released."""
+    released = (args.gates / "go").exists()
+    if step == first and first_attempt and not released:
         return Path(args.gates)
-    if args.again and (args.gates / "go").exists() \
-            and not (args.gates / "again" / "go").exists():
+    if step == args.again and released and not (args.gates / "again" / "go").exists():
         return Path(args.gates) / "again"
     return None
 
@@ -264,7 +265,8 @@ def train(args: argparse.Namespace, rt: Any) -> None:
         else:
             x = torch.randn(args.batch, args.width)
         loss = model(x).pow(2).mean()
-        gates = park_gates(args, first_attempt) if snap.step_count + 1 == args.park_in else None
+        gates = (park_gates(args, first_attempt, snap.step_count + 1, args.park_in)
+                 if args.park_in else None)
         if gates is not None:
             park_on_gates(gates, rank)
         if first_attempt and rank == 1 and snap.step_count + 1 == args.die_in:
@@ -278,16 +280,16 @@ def train(args: argparse.Namespace, rt: Any) -> None:
         opt.zero_grad()
         time.sleep(args.step_s)  # the job's compute time per step (a workload, not a wait)
         snap.step()
-        if args.park and snap.step_count == args.park:
-            if args.stdin:
-                snap.wait()
-                say(parked=args.park)
-                sys.stdin.readline()
-            elif (gates := park_gates(args, first_attempt)) is not None:
-                # A copy behind commits once the training thread judged it (at the next
-                # step's fence, or here): a parked rank takes no next step.
-                snap.wait()
-                park_on_gates(gates, rank)
+        if args.park and args.stdin and snap.step_count == args.park:
+            snap.wait()
+            say(parked=args.park)
+            sys.stdin.readline()
+        elif args.park and not args.stdin and (
+                gates := park_gates(args, first_attempt, snap.step_count, args.park)):
+            # A copy behind commits once the training thread judged it (at the next
+            # step's fence, or here): a parked rank takes no next step.
+            snap.wait()
+            park_on_gates(gates, rank)
     if args.final_save:
         snap.save()
     if args.fsdp:

@@ -9,6 +9,7 @@ one worker each, each with a memory directory of its own).
     more. B's replacement starts on B's old directory: both nodes now hold a step 25,
     from two attempts. The ranks agree on A's (the newer attempt's), B receives it, and
     both resume from the same state (their ``state_digest`` agree): never each its own.
+(b) A replacement node's records rescue the next loss (below).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import events, free_port, wait_for
-from tests.memtier.test_memtier_e2e import PARK, Agents, _log, _wait_parked, agents
+from tests.memtier.test_memtier_e2e import PARK, Agents, _log, _runs_job, _wait_parked, agents
 from tests.memtier.test_peer_e2e import _kill_node
 
 pytestmark = [pytest.mark.distributed, pytest.mark.processes]
@@ -45,7 +46,7 @@ def test_a_node_back_with_memory_from_a_left_timeline_receives_the_jobs_snapshot
         tmp_path: Path, agents: Agents) -> None:
     common: dict[str, Any] = {
         "nnodes": "1:2", "endpoint": f"127.0.0.1:{free_port()}", "park": PARK,
-        "extra": ("--again",),
+        "extra": (f"--again={PARK}",),
         # No rescue: node A's restart must go back to durable step 20 and train 21-25
         # again (a rescue would commit A's step 25 from B's record instead).
         "env": {"ELASTICTRAIN_SNAPSHOT__RESCUE": "false"}}
@@ -85,3 +86,49 @@ def test_a_node_back_with_memory_from_a_left_timeline_receives_the_jobs_snapshot
     assert len({e["state_digest"] for e in resumes}) == 1, resumes  # checked at the resume
     (received,) = events(ev / "b2", "snapshot.memory_received")
     assert (received["snapshot_step"], received["verified"]) == (PARK, True)
+
+
+def _alive_workers(ev: Path) -> list[int]:
+    """The PIDs of a node's workers that still run the test job."""
+    return [int(e["pid"]) for e in events(ev, "worker.start") if _runs_job(int(e["pid"]))]
+
+
+@pytest.mark.timeout(900)
+def test_a_replacement_nodes_records_rescue_the_next_loss(tmp_path: Path,
+                                                         agents: Agents) -> None:
+    """(b) Node B is lost in the middle of step 26 and A rescues step 25 from B's
+    record; B's replacement B2 joins (its agent's restart count is 0, A's is 1), both
+    resume 25 and park in the middle of step 28; B2 is lost there. A must rescue step 27
+    from B2's record: the records of every node carry the job's attempt, not each
+    agent's restart count."""
+    common: dict[str, Any] = {
+        "nnodes": "2", "endpoint": f"127.0.0.1:{free_port()}", "gates": tmp_path / "gates",
+        "extra": ("--memory-every=1000", f"--park-in={PARK + 1}", f"--again={PARK + 3}")}
+    root, gates, ev = tmp_path / "run", tmp_path / "gates", tmp_path / "ev"
+    node_a = agents.start("a", root, tmp_path / "mem-a", is_host=1, **common)
+    node_b = agents.start("b", root, tmp_path / "mem-b", is_host=0, **common)
+    _wait_parked(gates, 2)  # both in the middle of step 26
+    _kill_node(node_b, _alive_workers(ev / "b"), tmp_path / "mem-b")
+    (gates / "go").write_text("")
+    wait_for(lambda: events(ev / "a", "snapshot.rescued")
+             or events(ev / "a", "snapshot.rescue_skipped"), 120, "node A's first rescue")
+    node_b2 = agents.start("b2", root, tmp_path / "mem-b2", is_host=0, **common)
+    _wait_parked(gates / "again", 2)  # both in the middle of step 28
+    restarts = {e["restart_count"] for e in events(ev, "resume")
+                if e.get("from_step") == PARK}
+    assert restarts == {0, 1}, restarts  # the two agents count differently
+    _kill_node(node_b2, _alive_workers(ev / "b2"), tmp_path / "mem-b2")
+    (gates / "again" / "go").write_text("")
+    wait_for(lambda: len(events(ev / "a", "snapshot.rescued"))
+             + len(events(ev / "a", "snapshot.rescue_skipped")) >= 2, 120,
+             "node A's second rescue")
+    node_b3 = agents.start("b3", root, tmp_path / "mem-b3", is_host=0, **common)
+    assert node_a.wait(timeout=400) == 0, _log(agents)
+    assert node_b3.wait(timeout=60) == 0, _log(agents)
+
+    assert [e["snapshot_step"] for e in events(ev / "a", "snapshot.rescued")] == \
+        [PARK, PARK + 2], events(ev / "a", "snapshot.rescue_skipped")
+    resumes = _last_resumes(ev)
+    assert [(e["from_step"], e["tier"]) for e in resumes] == [(PARK + 2, "memory")] * 2
+    finals = events(ev, "params.rank_digest")
+    assert len({e["param_digest"] for e in finals}) == 1, finals
