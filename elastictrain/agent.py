@@ -458,8 +458,9 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _save_before_restart(self) -> None:
         """Ask the healthy workers for a snapshot of the step they are at and wait until
         every running one that listens is ready (saved, then waiting to be stopped; or
-        closing, or taking no step), or for ``launch.rescue_timeout_s``: the new group
-        resumes where this one stood."""
+        closing, or taking no step) and none writes a rescue (a peer node was lost while
+        this group looked healthy: the rescue is what the new group resumes from), or for
+        ``launch.rescue_timeout_s``: the new group resumes where this one stood."""
         if self.rescue_dir is None:
             return
         try:
@@ -472,14 +473,15 @@ class ElasticTrainAgent(LocalElasticAgent):
             running = {pid for pid, code in self._worker_codes().items() if code is None}
             listening = listening_pids(self.rescue_dir) & running
             ready = ready_pids(self.rescue_dir) & listening
+            rescuing = rescuing_pids(self.rescue_dir) & running
             elapsed = time.monotonic() - started
-            if ready == listening or elapsed >= self.rescue_timeout_s:
+            if (ready == listening and not rescuing) or elapsed >= self.rescue_timeout_s:
                 break
             time.sleep(0.005)
-        if listening:
+        if listening or rescuing:
             log.info("agent.saved_before_restart", ready=len(ready), listening=len(listening),
-                     running=len(running), waited_s=round(elapsed, 3),
-                     timed_out=ready != listening)
+                     running=len(running), rescuing=len(rescuing), waited_s=round(elapsed, 3),
+                     timed_out=ready != listening or bool(rescuing))
 
     def _exit_barrier(self) -> None:
         # torchrun's version waits for every agent of the round, a lost one too.

@@ -8,9 +8,12 @@ rank checks the request in the step's agreement (snapshot/save_schedule.py), so 
 save the same step: to node memory when every node has one (milliseconds; a node that
 joins receives it from a peer's memory), else to durable storage. Each then marks
 itself ready and waits to be stopped, so no step is taken that the restart would lose.
-A worker in ``close()`` marks itself ready at once, and one that takes no step for a
-while after the request (``RestartRequest``) soon after: neither has anything new to save.
-A worker that is not stopped within ``RESTART_PAUSE_S`` (the node that was to join left
+A worker in ``close()`` marks itself ready at once, and one that has taken no step this
+attempt (it restores) and takes none for a while after the request (``RestartRequest``)
+soon after: neither has anything new to save. One that trained and pauses (it evaluates,
+waits for data) is not: the agent waits for its next step, whose save the restart
+resumes from, so a join repeats no completed step; a worker writing a rescue is never
+marked ready by its pause either (the agent waits for the rescue). A worker that is not stopped within ``RESTART_PAUSE_S`` (the node that was to join left
 before its agent acted) goes on training.
 """
 
@@ -35,17 +38,18 @@ log = get_logger("elastictrain.snapshot")
 # stops the group as soon as they are marked; a worker waits as long for that.
 RESTART_PAUSE_S = 30.0
 WATCH_INTERVAL_S = 0.05  # how often a worker looks for the agent's request
-IDLE_PATIENCE_S = 1.0  # no step this long (or 3 steps) after it: ready without a save
+IDLE_PATIENCE_S = 1.0  # no first step this long after it: ready without a save
 
 
 class RestartRequest:
     """This worker's side of its agent's request for a save before a restart.
 
     The training thread answers it at a step (``requested``, then ``save_before_restart``).
-    A worker that takes no step meanwhile (it restores, evaluates, waits for data) has
-    nothing new to save: a small thread marks it ready once it has taken no step for
-    ``max(IDLE_PATIENCE_S, 3 steps)`` since the request, so the agent does not wait for
-    a step that may never come.
+    A worker that has taken no step this attempt (it restores) has nothing new to save: a
+    small thread marks it ready once it has taken none for ``IDLE_PATIENCE_S`` since the
+    request, so the agent does not wait for a first step that may be far away. A worker
+    that has trained holds steps no snapshot may have yet, so its pause (an evaluation)
+    is never taken for readiness: its next step saves.
     """
 
     def __init__(self, directory: Path) -> None:
@@ -54,7 +58,7 @@ class RestartRequest:
         self._lock = threading.Lock()
         self._state = "idle"  # -> "saving" (the training thread took it) -> "ready"
         self._last_step_at = time.monotonic()
-        self._step_interval_s = 0.0
+        self._stepped = False  # a step was taken this attempt
         self._closed = threading.Event()
 
     @classmethod
@@ -76,9 +80,8 @@ class RestartRequest:
         self._closed.set()
 
     def stepped(self) -> None:
-        """A step ended (before its agreement): the idle watch counts from here."""
-        now = time.monotonic()
-        self._step_interval_s, self._last_step_at = now - self._last_step_at, now
+        """A step ended (before its agreement): from here on only a step answers."""
+        self._stepped, self._last_step_at = True, time.monotonic()
 
     def requested(self) -> bool:
         """Whether the agent asked and this worker has not answered (one stat of a tmpfs
@@ -119,15 +122,15 @@ class RestartRequest:
     def _watch(self) -> None:
         seen: float | None = None
         while not self._closed.wait(WATCH_INTERVAL_S):
-            if self._state == "ready":
-                return
+            if self._state == "ready" or self._stepped:
+                return  # a step answers from here on (the class docstring)
             if self._state != "idle" or not self._request.exists():
                 seen = None
                 continue
             now = time.monotonic()
             seen = now if seen is None else seen
             idle_s = now - max(seen, self._last_step_at)
-            if idle_s < max(IDLE_PATIENCE_S, 3 * self._step_interval_s):
+            if idle_s < IDLE_PATIENCE_S:
                 continue
             with self._lock:
                 if self._state == "idle":

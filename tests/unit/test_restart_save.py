@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from elastictrain.env import RESCUE_MARKS_VAR
 from elastictrain.rescue_marks import (
     LISTENING,
     READY,
+    RESCUING,
     SAVE_REQUEST,
     clear_save_marks,
     ready_pids,
@@ -111,14 +113,13 @@ def test_a_closing_worker_is_ready_without_a_request(tmp_path: Path, marks: Path
     assert ready_pids(marks) == {os.getpid()}
 
 
-def test_a_worker_taking_no_step_is_ready_without_a_save(
+def test_a_worker_taking_no_step_since_its_restore_is_ready_without_a_save(
         tmp_path: Path, marks: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Parked, evaluating or restoring: no step comes, so nothing new to save; the agent
-    is told at once instead of waiting its full time for a step."""
+    """Restoring, or parked before its first step: nothing new to save; the agent is
+    told at once instead of waiting its full time for a step."""
     monkeypatch.setattr(restart_save, "IDLE_PATIENCE_S", 0.2)
     snap = _manager(tmp_path)
     snap.restore()
-    _steps(snap, 3)
     with capture_logs() as logs:
         request_save(marks)
         wait_for(lambda: ready_pids(marks) == {os.getpid()}, 30, "the idle worker's mark")
@@ -126,6 +127,29 @@ def test_a_worker_taking_no_step_is_ready_without_a_save(
     assert [e["event"] for e in logs if e["event"].startswith("snapshot.restart")] == [
         "snapshot.restart_ready_idle"]
     assert not [e for e in logs if e["event"] == "snapshot.saved_for_restart"]
+    snap.close()
+
+
+def test_a_worker_pausing_after_steps_saves_at_its_next_step(
+        tmp_path: Path, marks: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluating, or waiting for data, after steps no snapshot holds: its pause is no
+    readiness (the restart would train those steps again). The watch ends without a
+    mark; the next step saves and marks."""
+    monkeypatch.setattr(restart_save, "IDLE_PATIENCE_S", 0.0)
+    snap = _manager(tmp_path)
+    snap.restore()
+    _steps(snap, 3)  # steps 1-3; no snapshot holds them (every 10)
+    (watch,) = [t for t in threading.enumerate() if t.name == "elastictrain-restart-request"]
+    with capture_logs() as logs:
+        request_save(marks)
+        watch.join(timeout=30)  # the pause: its watch has looked and left
+        assert not watch.is_alive() and ready_pids(marks) == set()
+        _steps(snap, 1)  # step 4, after the pause: saved, then ready
+    assert [e["event"] for e in logs if e["event"].startswith("snapshot.restart")] == [
+        "snapshot.restart_not_taken"]
+    (saved,) = [e for e in logs if e["event"] == "snapshot.saved_for_restart"]
+    assert saved["snapshot_step"] == 4
+    assert ready_pids(marks) == {os.getpid()}
     snap.close()
 
 
@@ -155,3 +179,32 @@ def test_the_agent_waits_only_for_workers_that_listen(tmp_path: Path,
         agent._save_before_restart()
     (waited,) = [e for e in logs if e["event"] == "agent.saved_before_restart"]
     assert (waited["listening"], waited["ready"], waited["timed_out"]) == (1, 1, False)
+
+
+def test_a_membership_restart_waits_for_a_rescue_in_progress(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer node lost while this group looks healthy: a worker writing the rescue is
+    what the new group resumes from; the agent stops nobody until it is done (its
+    process exits), even where every listening worker is ready."""
+    agent = ElasticTrainAgent.__new__(ElasticTrainAgent)  # no torchrun agent behind it
+    agent.rescue_dir, agent.rescue_timeout_s = tmp_path, 30.0
+    codes: dict[int, int | None] = {111: None, 222: None}
+    monkeypatch.setattr(agent, "_worker_codes", lambda: dict(codes))
+    for mark in (f"{LISTENING}111", f"{LISTENING}222", f"{READY}111", f"{READY}222",
+                 f"{RESCUING}222"):
+        (tmp_path / mark).touch()
+    done = threading.Event()
+
+    def restart() -> None:
+        agent._save_before_restart()
+        done.set()
+
+    with capture_logs() as logs:
+        thread = threading.Thread(target=restart)
+        thread.start()
+        assert not done.wait(0.5)  # the rescue holds it (30 s limit)
+        codes[222] = 1  # the rescue is done: its worker raises its error and exits
+        thread.join(timeout=30)
+    assert done.is_set()
+    (waited,) = [e for e in logs if e["event"] == "agent.saved_before_restart"]
+    assert (waited["rescuing"], waited["timed_out"]) == (0, False)
