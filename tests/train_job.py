@@ -32,6 +32,8 @@ the optimizer, the batch, the storage faults and where the job stops for the tes
 * ``--park-after N --gates DIR``: in the first attempt every rank stops in step N after
   its backward (the gradients all-reduced, the optimizer step not taken) and parks on
   the gates (the test kills a node meanwhile: a node lost after its last all-reduce).
+* ``--eval-s S``: once a ``--park`` after a step is released, the job spends S seconds
+  before its next step (an evaluation: a pause in training, not in the process).
 * ``--again M``: once the first park was released (``DIR/go``), the same kind of park
   happens once more, at step M, in any attempt, on ``DIR/again`` (a second event after
   the first: the test acts on the job the first one left).
@@ -108,6 +110,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stdin", action="store_true", help="park on stdin, not on gates")
     p.add_argument("--park-in", type=int, default=0)
     p.add_argument("--again", type=int, default=0)
+    p.add_argument("--eval-s", type=float, default=0.0)
     p.add_argument("--park-after", type=int, default=0)
     p.add_argument("--die-in", type=int, default=0)
     p.add_argument("--late-survivor", action="store_true")
@@ -290,6 +293,7 @@ def train(args: argparse.Namespace, rt: Any) -> None:
             # step's fence, or here): a parked rank takes no next step.
             snap.wait()
             park_on_gates(gates, rank)
+            time.sleep(args.eval_s)  # the evaluation's time (a workload, not a wait)
     if args.final_save:
         snap.save()
     if args.fsdp:

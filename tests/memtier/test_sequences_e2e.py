@@ -132,3 +132,65 @@ def test_a_replacement_nodes_records_rescue_the_next_loss(tmp_path: Path,
     assert [(e["from_step"], e["tier"]) for e in resumes] == [(PARK + 2, "memory")] * 2
     finals = events(ev, "params.rank_digest")
     assert len({e["param_digest"] for e in finals}) == 1, finals
+
+
+def _membership_restart(ev: Path) -> bool:
+    return any(e.get("reason") == "membership_change" for e in events(ev, "agent.restart"))
+
+
+@pytest.mark.timeout(600)
+def test_a_node_joining_while_the_workers_evaluate_repeats_no_step(
+        tmp_path: Path, agents: Agents) -> None:
+    """(c) Node A alone trains to step 25 (durable 20, no memory snapshot since step 1)
+    and evaluates for 3 s; node B joins meanwhile. A's agent asks for a save before the
+    restart: the evaluating worker is not ready until its next step, step 26, which it
+    saves; both resume 26, and no step is trained twice."""
+    common: dict[str, Any] = {
+        "nnodes": "1:2", "endpoint": f"127.0.0.1:{free_port()}", "park": PARK,
+        "gates": tmp_path / "gates", "extra": ("--memory-every=1000", "--eval-s=3")}
+    root, ev = tmp_path / "run", tmp_path / "ev"
+    node_a = agents.start("a", root, tmp_path / "mem-a", is_host=1, **common)
+    _wait_parked(tmp_path / "gates", 1)
+    node_b = agents.start("b", root, tmp_path / "mem-b", is_host=0, **common)
+    wait_for(lambda: _membership_restart(ev / "a"), 120, "A's agent to take node B in")
+    (tmp_path / "gates" / "go").write_text("")  # the evaluation (3 s) starts
+    assert node_a.wait(timeout=300) == 0, _log(agents)
+    assert node_b.wait(timeout=60) == 0, _log(agents)
+
+    assert not events(ev, "snapshot.restart_ready_idle")
+    (saved,) = events(ev / "a", "snapshot.saved_for_restart")
+    assert (saved["snapshot_step"], saved["tier"]) == (PARK + 1, "memory")
+    resumes = _last_resumes(ev)
+    assert [(e["from_step"], e["tier"], e["world_size"]) for e in resumes] == \
+        [(PARK + 1, "memory", 2)] * 2
+    finals = events(ev, "params.rank_digest")
+    assert len(finals) == 2 and len({e["param_digest"] for e in finals}) == 1, finals
+
+
+@pytest.mark.timeout(600)
+def test_a_rescue_is_not_stopped_by_a_membership_restart(tmp_path: Path,
+                                                        agents: Agents) -> None:
+    """(d) Both nodes park in the middle of step 26 with 1 GB of state each; node B is
+    lost and its replacement B2 enters the rendezvous before A's worker meets the loss:
+    A's agent sees a healthy group and a node waiting, and restarts for the membership
+    change. A's worker then meets B's death and rescues step 25 (seconds, at this
+    size): the agent waits for the rescue instead of stopping the worker, and the new
+    group resumes 25 from memory."""
+    common: dict[str, Any] = {
+        "nnodes": "2", "endpoint": f"127.0.0.1:{free_port()}", "gates": tmp_path / "gates",
+        "extra": ("--memory-every=1000", f"--park-in={PARK + 1}", "--frozen-mb=1000")}
+    root, gates, ev = tmp_path / "run", tmp_path / "gates", tmp_path / "ev"
+    node_a = agents.start("a", root, tmp_path / "mem-a", is_host=1, **common)
+    node_b = agents.start("b", root, tmp_path / "mem-b", is_host=0, **common)
+    _wait_parked(gates, 2)
+    _kill_node(node_b, _alive_workers(ev / "b"), tmp_path / "mem-b")
+    node_b2 = agents.start("b2", root, tmp_path / "mem-b2", is_host=0, **common)
+    wait_for(lambda: _membership_restart(ev / "a"), 120, "A's agent to take node B2 in")
+    (gates / "go").write_text("")  # A's backward meets B's death: the rescue
+    assert node_a.wait(timeout=400) == 0, _log(agents)
+    assert node_b2.wait(timeout=60) == 0, _log(agents)
+
+    assert [e["snapshot_step"] for e in events(ev / "a", "snapshot.rescued")] == [PARK], \
+        events(ev / "a", "snapshot.rescue_skipped")
+    resumes = _last_resumes(ev)
+    assert [(e["from_step"], e["tier"]) for e in resumes] == [(PARK, "memory")] * 2
