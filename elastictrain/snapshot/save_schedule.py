@@ -56,6 +56,14 @@ class SaveSchedule:
                  restart: RestartRequest | None = None) -> None:
         self._config, self._ctx, self._clock = config, ctx, clock
         self._restart = restart
+        # Whether some rank's launcher may ask for a save before a restart: then every
+        # rank votes at every step, one whose launcher cannot ask (its marks refused)
+        # too. A node's degraded channel changes its vote, never the collectives it
+        # calls (a rank skipping the agreement others call hangs them all).
+        asks = int(restart is not None)
+        if ctx.initialized and ctx.world_size > 1:
+            (asks,) = ctx.all_reduce_max([asks])
+        self._restart_voted = bool(asks)
         self._last_save_step, self._last_save_time = 0, clock()
         self._last_memory_step, self._last_memory_time = 0, clock()
         self._unfenced_cost: float | None = None
@@ -147,7 +155,8 @@ class SaveSchedule:
         if (self._config.every_seconds is not None or self._config.auto) and not due:
             elapsed = self._time_due(step)
         restart = self._restart
-        if watcher is None and elapsed is None and not self._memory_auto and restart is None:
+        if watcher is None and elapsed is None and not self._memory_auto \
+                and not self._restart_voted:
             return due, None, 0, False, False
         notice = watcher.flags() if watcher is not None else []
         asked = int(restart is not None and restart.requested())

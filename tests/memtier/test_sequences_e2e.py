@@ -14,12 +14,15 @@ one worker each, each with a memory directory of its own).
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from elastictrain.env import SHM_VAR
+from elastictrain.localfiles import user_dir_name
 from tests.helpers import events, free_port, wait_for
 from tests.memtier.test_memtier_e2e import PARK, Agents, _log, _runs_job, _wait_parked, agents
 from tests.memtier.test_peer_e2e import _kill_node
@@ -194,3 +197,29 @@ def test_a_rescue_is_not_stopped_by_a_membership_restart(tmp_path: Path,
         events(ev / "a", "snapshot.rescue_skipped")
     resumes = _last_resumes(ev)
     assert [(e["from_step"], e["tier"]) for e in resumes] == [(PARK, "memory")] * 2
+
+
+@pytest.mark.timeout(600)
+def test_a_node_without_rescue_marks_calls_the_same_collectives(tmp_path: Path,
+                                                               agents: Agents) -> None:
+    """(e) Node B's launcher finds its shared-memory root open to others (0755) and goes
+    on without rescue marks (degraded: its agent cannot ask for a save before a
+    restart); preemption handling is off. Its workers still take part in every per-step
+    agreement node A's workers call: the run ends as an undisturbed one does."""
+    shm_b = tmp_path / "shm-b"
+    (shm_b / user_dir_name("elastictrain")).mkdir(parents=True, mode=0o755)
+    os.chmod(shm_b / user_dir_name("elastictrain"), 0o755)
+    common: dict[str, Any] = {"nnodes": "2", "endpoint": f"127.0.0.1:{free_port()}"}
+    off = {"ELASTICTRAIN_PREEMPT__ENABLED": "false"}
+    root, ev = tmp_path / "run", tmp_path / "ev"
+    node_a = agents.start("a", root, tmp_path / "mem-a", is_host=1, env=off, **common)
+    node_b = agents.start("b", root, tmp_path / "mem-b", is_host=0,
+                          env={**off, SHM_VAR: str(shm_b)}, **common)
+    assert node_a.wait(timeout=240) == 0, _log(agents)
+    assert node_b.wait(timeout=60) == 0, _log(agents)
+
+    (degraded,) = events(ev / "b", "snapshot.memory_degraded")
+    assert degraded["what"] == "rescue marks"
+    assert not events(ev, "watchdog.fired") and not events(ev, "agent.restart")
+    finals = events(ev, "params.rank_digest")
+    assert len(finals) == 2 and len({e["param_digest"] for e in finals}) == 1, finals
