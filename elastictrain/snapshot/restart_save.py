@@ -13,8 +13,9 @@ attempt (it restores) and takes none for a while after the request (``RestartReq
 soon after: neither has anything new to save. One that trained and pauses (it evaluates,
 waits for data) is not: the agent waits for its next step, whose save the restart
 resumes from, so a join repeats no completed step; a worker writing a rescue is never
-marked ready by its pause either (the agent waits for the rescue). A worker that is not stopped within ``RESTART_PAUSE_S`` (the node that was to join left
-before its agent acted) goes on training.
+marked ready by its pause either (the agent waits for the rescue). A worker that is
+not stopped within ``RESTART_PAUSE_S`` (the node that was to join left before its agent
+acted) goes on training.
 """
 
 from __future__ import annotations
