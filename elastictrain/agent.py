@@ -158,6 +158,11 @@ def describe_exit(exitcode: int) -> str:
     return "signal" if exitcode < 0 else "error"
 
 
+# Errors a worker raises for a fault outside its script (errors.PeerNodeLost): never a
+# crash loop, however often they repeat.
+EXTERNAL_ERRORS = frozenset({"PeerNodeLost"})
+
+
 class ElasticTrainAgent(LocalElasticAgent):
     """torchrun's local agent plus events, exit-code policy and notice forwarding.
 
@@ -426,9 +431,11 @@ class ElasticTrainAgent(LocalElasticAgent):
         """Stop (exit 78) once ``crash_loop_failures`` attempts in a row failed first with
         the same error at the same place and the same step: no progress, and a restart
         would fail the same way. A failure at a later step (progress) or another error
-        starts the count over; a failure without a reported error (a signal) resets it."""
+        starts the count over; a failure without a reported error (a signal) resets it,
+        and so does the loss of another node (``PeerNodeLost``): the fleet's fault, not
+        the script's, which two losses in a row at one step must not turn into a stop."""
         error = self.failure
-        signature = None if error is None else tuple(
+        signature = None if error is None or error.get("error") in EXTERNAL_ERRORS else tuple(
             str(error.get(k)) for k in ("error", "message", "where", "failed_step"))
         if signature is not None and signature == self._loop_signature:
             self._loop_count += 1

@@ -52,6 +52,18 @@ def test_progress_another_error_or_a_signal_starts_over(second: dict[str, Any] |
             _fail(agent, dict(second))
 
 
+def test_node_losses_at_one_step_are_no_crash_loop() -> None:
+    """Two nodes lost in a row at the same step: the survivor raises the same
+    PeerNodeLost twice; the fleet failed, not the script."""
+    agent = _agent(2)
+    lost = {**_error(15), "error": "PeerNodeLost",
+            "message": "rank(s) [1] of another node sent no record of step 15 before its "
+            "optimizer step: its connection ended; the node is taken as lost"}
+    for _ in range(3):
+        _fail(agent, dict(lost))
+    assert agent.outcome is None
+
+
 def test_zero_never_stops() -> None:
     agent = _agent(0)
     for _ in range(5):
