@@ -210,6 +210,14 @@ def _load_memory(store: Store | None, ctx: DistContext, durable: Durable, writte
         choice = peers.agree(Held.of(manifest), store is not None, durable)
         reason = choice.reason
         if reason is None and choice.sources and not peers.fetch(choice, store):
+            if durable_step == NO_STEP:  # every rank alike: fetch agreed on the outcome
+                # A fresh start would drop the holder's verified copy with the rest: the
+                # job's only snapshot, lost to a failed read. Retry the attempt instead.
+                raise StorageError(
+                    f"the memory snapshot of step {choice.step} could not be copied to "
+                    f"node(s) {sorted(choice.sources)} (snapshot.memory_received says "
+                    "why) and no durable snapshot exists yet; the holder keeps its copy "
+                    "and torchrun retries the attempt")
             reason = "a copy to a node lacking it failed"
         peer_rank = peers.source_rank(choice) if reason is None else None
         if peer_rank is not None:  # this node holds the copy it just received

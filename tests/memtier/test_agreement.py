@@ -14,7 +14,7 @@ from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 
 from elastictrain.dist import DistContext
-from elastictrain.errors import ConfigError
+from elastictrain.errors import ConfigError, StorageError
 from elastictrain.snapshot import layout, memory
 from elastictrain.snapshot.memory_choice import Held
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
@@ -207,3 +207,32 @@ def test_default_memory_dir_is_per_user_and_storage_in_shm(tmp_path: Path) -> No
     assert path.parent == Path(f"/dev/shm/elastictrain-{os.geteuid()}")
     assert path == memory.memory_dir(config, f"file://{tmp_path}/x/../a")  # one storage
     assert path != memory.memory_dir(config, str(tmp_path / "b"))
+
+
+class _FailingCopies:
+    """Peers that chose this node's step 4 for a node lacking it, whose copy failed."""
+
+    def agree(self, held: Held, can_receive: bool, durable: Any) -> Any:
+        from elastictrain.snapshot.memory_choice import Choice
+        return Choice(held.step, None, {1: 0})
+
+    def fetch(self, choice: Any, store: Any) -> bool:
+        return False
+
+    def source_rank(self, choice: Any) -> None:
+        return None
+
+
+def test_a_failed_copy_before_any_durable_snapshot_keeps_the_holders_copy(
+        tmp_path: Path) -> None:
+    """No durable snapshot yet: a fresh start would drop the job's only snapshot with the
+    stale ones. The attempt fails instead (torchrun retries) and the copy stays."""
+    parts = build(str(tmp_path / "run"), memory_every=1, memory_dir=str(tmp_path / "mem"))
+    train(*parts, until=4)  # the first durable snapshot is at step 5
+    parts[4].wait()
+    ctx = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
+    memory_store = open_store(str(tmp_path / "mem"))
+    with pytest.raises(StorageError, match="could not be copied"):
+        load_newest(open_store(str(tmp_path / "run")), ctx, "each", memory_store,
+                    peers=_FailingCopies())  # type: ignore[arg-type]
+    assert 4 in list_snapshot_dirs(memory_store)  # verified, kept
