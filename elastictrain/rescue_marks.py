@@ -59,11 +59,19 @@ def launch_marks() -> Iterator[Path | None]:
     ``MARKS_ENV``, held while it runs and removed after. None (the agent then waits for
     no rescue) where the node's tmpfs refuses it."""
     path = user_root() / f"{MARKS_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    # Made and held under a name no sweep matches, then renamed: another launcher's
+    # sweep takes a marks directory without a LOCK for one whose opener died.
+    making = path.with_name(f".{path.name}")
     sweep_marks()  # earlier launchers' (one SIGKILLed removes nothing itself)
     try:
         private_dir(path.parent, "the memory tier's root")
-        private_dir(path, "the rescue's marks")
-        fd = hold(path, "the rescue's marks")
+        private_dir(making, "the rescue's marks")
+        fd = hold(making, "the rescue's marks")
+        try:
+            os.rename(making, path)
+        except OSError:
+            os.close(fd)
+            raise
     except (OSError, ConfigError) as exc:
         log.warning("snapshot.memory_degraded", what="rescue marks", error=str(exc),
                     tier="memory", action="the agent stops a failed group without waiting "

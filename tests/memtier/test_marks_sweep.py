@@ -87,3 +87,24 @@ def test_listing_node_memory_while_a_run_writes_and_prunes_there(shm: Path) -> N
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_sweep_while_a_launcher_makes_its_marks_leaves_them(
+        shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another launcher of this user sweeps at the moment this one has made its marks
+    directory and not yet locked it: the directory is not taken for an abandoned one
+    (the agent would wait for no rescue, the workers get no channel)."""
+    from elastictrain import rescue_marks
+
+    real_hold = rescue_marks.hold
+
+    def hold_after_a_sweep(path: Path, what: str) -> int:
+        rescue_marks.sweep_marks()  # the other launcher's, between mkdir and lock
+        return real_hold(path, what)
+
+    monkeypatch.setattr(rescue_marks, "hold", hold_after_a_sweep)
+    with launch_marks() as mine:
+        assert mine is not None and mine.is_dir()
+        assert rescue_marks.sweep_marks() == []  # held: another sweep leaves it too
+        assert mine.is_dir() and mine.name.startswith(rescue_marks.MARKS_PREFIX)
+    assert not mine.exists()
