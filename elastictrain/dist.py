@@ -62,12 +62,18 @@ class DistContext:
         if self.initialized:
             torch_dist.barrier()
 
-    def all_reduce_max(self, values: list[int]) -> list[int]:
-        """Element-wise max of small integer vectors across ranks."""
+    def all_reduce_max(self, values: list[int], timeout_s: float | None = None) -> list[int]:
+        """Element-wise max of small integer vectors across ranks; with ``timeout_s``,
+        raises when the others do not all take part within that time."""
         if not self.initialized:
             return list(values)
         tensor = _kept(torch.tensor(values, dtype=torch.int64, device=self._comm_device))
-        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+        if timeout_s is None:
+            torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+        else:
+            work = torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX, async_op=True)
+            assert work is not None  # async_op=True returns the work
+            work.wait(timeout=timedelta(seconds=timeout_s))
         return [int(v) for v in tensor.tolist()]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:

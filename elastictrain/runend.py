@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from datetime import timedelta
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch.distributed as torch_dist
 
 from elastictrain import watchdog
 from elastictrain.dist import DistContext
@@ -38,25 +36,41 @@ _PREFIX = "ended-"
 log = get_logger("elastictrain.runend")
 
 
-def agree_and_mark(ctx: DistContext, timeout_s: float = AGREEMENT_TIMEOUT_S) -> bool:
-    """Whether every rank reached the end; if so, this process is marked as ended for
-    its agent. A peer that failed or never came makes it False (logged here; the
-    caller raises)."""
+@dataclass(frozen=True)
+class End:
+    """The end agreement: ``agreed`` (every rank reached it), and the largest and
+    smallest ``digest`` the ranks brought (equal when they hold one state)."""
+
+    agreed: bool
+    highest: int = 0
+    lowest: int = 0
+
+
+def agree_and_mark(ctx: DistContext, digest: int = 0,
+                   timeout_s: float = AGREEMENT_TIMEOUT_S) -> End:
+    """Whether every rank reached the end; if so, and every rank brought the same
+    ``digest`` (its replicated state: the caller's to compare, and to raise on), this
+    process is marked as ended for its agent. A peer that failed or never came makes it
+    not agreed (logged here; the caller raises)."""
+    end = End(True, digest, digest)
     if ctx.initialized:
         try:
             # A peer still finishing its last save (a slow upload that moves) is no hang.
             with watchdog.busy("the end agreement"):
-                torch_dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+                highest, neg_lowest = ctx.all_reduce_max([digest, -digest], timeout_s)
         except Exception as exc:  # a peer gone or late: no agreed end
             log.warning("run.end_not_agreed", error=f"{type(exc).__name__}: {exc}"[:300])
-            return False
+            return End(False)
         log.info("run.end_agreed")
+        end = End(True, highest, -neg_lowest)
+        if end.highest != end.lowest:
+            return end  # replicas apart: no success to mark
     directory = os.environ.get(END_DIR_VAR)
     if directory:
         mark = Path(directory) / f"{_PREFIX}{os.getpid()}"
         with contextlib.suppress(OSError):  # no mark: the agent treats a failure as one
             os.close(os.open(mark, os.O_WRONLY | os.O_CREAT, 0o600))
-    return True
+    return end
 
 
 def ended_pids(directory: Path) -> set[int]:

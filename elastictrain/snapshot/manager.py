@@ -51,6 +51,7 @@ from elastictrain.data import ElasticSampler
 from elastictrain.dist import DistContext
 from elastictrain.errors import RunEndNotAgreed, SnapshotWriteFailed
 from elastictrain.log import bind_step, get_logger
+from elastictrain.snapshot import replica_check
 from elastictrain.snapshot.copy_fence import CopyFence
 from elastictrain.snapshot.digest import param_digest
 from elastictrain.snapshot.manager_setup import ManagerSetup
@@ -440,7 +441,10 @@ class SnapshotManager:
         if self._restart is not None:  # its saves are done and it takes no more steps:
             self._restart.ready()  # a restart for a joining node need not wait for it
             self._restart.close()
-        if not runend.agree_and_mark(self.ctx):
+        # The replicas end as one, or the run is no success (compared in the agreement).
+        digest = self._train.replica_digest()
+        end = runend.agree_and_mark(self.ctx, 0 if digest is None else digest)
+        if not end.agreed:
             # The rescue stays armed and the node's memory snapshots stay: the error
             # commits the last step to node memory (a peer's record of it included),
             # where the restart resumes from, instead of an older snapshot.
@@ -449,15 +453,20 @@ class SnapshotManager:
                 f"close() within {runend.AGREEMENT_TIMEOUT_S:.0f} s (run.end_not_agreed "
                 "says which); the launcher restarts the workers, which resume from the "
                 "newest snapshot and finish the run")
+        if digest is not None:  # every rank alike: exit 78, the run is no success
+            replica_check.compare(self.ctx, digest, end.highest, end.lowest,
+                                  f"at the end of the run (step {self.step_count})")
         # The end's record first, the teardown after: a node lost from here on takes
         # less of the record with it.
-        digest = None
+        weights = None
         if self.ctx.is_writer and not self.sharded:  # the end's weights, once
-            digest = param_digest(unwrap(self.model))
-            log.info("params.digest", param_digest=digest)
+            weights = param_digest(unwrap(self.model))
+            log.info("params.digest", param_digest=weights)
         if self.ctx.rank == 0:
             runtime.log_finished(**{"final_step": self.step_count, "epoch": self.epoch,
-                                    "param_digest": digest, **finished})
+                                    "param_digest": weights,
+                                    "replicas_equal": None if digest is None else True,
+                                    **finished})
         # This node's memory goes before the record stream ends: that waits (bounded)
         # for the other nodes, and a node lost now never answers.
         self._rescuer.disarm()

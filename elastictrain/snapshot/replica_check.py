@@ -1,12 +1,13 @@
-"""After a restore of replicated (DDP) state: every rank holds the same state, or the
-run stops.
+"""After a restore of replicated (DDP) state, and at the end of the run: every rank
+holds the same state, or the run stops.
 
 The restore agrees on one snapshot and verifies its bytes, but a replica rebuilt wrong
 (two nodes that each loaded a copy of their own, a fault between load and apply) would
 go on training on other parameters while every launcher reports success. So every rank
 hashes what it now holds, the parameters and buffers, the optimizer's state and the
 step, and one all-reduce compares the hashes. A mismatch raises ``ReplicasDiverged`` on
-every rank before the first step. Sharded (FSDP2) state differs per rank by design: its
+every rank before the first step; at ``close()`` before the run's end is agreed (a run
+whose replicas ended apart is no success). Sharded (FSDP2) state differs per rank by design: its
 restore checks each shard against its manifest instead. Cost: docs/memory-tier.md.
 """
 
@@ -48,13 +49,19 @@ def _update(crc: int, value: Any) -> int:
     return isal_zlib.crc32(tensor_bytes(flat.view(torch.uint8)) if flat.numel() else b"", crc)
 
 
-def check(ctx: DistContext, digest: int, step: int) -> None:
+def check(ctx: DistContext, digest: int, when: str) -> None:
     """(every rank) Raise ``ReplicasDiverged`` on every rank unless every rank's
-    ``digest`` is this one."""
+    ``digest`` is this one; ``when`` says where (``after restoring step 13``)."""
     if not ctx.initialized or ctx.world_size == 1:
         return
     highest, neg_lowest = ctx.all_reduce_max([digest, -digest])
-    if highest == -neg_lowest:
+    compare(ctx, digest, highest, -neg_lowest, when)
+
+
+def compare(ctx: DistContext, digest: int, highest: int, lowest: int, when: str) -> None:
+    """(every rank) Given the largest and smallest digest over the ranks (one
+    all-reduce of ``[digest, -digest]``), raise ``ReplicasDiverged`` unless equal."""
+    if highest == lowest:
         return
     found = ctx.all_gather_object(digest)
     groups: dict[int, list[int]] = {}
@@ -62,7 +69,7 @@ def check(ctx: DistContext, digest: int, step: int) -> None:
         groups.setdefault(value, []).append(rank)
     described = "; ".join(f"ranks {ranks}: {value:08x}" for value, ranks in groups.items())
     raise ReplicasDiverged(
-        f"after restoring step {step} the ranks hold different states ({described}): "
+        f"{when} the ranks hold different states ({described}): "
         "training on would give each replica other weights, so the run stops here; "
         "nothing was deleted; fix: inspect the snapshot with `elastictrain snapshots "
         "verify`, then relaunch (a restore that meets this again reads durable storage "

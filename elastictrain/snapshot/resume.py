@@ -60,7 +60,7 @@ def apply_and_report(loaded: LoadedSnapshot | None, train: TrainingState, ctx: D
     rng_rule = train.apply(payload)
     digest = train.replica_digest()
     if digest is not None:  # every rank holds what every other one does, or all stop
-        replica_check.check(ctx, digest, step)
+        replica_check.check(ctx, digest, f"after restoring step {step}")
     lost = None if previous_high is None else max(0, previous_high - step)
     info = ResumeInfo(step, train.epoch, int(payload["world_size"]), ctx.world_size, lost,
                       loaded.tier)
