@@ -49,6 +49,27 @@ def check_digest(events: Sequence[dict[str, Any]], expected: str | None) -> str 
     return None
 
 
+def check_replicas(events: Sequence[dict[str, Any]]) -> str | None:
+    """Every rank held one state wherever the job compared them: the ranks that
+    resumed together (one attempt, one step) report one ``state_digest``, and the run's
+    end found its replicas equal (``run.finished``; None where the state is sharded)."""
+    groups: dict[tuple[Any, ...], set[str]] = {}
+    for e in _named(events, "resume"):
+        if e.get("state_digest") is not None:
+            # One group of ranks: the job's attempt where the memory tier names one,
+            # else one launcher's attempt (a single node's ranks).
+            group = ((e["attempt"],) if e.get("attempt") is not None
+                     else (e.get("launch_id"), e.get("restart_count")))
+            groups.setdefault((*group, e.get("from_step")), set()).add(str(e["state_digest"]))
+    apart = sorted((str(k[-1]), sorted(v)) for k, v in groups.items() if len(v) > 1)
+    if apart:
+        return f"ranks resumed on different states: {apart}"
+    if any(e.get("replicas_equal") is False for e in _named(events, "run.finished")) or \
+            _named(events, "run.replicas_diverged"):
+        return "the replicas ended apart"
+    return None
+
+
 def check_snapshots(store: Store) -> str | None:
     """Every committed snapshot verifies (ops.verify_snapshots) and loads."""
     try:

@@ -4,12 +4,15 @@ where each resume after a node loss had to read from, and how many steps it may 
 What a resume may use follows from the trial's events and the harness's own record of
 which node was lost when: a node holds the memory copies its processes committed, less
 those pruned, set aside or removed, and nothing once it was lost (its memory wiped)
-or before it started (a replacement's memory is empty). The memory tier's restore rule
-(docs/memory-tier.md, "Agreement rule") then says which copy is complete:
+or before it started (a replacement's memory is empty; one that comes back on the
+memory a lost node kept, ``stale``, holds that node's copies). Each copy is known by
+the job's attempt that took it and its step. The memory tier's restore rule
+(docs/memory-tier.md#which-copy) then says which copy is complete:
 
-* without peer restore, every node of the new world must hold the same newest step;
-* with peer restore (a node restores from its peers' memory), the newest step that
-  some node holds: the nodes without it (new, wiped, or a step behind) receive it.
+* without peer restore, every node of the new world must hold the same newest copy;
+* with peer restore (a node restores from its peers' memory), the newest copy that
+  some node holds, the newest attempt's first: the nodes without it (new, wiped, a step
+  behind, or holding an earlier attempt's) receive it.
 
 Either way the copy must be newer than the newest durable snapshot. A resume that read
 durable storage although such a copy existed fails, as does one that went back further
@@ -31,11 +34,13 @@ NODE_KEY = "_node"  # the node incarnation an event came from (added when read)
 
 @dataclass(frozen=True)
 class NodeLife:
-    """One node incarnation as the harness ran it: started, and lost (frozen) at."""
+    """One node incarnation as the harness ran it: started, and lost (frozen) at;
+    ``inherits``: the lost incarnation whose kept memory it started on, if any."""
 
     name: str
     started_ts: float
     lost_ts: float | None
+    inherits: str | None = None
 
     def member_at(self, ts: float) -> bool:
         return self.started_ts < ts and (self.lost_ts is None or self.lost_ts > ts)
@@ -65,39 +70,48 @@ class Loss:
     silent: bool
 
 
+Copy = tuple[int, int]  # (the job's attempt that took it, or -1; its step)
+
+
 def newest_held(events: Sequence[dict[str, Any]], life: NodeLife, ts: float,
-                since: float = 0.0) -> int | None:
-    """The newest memory step ``life``'s node held when the restore that resumed at
-    ``ts`` began (the tier keeps one). That restore's own removal of the copies newer
-    than the step it chose (``reason=stale``, after ``since``, the previous resume)
-    does not count: whether it should have chosen them is what is checked."""
+                since: float = 0.0) -> Copy | None:
+    """The newest memory copy ``life``'s node held when the restore that resumed at
+    ``ts`` began (the tier keeps one), with those of the incarnation whose kept memory
+    it started on. That restore's own removal of the copies newer than the step it
+    chose (``reason=stale``, after ``since``, the previous resume) does not count:
+    whether it should have chosen them is what is checked."""
     if not life.member_at(ts):
         return None
-    held: set[int] = set()
+    names = {life.name} | ({life.inherits} if life.inherits else set())
+    held: dict[int, int] = {}  # step -> attempt
     for e in events:
-        if e.get(NODE_KEY) != life.name or float(e["ts"]) >= ts:
+        if e.get(NODE_KEY) not in names or float(e["ts"]) >= ts:
             continue
         name, step = e.get("event"), e.get("snapshot_step")
         this_restore = e.get("reason") == "stale" and float(e["ts"]) > since
         if name == "snapshot.committed" and e.get("tier") == "memory" and isinstance(step, int):
-            held.add(step)
+            attempt = e.get("attempt")
+            held[step] = int(attempt) if isinstance(attempt, int) else -1
         elif ((name == "snapshot.pruned" and e.get("tier") == "memory" and not this_restore)
               or name == "snapshot.memory_set_aside") and isinstance(step, int):
-            held.discard(step)
+            held.pop(step, None)
         elif name == "snapshot.memory_removed":
             held.clear()
-    return max(held, default=None)
+    return max(((attempt, step) for step, attempt in held.items()), default=None)
 
 
-def complete_memory_step(newest: dict[str, int | None], peer_restore: bool) -> int | None:
-    """The memory step every node of a world can restore, or None (see the module)."""
-    steps = list(newest.values())
-    held = [s for s in steps if s is not None]
-    if peer_restore:  # the newest step some node holds: the others receive it
-        return max(held, default=None)
-    if not steps or len(held) != len(steps) or len(set(held)) != 1:
+def complete_memory_step(newest: dict[str, Copy | None], peer_restore: bool,
+                         durable: Copy = (-1, 0)) -> int | None:
+    """The memory step every node of a world can restore, newer than the newest
+    ``durable`` snapshot (its attempt, its step), or None (see the module)."""
+    copies = list(newest.values())
+    held = [c for c in copies if c is not None]
+    newer = [c for c in held if c[1] > durable[1] and c[0] >= durable[0]]
+    if peer_restore:  # the newest copy some node holds: the others receive it
+        return max(newer)[1] if newer else None
+    if not copies or len(held) != len(copies) or len(set(held)) != 1 or not newer:
         return None
-    return held[0]
+    return held[0][1]
 
 
 def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLife],
@@ -106,7 +120,8 @@ def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLif
     """Every resume read from the newest complete copy and lost no more than allowed."""
     resumes = sorted((e for e in events if e.get("event") == "resume" and e.get("rank") == 0),
                      key=lambda e: float(e["ts"]))
-    durable = [(float(e["ts"]), int(e["snapshot_step"])) for e in events
+    durable = [(float(e["ts"]), int(e["snapshot_step"]),
+                int(e["attempt"]) if isinstance(e.get("attempt"), int) else -1) for e in events
                if e.get("event") == "snapshot.committed" and e.get("tier") != "memory"]
     previous = 0.0
     rescue_pending = loss is not None and not loss.silent and expect.cross_node_rescue
@@ -114,12 +129,12 @@ def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLif
         ts = float(resume["ts"])
         start = resume.get("from_step")
         start = 0 if start is None else int(start)
-        newest_durable = max((s for t, s in durable if t < ts), default=0)
+        newest_durable, durable_attempt = max(((s, a) for t, s, a in durable if t < ts),
+                                              default=(0, -1))
         members = {life.name: newest_held(events, life, ts, previous) for life in lives
                    if life.member_at(ts)}
-        memory_step = complete_memory_step(members, expect.peer_restore)
-        if memory_step is not None and memory_step <= newest_durable:
-            memory_step = None
+        memory_step = complete_memory_step(members, expect.peer_restore,
+                                           (durable_attempt, newest_durable))
         expected = memory_step if memory_step is not None else newest_durable
         where = f"the resume at {ts:.2f} (nodes {members}, durable step {newest_durable})"
         if start < expected:

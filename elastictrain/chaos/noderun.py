@@ -343,14 +343,16 @@ class NodeTrial:
         victim = self.job.current(fault.node)
         pids = self.job.freeze(victim)
         frozen_at = victim.lost_ts or time.time()
-        self.job.wipe(victim)
+        if not fault.keep_memory:
+            self.job.wipe(victim)
         self.lost.add(victim.name)
         self.loss = Loss(ts=frozen_at, silent=fault.silent)
         how = f"held {fault.hold_s:g}s" if fault.silent else "at once"
         when = "during start-up" if fault.at_step is None else f"after step {fault.at_step}"
         ended = ", after the run's agreed end" if self._end_agreed(frozen_at) else ""
+        memory = "memory kept" if fault.keep_memory else "memory wiped"
         self.injected.append(f"node: SIGSTOP {victim.name} {when}{ended} ({len(pids)} "
-                             f"processes), memory wiped, {how}")
+                             f"processes), {memory}, {how}")
         return victim
 
     def _end_agreed(self, before: float, events: list[dict[str, Any]] | None = None) -> bool:
@@ -380,17 +382,42 @@ class NodeTrial:
             return None
         return since
 
+    def _inherited(self, node: Node) -> str | None:
+        """The lost incarnation whose kept memory ``node`` started on (``stale``)."""
+        fault = self.schedule.node if self.schedule is not None else None
+        if fault is None or not fault.keep_memory or node.incarnation == 0:
+            return None
+        before = [n for n in self.job.nodes
+                  if n.index == node.index and n.incarnation == node.incarnation - 1]
+        return before[0].name if before and before[0].name in self.lost else None
+
+    def _clear_kept_memory(self) -> None:
+        """A lost node whose memory was kept (``stale``) and that never came back leaves
+        it behind, as a machine whose agent died does: the fault's, not the run's (the
+        next run of the user on that machine sweeps it once idle). Wiped before the
+        checks that nothing of the run is left."""
+        fault = self.schedule.node if self.schedule is not None else None
+        if fault is None or not fault.keep_memory:
+            return
+        last = self.job.current(fault.node)
+        if last.name in self.lost:
+            self.job.wipe(last)
+            self.injected.append(f"{last.name}'s kept memory wiped after the run (it never "
+                                 "came back)")
+
     def judge(self, digest: str | None, expect: Expectation, secret: str) -> TrialResult:
         assert self.schedule is not None
         events = self.events()
         full = self.opts.nodes * self.opts.nproc
         finished = [e for e in events if e.get("event") == "run.finished"]
         final_step = int(finished[-1]["final_step"]) if finished else None
-        lives = [NodeLife(n.name, n.started_ts, n.lost_ts) for n in self.job.nodes]
+        lives = [NodeLife(n.name, n.started_ts, n.lost_ts, self._inherited(n))
+                 for n in self.job.nodes]
         marks = self.marks(events)
         found = [
             check_agents(self.exit_codes(), self.lost, self.timed_out),
             checks.check_snapshots(open_store(str(self.storage))),
+            checks.check_replicas(events),
             check_node_resumes(events, lives, marks, expect, self.loss),
             checks.check_leftovers(self.leftovers),
             checks.check_secret(secret, self.workdir),
@@ -410,6 +437,7 @@ class NodeTrial:
                                  "agreed end, before it logged params.digest")
         elif sizes == {full}:
             found.append(checks.check_digest(events, digest))
+        self._clear_kept_memory()
         for shm in sorted({n.shm for n in self.job.nodes}):
             found += [checks.check_private(shm), checks.check_memory_left(shm)]
         return TrialResult(

@@ -289,6 +289,7 @@ class _Run:
             checks.check_completed(self.job.exit_codes, self.timed_out),
             checks.check_digest(events, digest),
             checks.check_snapshots(store),
+            checks.check_replicas(events),
             checks.check_lost_steps(events, interval, self.job.exit_codes, self.launch_ts),
             checks.check_leftovers(self.leftovers),
             checks.check_secret(secret, self.job.workdir),

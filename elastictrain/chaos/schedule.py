@@ -34,7 +34,10 @@ STANDBY_FAULTS = ("standby_stop", "standby_kill", "pid_recycle")
 # kind but ``storage``: a node trial runs a job of its own shape (agents, memory tier).
 # ``join`` (with ``node`` only): a lost node that is not replaced at once comes back
 # later, so the job that went on one node smaller grows back while it trains.
-NODE_FAULTS = ("node", "join")
+# ``stale`` (with ``node`` only): on half the trials the lost node's memory outlives its
+# processes (an agent that died on a machine that did not), and the node comes back
+# (replaced, or rejoining) on it: with snapshots of an attempt the job went on without.
+NODE_FAULTS = ("node", "join", "stale")
 ALL_KINDS = (*FAULT_KINDS, *MEMORY_FAULTS, *STANDBY_FAULTS, *NODE_FAULTS)
 
 
@@ -106,6 +109,8 @@ class NodeFault:
         silent: the node's processes are frozen (SIGSTOP) for ``hold_s`` before the
             SIGKILL, so its peers meet silence as from a machine that vanished, not the
             connection resets that processes killed on a live kernel send.
+        keep_memory: the node's memory directory outlives its processes, and the node
+            comes back on it (``stale``); else it is wiped with them.
     """
 
     at_step: int | None
@@ -116,6 +121,7 @@ class NodeFault:
     silent: bool
     hold_s: float
     rejoin_after_steps: int | None = None
+    keep_memory: bool = False
 
     def describe(self) -> str:
         how = f"silent {self.hold_s:g}s" if self.silent else "abrupt"
@@ -124,7 +130,8 @@ class NodeFault:
                 if self.rejoin_after_steps is not None else "not replaced")
         when = (f"start+{self.at_s:.1f}s" if self.at_step is None
                 else f"step{self.at_step}+{self.at_s:.2f}s")
-        return f"node(node{self.node}, {how}, {then})@{when}"
+        kept = ", memory kept" if self.keep_memory else ""
+        return f"node(node{self.node}, {how}, {then}{kept})@{when}"
 
 
 @dataclass(frozen=True)
@@ -159,9 +166,10 @@ def parse_kinds(text: str) -> tuple[str, ...]:
         raise ConfigError(f"--faults={text!r}: unknown or empty fault kind {unknown}; fix: "
                           f"choose from {','.join(ALL_KINDS)}")
     others = [k for k in kinds if k not in (*NODE_FAULTS, "storage")]
-    if "join" in kinds and "node" not in kinds:
-        raise ConfigError(f"--faults={text!r}: join is a lost node coming back, so it needs "
-                          "node; fix: --faults node,join")
+    for kind in ("join", "stale"):
+        if kind in kinds and "node" not in kinds:
+            raise ConfigError(f"--faults={text!r}: {kind} is a lost node coming back, so it "
+                              f"needs node; fix: --faults node,{kind}")
     if "node" in kinds and others:
         # A node trial is a job of several agents, judged by checks of its own; the
         # process and memory kinds target one agent's job.
@@ -229,6 +237,9 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
         # From a stream of its own: the loss itself replays as without ``join``.
         rejoin_rng = random.Random(s ^ 0x6A6F696E)
         node = replace_fields(node, rejoin_after_steps=rejoin_rng.randint(1, 5))
+    if node is not None and "stale" in kinds:
+        # From a stream of its own too: the draws above replay as without ``stale``.
+        node = replace_fields(node, keep_memory=random.Random(s ^ 0x7374616C).random() < 0.5)
     return Schedule(trial=trial, seed=s, faults=tuple(sorted(faults, key=lambda f: f.at_s)),
                     storage=storage, memory=tuple(sorted(memory, key=lambda f: f.at_s)),
                     node=node)

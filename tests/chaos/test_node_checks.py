@@ -58,25 +58,40 @@ B_NEW = NodeLife("b.1", 25, None)
 def test_memory_held_follows_commits_prunes_and_the_loss() -> None:
     events = [*BEFORE, memory(7, "a.0", 15, 0),
               ev("snapshot.pruned", 7.1, "a.0", snapshot_step=12, tier="memory")]
-    assert newest_held(events, A, 8) == 15
-    assert newest_held(events, A, 6.5) == 12
-    assert newest_held(events, B, 8) == 12
+    assert newest_held(events, A, 8) == (-1, 15)  # committed before attempts were named
+    assert newest_held(events, A, 6.5) == (-1, 12)
+    assert newest_held(events, B, 8) == (-1, 12)
     assert newest_held(events, B, 21) is None  # lost: its memory is gone
     assert newest_held(events, B_NEW, 30) is None  # a replacement starts empty
     # The restore's own removal of newer copies does not hide them from the check.
     stale = [*BEFORE, ev("snapshot.pruned", 30, "a.0", snapshot_step=12, tier="memory",
                          reason="stale")]
-    assert newest_held(stale, A, 31, since=29) == 12
+    assert newest_held(stale, A, 31, since=29) == (-1, 12)
     assert newest_held(stale, A, 31, since=30.5) is None
 
 
+def test_a_node_back_on_kept_memory_holds_what_it_held() -> None:
+    """``stale``: node b's memory outlived it; its replacement starts on it."""
+    kept = NodeLife("b.1", 25, None, inherits="b.0")
+    events = [*BEFORE, ev("snapshot.committed", 7, "b.0", snapshot_step=13, tier="memory",
+                          attempt=2)]
+    assert newest_held(events, kept, 30) == (2, 13)
+    assert newest_held(events, B_NEW, 30) is None  # without the kept memory: empty
+
+
 def test_a_complete_copy_needs_every_node_without_peers_and_one_with_them() -> None:
-    assert complete_memory_step({"a": 12, "b": 12}, peer_restore=False) == 12
-    assert complete_memory_step({"a": 12, "b": None}, peer_restore=False) is None
-    assert complete_memory_step({"a": 12, "b": 9}, peer_restore=False) is None
-    assert complete_memory_step({"a": 12, "b": None}, peer_restore=True) == 12
-    assert complete_memory_step({"a": 12, "b": 9}, peer_restore=True) == 12
+    assert complete_memory_step({"a": (1, 12), "b": (1, 12)}, peer_restore=False) == 12
+    assert complete_memory_step({"a": (1, 12), "b": None}, peer_restore=False) is None
+    assert complete_memory_step({"a": (1, 12), "b": (1, 9)}, peer_restore=False) is None
+    assert complete_memory_step({"a": (1, 12), "b": None}, peer_restore=True) == 12
+    assert complete_memory_step({"a": (1, 12), "b": (1, 9)}, peer_restore=True) == 12
     assert complete_memory_step({"a": None}, peer_restore=True) is None
+    # The newest attempt's copy, whatever step an earlier attempt reached; none that
+    # an attempt before the durable snapshot's took.
+    assert complete_memory_step({"a": (3, 13), "b": (2, 16)}, peer_restore=True) == 13
+    assert complete_memory_step({"a": (3, 13), "b": (3, 13)}, True, (3, 13)) is None
+    assert complete_memory_step({"a": (2, 16), "b": None}, True, (3, 14)) is None
+    assert complete_memory_step({"a": (2, 16), "b": (3, 15)}, True, (3, 14)) == 15
 
 
 def test_a_shrunk_job_must_restore_the_memory_every_survivor_holds() -> None:
@@ -237,6 +252,21 @@ def test_join_brings_back_only_a_node_not_replaced_and_replays_the_loss() -> Non
     assert parse_kinds("node,join") == ("node", "join")
     with pytest.raises(ConfigError, match="join is a lost node coming back"):
         parse_kinds("join")
+
+
+def test_stale_keeps_the_lost_nodes_memory_on_some_trials_and_replays_the_loss() -> None:
+    """``stale``: on about half the trials the lost node's memory is kept (it comes back
+    on it); the loss and the rejoin are drawn as without ``stale``."""
+    plain = [make_schedule(4, t, ("node", "join"), 30.0, 2, nodes=2).node for t in range(40)]
+    kept = [make_schedule(4, t, ("node", "join", "stale"), 30.0, 2, nodes=2).node
+            for t in range(40)]
+    for without, with_stale in zip(plain, kept, strict=True):
+        assert without is not None and with_stale is not None
+        assert replace(with_stale, keep_memory=False) == without
+        assert ("memory kept" in with_stale.describe()) == with_stale.keep_memory
+    assert 10 <= sum(f is not None and f.keep_memory for f in kept) <= 30
+    with pytest.raises(ConfigError, match="stale is a lost node coming back"):
+        parse_kinds("stale")
 
 
 @pytest.mark.processes
