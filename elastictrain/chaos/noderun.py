@@ -391,19 +391,22 @@ class NodeTrial:
                   if n.index == node.index and n.incarnation == node.incarnation - 1]
         return before[0].name if before and before[0].name in self.lost else None
 
-    def _clear_kept_memory(self) -> None:
-        """A lost node whose memory was kept (``stale``) and that never came back leaves
-        it behind, as a machine whose agent died does: the fault's, not the run's (the
-        next run of the user on that machine sweeps it once idle). Wiped before the
-        checks that nothing of the run is left."""
+    def _clear_kept_memory(self, events: list[dict[str, Any]]) -> None:
+        """A lost node whose memory was kept (``stale``) and that never came back to
+        train (none started, or the job had ended when it did) leaves it behind, as a
+        machine whose agent died does: the fault's, not the run's (the next run of the
+        user on that machine sweeps it once idle). Wiped before the checks that nothing
+        of the run is left."""
         fault = self.schedule.node if self.schedule is not None else None
         if fault is None or not fault.keep_memory:
             return
         last = self.job.current(fault.node)
-        if last.name in self.lost:
+        trained = any(e.get(NODE_KEY) == last.name and e.get("event") == "worker.start"
+                      for e in events)
+        if last.name in self.lost or not trained:
             self.job.wipe(last)
-            self.injected.append(f"{last.name}'s kept memory wiped after the run (it never "
-                                 "came back)")
+            self.injected.append(f"kept memory wiped: node{fault.node}'s, after the run (no "
+                                 "worker came back on it)")
 
     def judge(self, digest: str | None, expect: Expectation, secret: str) -> TrialResult:
         assert self.schedule is not None
@@ -437,7 +440,7 @@ class NodeTrial:
                                  "agreed end, before it logged params.digest")
         elif sizes == {full}:
             found.append(checks.check_digest(events, digest))
-        self._clear_kept_memory()
+        self._clear_kept_memory(events)
         for shm in sorted({n.shm for n in self.job.nodes}):
             found += [checks.check_private(shm), checks.check_memory_left(shm)]
         return TrialResult(

@@ -30,7 +30,8 @@ def format_table(report: ChaosReport) -> str:
 
 
 # Notes of a node trial that say what followed a loss, not a fault (chaos/noderun.py).
-NOT_FAULTS = frozenset({"replaced", "replacement", "orphan", "digest not compared"})
+NOT_FAULTS = frozenset({"replaced", "replacement", "orphan", "digest not compared",
+                        "kept memory wiped"})
 
 
 def by_kind(report: ChaosReport) -> dict[str, dict[str, int]]:
@@ -49,6 +50,8 @@ def by_kind(report: ChaosReport) -> dict[str, dict[str, int]]:
                 kinds.add("node start-up")
             if "after the run's agreed end" in lost:
                 kinds.add("node after the end")
+            if "memory kept" in lost:
+                kinds.add("node memory kept")
         kinds -= NOT_FAULTS
         for kind in kinds:
             count = counts.setdefault(kind, {"trials": 0, "passed": 0})
