@@ -22,6 +22,7 @@ import contextlib
 import ipaddress
 import os
 import secrets
+import selectors
 import socket
 import struct
 import time
@@ -126,37 +127,61 @@ def _connect(host: str, port: int, hello: bytes) -> socket.socket | None:
 
 
 def _accept(listener: socket.socket, token: bytes, expected: set[int]) -> dict[int, socket.socket]:
-    """The connections of ``expected`` sources, until each came or the time is up."""
+    """The connections of ``expected`` sources, until each came or the time is up.
+    Every connection's hello is read as its bytes come, side by side: one that
+    connects and sends nothing holds up no other."""
     accepted: dict[int, socket.socket] = {}
+    hellos: dict[socket.socket, bytearray] = {}
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
-    while set(accepted) != expected:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        listener.settimeout(left)
-        try:
-            sock, _ = listener.accept()
-        except OSError:  # the time is up
-            break
-        source = _hello(sock, token, left)
-        if source is None or source not in expected or source in accepted:
-            sock.close()  # not this attempt's, or not a source of ours: never read
-            continue
-        accepted[source] = sock
+    listener.setblocking(False)
+    with selectors.DefaultSelector() as ready:
+        ready.register(listener, selectors.EVENT_READ)
+        while set(accepted) != expected:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in ready.select(left):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                if sock is listener:
+                    with contextlib.suppress(BlockingIOError, InterruptedError):
+                        conn, _ = listener.accept()
+                        conn.setblocking(False)
+                        hellos[conn] = bytearray()
+                        ready.register(conn, selectors.EVENT_READ)
+                    continue
+                source = _read_hello(sock, hellos[sock], token)
+                if source is None:
+                    continue  # more of its hello to come
+                ready.unregister(sock)
+                del hellos[sock]
+                if source < 0 or source not in expected or source in accepted:
+                    sock.close()  # not this attempt's, or not a source of ours: never read
+                    continue
+                sock.setblocking(True)
+                accepted[source] = sock
+        for sock in hellos:  # never said who it is in time
+            sock.close()
     return accepted
 
 
-def _hello(sock: socket.socket, token: bytes, timeout_s: float) -> int | None:
-    """The sending rank of a connection that opens with this attempt's hello."""
-    sock.settimeout(timeout_s)
+def _read_hello(sock: socket.socket, got: bytearray, token: bytes) -> int | None:
+    """Read what has come of ``sock``'s hello into ``got``: its sending rank once whole
+    and this attempt's, -1 for a connection that ended or is not, None until whole."""
     try:
-        data = read_exactly(sock, _HELLO.size)
-    except (OSError, EOFError):
+        chunk = sock.recv(_HELLO.size - len(got))
+    except (BlockingIOError, InterruptedError):
         return None
-    magic, sent_token, rank = _HELLO.unpack(data)
+    except OSError:
+        return -1
+    if not chunk:
+        return -1
+    got += chunk
+    if len(got) < _HELLO.size:
+        return None
+    magic, sent_token, rank = _HELLO.unpack(bytes(got))
     if magic != _MAGIC or not secrets.compare_digest(sent_token, token):
-        return None
-    sock.settimeout(None)
+        return -1
     return int(rank)
 
 
