@@ -39,7 +39,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -438,15 +437,15 @@ def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
     )
     from torch.distributed.run import main as torchrun_main
 
-    from elastictrain import gracewatch
+    from elastictrain import gracewatch, runend
     from elastictrain.agent import ElasticTrainAgent, WorkersFatal, installed, on_grace_expired
 
     gc.freeze()  # as in a worker (runtime.init): the imports leave the collector's view
-    with tempfile.TemporaryDirectory(prefix="elastictrain-end-") as end_dir, \
-            installed(launch, rescue_dir, Path(end_dir), shutdown_timeout_s), \
+    with runend.end_dir() as end_dir, \
+            installed(launch, rescue_dir, end_dir, shutdown_timeout_s), \
             gracewatch.watching(shutdown_timeout_s + GRACE_MARGIN_S, notices,
                                 on_grace_expired):
-        os.environ[END_DIR_VAR] = end_dir  # the workers inherit it
+        os.environ[END_DIR_VAR] = str(end_dir)  # the workers inherit it
         try:
             torchrun_main(list(argv))
             return _after_closing(EXIT_OK)
