@@ -54,6 +54,7 @@ from elastictrain.chaos.stepmarks import (
 from elastictrain.config import load_settings
 from elastictrain.errors import ConfigError, ElasticTrainError
 from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec
+from elastictrain.shm import user_root_in
 from elastictrain.storage import open_store
 from elastictrain.view.tail import EventTail
 
@@ -234,7 +235,7 @@ class NodeTrial:
         victim: Node | None = None
         orphan_since: float | None = None
         try:
-            self.job.start(self.opts.nodes)
+            self.job.start(self.opts.nodes, fault.degraded if fault is not None else None)
             clock = time.monotonic()  # the fault's time counts from the agents' start
             while not self.timed_out:
                 now = time.monotonic()
@@ -414,7 +415,7 @@ class NodeTrial:
         full = self.opts.nodes * self.opts.nproc
         finished = [e for e in events if e.get("event") == "run.finished"]
         final_step = int(finished[-1]["final_step"]) if finished else None
-        lives = [NodeLife(n.name, n.started_ts, n.lost_ts, self._inherited(n))
+        lives = [NodeLife(n.name, n.started_ts, n.lost_ts, self._inherited(n), n.degraded)
                  for n in self.job.nodes]
         marks = self.marks(events)
         found = [
@@ -442,7 +443,8 @@ class NodeTrial:
             found.append(checks.check_digest(events, digest))
         self._clear_kept_memory(events)
         for shm in sorted({n.shm for n in self.job.nodes}):
-            found += [checks.check_private(shm), checks.check_memory_left(shm)]
+            found += [checks.check_private(shm, planted={user_root_in(shm)}),
+                      checks.check_memory_left(shm)]
         return TrialResult(
             trial=self.schedule.trial, seed=self.schedule.seed,
             faults=self.schedule.describe(), injected=self.injected,

@@ -36,6 +36,7 @@ from elastictrain.chaos.job import MARKER_VAR, Job, processes_with_marker, signa
 from elastictrain.env import SHM_VAR
 from elastictrain.launch import LaunchSpec
 from elastictrain.proctree import PROC, stat_fields
+from elastictrain.shm import user_root_in
 
 _POLL_S = 0.05
 STOP_WAIT_S = 5.0  # for every thread of a SIGSTOPped node to stop
@@ -53,6 +54,7 @@ class Node:
     shm: Path
     started_ts: float = 0.0
     lost_ts: float | None = None  # when the harness froze or killed it
+    degraded: bool = False  # started on a shared-memory root elastictrain refuses
 
     @property
     def name(self) -> str:
@@ -102,24 +104,34 @@ class NodeJob:
     nodes: list[Node] = field(default_factory=list)
     store: RendezvousStore | None = None
 
-    def start(self, count: int) -> None:
+    def start(self, count: int, degraded: int | None = None) -> None:
+        """The rendezvous store and ``count`` nodes; node ``degraded`` (if any) on a
+        shared-memory root elastictrain refuses."""
         self.store = RendezvousStore(self.workdir, self.marker, self.env)
         for index in range(count):
-            self.add(index)
+            self.add(index, degraded=index == degraded)
 
-    def add(self, index: int) -> Node:
+    def add(self, index: int, degraded: bool = False) -> Node:
         """Start the next incarnation of node ``index`` (the first, or a replacement),
-        with an empty stand-in for ``/dev/shm`` (mode 1777, like the real one)."""
+        with an empty stand-in for ``/dev/shm`` (mode 1777, like the real one);
+        ``degraded``: with this user's root in it made open to others (0755), which
+        elastictrain refuses (no memory tier, no rescue marks on that node)."""
         assert self.store is not None
         incarnation = sum(1 for n in self.nodes if n.index == index)
         node_dir = self.workdir / f"node{index}.{incarnation}"
         shm = (self.shm_base or self.workdir) / f"shm{index}"
         shm.mkdir(parents=True, exist_ok=True)
         shm.chmod(0o1777)
+        if degraded:
+            refused = user_root_in(shm)
+            refused.mkdir(exist_ok=True)
+            refused.chmod(0o755)
+        root = user_root_in(shm)
+        degraded = root.is_dir() and bool(root.stat().st_mode & 0o077)
         job = Job(self.spec_for(node_dir, self.store.port), {**self.env, SHM_VAR: str(shm)},
                   node_dir, f"{self.marker}/node{index}.{incarnation}")
         node_dir.mkdir(parents=True, exist_ok=True)
-        node = Node(index, incarnation, job, shm, started_ts=time.time())
+        node = Node(index, incarnation, job, shm, started_ts=time.time(), degraded=degraded)
         job.launch()
         self.nodes.append(node)
         return node

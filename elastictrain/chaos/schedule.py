@@ -37,7 +37,10 @@ STANDBY_FAULTS = ("standby_stop", "standby_kill", "pid_recycle")
 # ``stale`` (with ``node`` only): on half the trials the lost node's memory outlives its
 # processes (an agent that died on a machine that did not), and the node comes back
 # (replaced, or rejoining) on it: with snapshots of an attempt the job went on without.
-NODE_FAULTS = ("node", "join", "stale")
+# ``degraded`` (with ``node`` only): on half the trials one node (drawn, the lost one or
+# another) starts with its shared-memory root open to others, which elastictrain refuses:
+# that node runs without a memory tier and without rescue marks, beside healthy ones.
+NODE_FAULTS = ("node", "join", "stale", "degraded")
 ALL_KINDS = (*FAULT_KINDS, *MEMORY_FAULTS, *STANDBY_FAULTS, *NODE_FAULTS)
 
 
@@ -111,6 +114,8 @@ class NodeFault:
             connection resets that processes killed on a live kernel send.
         keep_memory: the node's memory directory outlives its processes, and the node
             comes back on it (``stale``); else it is wiped with them.
+        degraded: the node (an index) that starts with a shared-memory root elastictrain
+            refuses (``degraded``), or None.
     """
 
     at_step: int | None
@@ -122,6 +127,7 @@ class NodeFault:
     hold_s: float
     rejoin_after_steps: int | None = None
     keep_memory: bool = False
+    degraded: int | None = None
 
     def describe(self) -> str:
         how = f"silent {self.hold_s:g}s" if self.silent else "abrupt"
@@ -131,7 +137,8 @@ class NodeFault:
         when = (f"start+{self.at_s:.1f}s" if self.at_step is None
                 else f"step{self.at_step}+{self.at_s:.2f}s")
         kept = ", memory kept" if self.keep_memory else ""
-        return f"node(node{self.node}, {how}, {then}{kept})@{when}"
+        degraded = f", node{self.degraded} degraded" if self.degraded is not None else ""
+        return f"node(node{self.node}, {how}, {then}{kept}{degraded})@{when}"
 
 
 @dataclass(frozen=True)
@@ -166,7 +173,7 @@ def parse_kinds(text: str) -> tuple[str, ...]:
         raise ConfigError(f"--faults={text!r}: unknown or empty fault kind {unknown}; fix: "
                           f"choose from {','.join(ALL_KINDS)}")
     others = [k for k in kinds if k not in (*NODE_FAULTS, "storage")]
-    for kind in ("join", "stale"):
+    for kind in ("join", "stale", "degraded"):
         if kind in kinds and "node" not in kinds:
             raise ConfigError(f"--faults={text!r}: {kind} is a lost node coming back, so it "
                               f"needs node; fix: --faults node,{kind}")
@@ -240,6 +247,10 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
     if node is not None and "stale" in kinds:
         # From a stream of its own too: the draws above replay as without ``stale``.
         node = replace_fields(node, keep_memory=random.Random(s ^ 0x7374616C).random() < 0.5)
+    if node is not None and "degraded" in kinds:
+        degraded_rng = random.Random(s ^ 0x64656772)  # its own stream, as above
+        if degraded_rng.random() < 0.5:
+            node = replace_fields(node, degraded=degraded_rng.randrange(nodes))
     return Schedule(trial=trial, seed=s, faults=tuple(sorted(faults, key=lambda f: f.at_s)),
                     storage=storage, memory=tuple(sorted(memory, key=lambda f: f.at_s)),
                     node=node)

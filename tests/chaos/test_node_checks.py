@@ -269,6 +269,24 @@ def test_stale_keeps_the_lost_nodes_memory_on_some_trials_and_replays_the_loss()
         parse_kinds("stale")
 
 
+def test_degraded_draws_a_node_on_some_trials_and_replays_the_loss() -> None:
+    plain = [make_schedule(4, t, ("node",), 30.0, 3, nodes=3).node for t in range(40)]
+    drawn = [make_schedule(4, t, ("node", "degraded"), 30.0, 3, nodes=3).node
+             for t in range(40)]
+    for without, with_degraded in zip(plain, drawn, strict=True):
+        assert without is not None and with_degraded is not None
+        assert replace(with_degraded, degraded=None) == without
+    degraded = [f.degraded for f in drawn if f is not None and f.degraded is not None]
+    assert 10 <= len(degraded) <= 30 and set(degraded) == {0, 1, 2}
+
+
+def test_a_node_without_memory_directory_receives_nothing() -> None:
+    """A degraded node (its shared-memory root refused) cannot receive a copy: memory
+    only where it needs none, which it never does, so durable."""
+    assert complete_memory_step({"a": (1, 12), "b": None}, True, unable={"b"}) is None
+    assert complete_memory_step({"a": (1, 12), "b": None}, True, unable={"c"}) == 12
+
+
 @pytest.mark.processes
 def test_a_node_counts_as_halted_only_once_every_thread_stopped() -> None:
     """The harness wipes a lost node's memory only once its processes stopped: a thread
