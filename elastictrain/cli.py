@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--faults node,stale keeps the lost node's memory on half the trials, and the node "
         "comes back on it (snapshots of an attempt the job went on without); "
         "--faults node,degraded starts one node on half the trials with a shared-memory "
-        "root elastictrain refuses (no memory tier, no rescue marks there).\n"
+        "root its launcher refuses (it runs without rescue marks).\n"
         "A script's steps are read from its train.progress events (logged every step "
         "for the trial): every resume is checked (the newest complete copy, the steps "
         "lost), and the digest at full size, but not exactly-once data, which needs the "

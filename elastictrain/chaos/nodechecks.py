@@ -25,7 +25,7 @@ the tier the resume used, plus the steps of a save that was in flight.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +35,12 @@ NODE_KEY = "_node"  # the node incarnation an event came from (added when read)
 @dataclass(frozen=True)
 class NodeLife:
     """One node incarnation as the harness ran it: started, and lost (frozen) at;
-    ``inherits``: the lost incarnation whose kept memory it started on, if any;
-    ``degraded``: started on a shared-memory root elastictrain refuses."""
+    ``inherits``: the lost incarnation whose kept memory it started on, if any."""
 
     name: str
     started_ts: float
     lost_ts: float | None
     inherits: str | None = None
-    degraded: bool = False  # no memory directory: holds nothing, can receive nothing
 
     def member_at(self, ts: float) -> bool:
         return self.started_ts < ts and (self.lost_ts is None or self.lost_ts > ts)
@@ -103,20 +101,14 @@ def newest_held(events: Sequence[dict[str, Any]], life: NodeLife, ts: float,
 
 
 def complete_memory_step(newest: dict[str, Copy | None], peer_restore: bool,
-                         durable: Copy = (-1, 0),
-                         unable: Collection[str] = ()) -> int | None:
+                         durable: Copy = (-1, 0)) -> int | None:
     """The memory step every node of a world can restore, newer than the newest
-    ``durable`` snapshot (its attempt, its step), or None (see the module); ``unable``:
-    the nodes without a memory directory to receive a copy into."""
+    ``durable`` snapshot (its attempt, its step), or None (see the module)."""
     copies = list(newest.values())
     held = [c for c in copies if c is not None]
     newer = [c for c in held if c[1] > durable[1] and c[0] >= durable[0]]
     if peer_restore:  # the newest copy some node holds: the others receive it
-        if not newer:
-            return None
-        best = max(newer)
-        lacking = {name for name, copy in newest.items() if copy != best}
-        return None if lacking & set(unable) else best[1]
+        return max(newer)[1] if newer else None
     if not copies or len(held) != len(copies) or len(set(held)) != 1 or not newer:
         return None
     return held[0][1]
@@ -141,9 +133,8 @@ def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLif
                                               default=(0, -1))
         members = {life.name: newest_held(events, life, ts, previous) for life in lives
                    if life.member_at(ts)}
-        memory_step = complete_memory_step(
-            members, expect.peer_restore, (durable_attempt, newest_durable),
-            {life.name for life in lives if life.degraded and life.member_at(ts)})
+        memory_step = complete_memory_step(members, expect.peer_restore,
+                                           (durable_attempt, newest_durable))
         expected = memory_step if memory_step is not None else newest_durable
         where = f"the resume at {ts:.2f} (nodes {members}, durable step {newest_durable})"
         if start < expected:

@@ -236,6 +236,9 @@ class NodeTrial:
         orphan_since: float | None = None
         try:
             self.job.start(self.opts.nodes, fault.degraded if fault is not None else None)
+            if fault is not None and fault.degraded is not None:
+                self.injected.append(f"degraded: node{fault.degraded} started on a refused "
+                                     "shared-memory root (no rescue marks)")
             clock = time.monotonic()  # the fault's time counts from the agents' start
             while not self.timed_out:
                 now = time.monotonic()
@@ -415,7 +418,7 @@ class NodeTrial:
         full = self.opts.nodes * self.opts.nproc
         finished = [e for e in events if e.get("event") == "run.finished"]
         final_step = int(finished[-1]["final_step"]) if finished else None
-        lives = [NodeLife(n.name, n.started_ts, n.lost_ts, self._inherited(n), n.degraded)
+        lives = [NodeLife(n.name, n.started_ts, n.lost_ts, self._inherited(n))
                  for n in self.job.nodes]
         marks = self.marks(events)
         found = [

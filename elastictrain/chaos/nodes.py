@@ -115,7 +115,9 @@ class NodeJob:
         """Start the next incarnation of node ``index`` (the first, or a replacement),
         with an empty stand-in for ``/dev/shm`` (mode 1777, like the real one);
         ``degraded``: with this user's root in it made open to others (0755), which
-        elastictrain refuses (no memory tier, no rescue marks on that node)."""
+        its launcher refuses for its rescue marks (it goes on without them), and its
+        memory directory named apart (``snapshot.memory_dir``, private) so that the
+        memory tier, which refuses such a root outright, still runs there."""
         assert self.store is not None
         incarnation = sum(1 for n in self.nodes if n.index == index)
         node_dir = self.workdir / f"node{index}.{incarnation}"
@@ -128,7 +130,10 @@ class NodeJob:
             refused.chmod(0o755)
         root = user_root_in(shm)
         degraded = root.is_dir() and bool(root.stat().st_mode & 0o077)
-        job = Job(self.spec_for(node_dir, self.store.port), {**self.env, SHM_VAR: str(shm)},
+        env = {**self.env, SHM_VAR: str(shm)}
+        if degraded:  # inside the stand-in: wiped with the node's memory
+            env["ELASTICTRAIN_SNAPSHOT__MEMORY_DIR"] = str(shm / "memory")
+        job = Job(self.spec_for(node_dir, self.store.port), env,
                   node_dir, f"{self.marker}/node{index}.{incarnation}")
         node_dir.mkdir(parents=True, exist_ok=True)
         node = Node(index, incarnation, job, shm, started_ts=time.time(), degraded=degraded)

@@ -38,8 +38,8 @@ STANDBY_FAULTS = ("standby_stop", "standby_kill", "pid_recycle")
 # processes (an agent that died on a machine that did not), and the node comes back
 # (replaced, or rejoining) on it: with snapshots of an attempt the job went on without.
 # ``degraded`` (with ``node`` only): on half the trials one node (drawn, the lost one or
-# another) starts with its shared-memory root open to others, which elastictrain refuses:
-# that node runs without a memory tier and without rescue marks, beside healthy ones.
+# another) starts with its shared-memory root open to others, which its launcher refuses
+# for its rescue marks: that node runs without them, beside healthy ones.
 NODE_FAULTS = ("node", "join", "stale", "degraded")
 ALL_KINDS = (*FAULT_KINDS, *MEMORY_FAULTS, *STANDBY_FAULTS, *NODE_FAULTS)
 

@@ -280,12 +280,6 @@ def test_degraded_draws_a_node_on_some_trials_and_replays_the_loss() -> None:
     assert 10 <= len(degraded) <= 30 and set(degraded) == {0, 1, 2}
 
 
-def test_a_node_without_memory_directory_receives_nothing() -> None:
-    """A degraded node (its shared-memory root refused) cannot receive a copy: memory
-    only where it needs none, which it never does, so durable."""
-    assert complete_memory_step({"a": (1, 12), "b": None}, True, unable={"b"}) is None
-    assert complete_memory_step({"a": (1, 12), "b": None}, True, unable={"c"}) == 12
-
 
 @pytest.mark.processes
 def test_a_node_counts_as_halted_only_once_every_thread_stopped() -> None:
