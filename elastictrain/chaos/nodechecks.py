@@ -116,15 +116,16 @@ def complete_memory_step(newest: dict[str, Copy | None], peer_restore: bool,
 
 def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLife],
                        records: Sequence[dict[str, Any]], expect: Expectation,
-                       loss: Loss | None) -> str | None:
-    """Every resume read from the newest complete copy and lost no more than allowed."""
+                       losses: Sequence[Loss] | Loss | None) -> str | None:
+    """Every resume read from the newest complete copy and lost no more than allowed
+    (``losses``: the trial's node losses, in order)."""
+    losses = [losses] if isinstance(losses, Loss) else list(losses or [])
     resumes = sorted((e for e in events if e.get("event") == "resume" and e.get("rank") == 0),
                      key=lambda e: float(e["ts"]))
     durable = [(float(e["ts"]), int(e["snapshot_step"]),
                 int(e["attempt"]) if isinstance(e.get("attempt"), int) else -1) for e in events
                if e.get("event") == "snapshot.committed" and e.get("tier") != "memory"]
     previous = 0.0
-    rescue_pending = loss is not None and not loss.silent and expect.cross_node_rescue
     for resume in resumes:
         ts = float(resume["ts"])
         start = resume.get("from_step")
@@ -143,7 +144,12 @@ def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLif
             return (f"{where} read durable storage although every node could restore memory "
                     f"step {memory_step}")
         trained = [int(r["step"]) for r in records if previous < float(r["ts"]) < ts]
-        after_loss = loss is not None and previous < loss.ts < ts
+        # The losses this resume follows: abrupt ones only are rescued across nodes
+        # (a silent one ends in the watchdog's kill, which rescues nothing).
+        since_last = [loss for loss in losses if previous < loss.ts < ts]
+        after_loss = bool(since_last)
+        rescue_pending = after_loss and expect.cross_node_rescue and not any(
+            loss.silent for loss in since_last)
         if trained:
             lost = max(trained) - start
             in_flight = max((int(e["snapshot_step"]) for e in events
@@ -159,8 +165,6 @@ def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLif
                 allowed = 0  # a join: the group saved the step it stood at first
             if lost > allowed:
                 return f"{where} lost {lost} steps (from step {start}; allowed {allowed})"
-        if after_loss:
-            rescue_pending = False
         previous = ts
     return None
 

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import replace as replace_fields
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +161,7 @@ class NodeTrial:
         self.job = NodeJob(workdir, uuid.uuid4().hex, self._env(secret), self._spec)
         self.injected: list[str] = []
         self.lost: set[str] = set()
-        self.loss: Loss | None = None
+        self.losses: list[Loss] = []  # the first, and a second (``second``)
         self.timed_out = False
         self.leftovers: list[int] = []
         self.wall_s = 0.0
@@ -233,6 +234,7 @@ class NodeTrial:
         # the new agent starts) → done; without a fault, done from the start.
         phase, phase_at = ("wait", None) if fault is not None else ("done", None)
         victim: Node | None = None
+        back_ts = 0.0  # when the lost node came back (replaced or rejoining)
         orphan_since: float | None = None
         try:
             self.job.start(self.opts.nodes, fault.degraded if fault is not None else None)
@@ -258,15 +260,23 @@ class NodeTrial:
                     else:  # a rejoin, when drawn, once the smaller job has trained
                         phase = "rejoin" if fault.rejoin_after_steps is not None else "done"
                         phase_at = None
-                elif phase == "rejoin" and fault is not None and self.loss is not None \
-                        and self._trained_since(self.loss.ts) >= (fault.rejoin_after_steps or 0):
-                    self._replace(fault.node, rejoin=True)
-                    phase = "done"
+                elif phase == "rejoin" and fault is not None and self.losses \
+                        and self._trained_since(self.losses[0].ts) >= (
+                            fault.rejoin_after_steps or 0):
+                    phase, back_ts = self._back(fault, rejoin=True)
                 elif phase == "replace" and fault is not None and phase_at is not None \
                         and now >= phase_at:
-                    self._replace(fault.node)
-                    phase, phase_at = "done", None
-                if not running and phase in ("wait", "rejoin", "done"):
+                    phase, back_ts = self._back(fault)
+                    phase_at = None
+                elif phase == "second" and fault is not None and fault.second is not None \
+                        and self._trained_since(back_ts) >= fault.second_after_steps:
+                    # The second loss: abrupt, its memory wiped, replaced at once.
+                    fault = replace_fields(fault, node=fault.second, silent=False, hold_s=0.0,
+                                           keep_memory=False, replace=True,
+                                           replace_after_s=0.0, second=None)
+                    victim = self._lose(fault, second=True)
+                    phase, phase_at = ("frozen", now) if victim is not None else ("done", None)
+                if not running and phase in ("wait", "rejoin", "second", "done"):
                     break
                 orphan_since = self._stop_orphan(running, orphan_since)
                 self.timed_out = time.monotonic() - started > self.timeout_s
@@ -275,11 +285,19 @@ class NodeTrial:
                 self.injected.append(f"{fault.describe()} not injected (job done)")
             if phase == "rejoin":
                 self.injected.append("rejoin: none started (the job ended first)")
+            if phase == "second":
+                self.injected.append("second loss: not injected (the job ended first)")
             if not self.timed_out:
                 self.leftovers = self._wait_gone(10.0)
         finally:
             self.job.close()
             self.wall_s = time.monotonic() - started
+
+    def _back(self, fault: NodeFault, rejoin: bool = False) -> tuple[str, float]:
+        """The lost node comes back; the next phase (a second loss to wait for, or
+        none) and when it came back."""
+        self._replace(fault.node, rejoin=rejoin)
+        return ("second" if fault.second is not None else "done"), time.time()
 
     def _replace(self, index: int, rejoin: bool = False) -> None:
         """Start a new agent for node ``index``, unless the others already ended; a
@@ -335,7 +353,7 @@ class NodeTrial:
                 step, ts = int(mark["step"]), float(mark["ts"])
                 self._first_marked[step] = min(ts, self._first_marked.get(step, ts))
 
-    def _lose(self, fault: NodeFault) -> Node | None:
+    def _lose(self, fault: NodeFault, second: bool = False) -> Node | None:
         """Freeze node ``fault.node`` and wipe its memory, unless an agent already exited
         (the job is ending). A loss after the ranks agreed the run's end counts too: the
         other launchers must then end without it, and a replacement must find the job
@@ -350,13 +368,14 @@ class NodeTrial:
         if not fault.keep_memory:
             self.job.wipe(victim)
         self.lost.add(victim.name)
-        self.loss = Loss(ts=frozen_at, silent=fault.silent)
+        self.losses.append(Loss(ts=frozen_at, silent=fault.silent))
         how = f"held {fault.hold_s:g}s" if fault.silent else "at once"
-        when = "during start-up" if fault.at_step is None else f"after step {fault.at_step}"
+        when = ("after it came back" if second else "during start-up"
+                if fault.at_step is None else f"after step {fault.at_step}")
         ended = ", after the run's agreed end" if self._end_agreed(frozen_at) else ""
         memory = "memory kept" if fault.keep_memory else "memory wiped"
-        self.injected.append(f"node: SIGSTOP {victim.name} {when}{ended} ({len(pids)} "
-                             f"processes), {memory}, {how}")
+        self.injected.append(f"{'second loss' if second else 'node'}: SIGSTOP {victim.name} "
+                             f"{when}{ended} ({len(pids)} processes), {memory}, {how}")
         return victim
 
     def _end_agreed(self, before: float, events: list[dict[str, Any]] | None = None) -> bool:
@@ -369,8 +388,8 @@ class NodeTrial:
     def _digest_lost(self, events: list[dict[str, Any]]) -> bool:
         """The run's end was agreed and then the node of the writer (rank 0) was lost
         before it logged the final digest: the weights were final, the record is gone."""
-        return (self.loss is not None and checks.final_digest(events) is None
-                and self._end_agreed(self.loss.ts, events))
+        return (bool(self.losses) and checks.final_digest(events) is None
+                and self._end_agreed(self.losses[-1].ts, events))
 
     def _stop_orphan(self, running: list[Node], since: float | None) -> float | None:
         """A replacement left alone (the others ended the run before it joined) waits
@@ -425,7 +444,7 @@ class NodeTrial:
             check_agents(self.exit_codes(), self.lost, self.timed_out),
             checks.check_snapshots(open_store(str(self.storage))),
             checks.check_replicas(events),
-            check_node_resumes(events, lives, marks, expect, self.loss),
+            check_node_resumes(events, lives, marks, expect, self.losses),
             checks.check_leftovers(self.leftovers),
             checks.check_secret(secret, self.workdir),
         ]

@@ -40,7 +40,10 @@ STANDBY_FAULTS = ("standby_stop", "standby_kill", "pid_recycle")
 # ``degraded`` (with ``node`` only): on half the trials one node (drawn, the lost one or
 # another) starts with its shared-memory root open to others, which its launcher refuses
 # for its rescue marks: that node runs without them, beside healthy ones.
-NODE_FAULTS = ("node", "join", "stale", "degraded")
+# ``second`` (with ``node`` only): once the lost node is back (replaced, or rejoining)
+# and the job has trained 1-5 more steps (drawn), a node is lost again, abruptly (the
+# one that came back or another, drawn), and replaced: a loss after a replacement.
+NODE_FAULTS = ("node", "join", "stale", "degraded", "second")
 ALL_KINDS = (*FAULT_KINDS, *MEMORY_FAULTS, *STANDBY_FAULTS, *NODE_FAULTS)
 
 
@@ -116,6 +119,9 @@ class NodeFault:
             comes back on it (``stale``); else it is wiped with them.
         degraded: the node (an index) that starts with a shared-memory root elastictrain
             refuses (``degraded``), or None.
+        second: the node (an index) lost a second time, abruptly, once the lost node is
+            back and the job trained ``second_after_steps`` more steps (``second``); it
+            is replaced. None: no second loss.
     """
 
     at_step: int | None
@@ -128,6 +134,8 @@ class NodeFault:
     rejoin_after_steps: int | None = None
     keep_memory: bool = False
     degraded: int | None = None
+    second: int | None = None
+    second_after_steps: int = 0
 
     def describe(self) -> str:
         how = f"silent {self.hold_s:g}s" if self.silent else "abrupt"
@@ -138,7 +146,9 @@ class NodeFault:
                 else f"step{self.at_step}+{self.at_s:.2f}s")
         kept = ", memory kept" if self.keep_memory else ""
         degraded = f", node{self.degraded} degraded" if self.degraded is not None else ""
-        return f"node(node{self.node}, {how}, {then}{kept}{degraded})@{when}"
+        second = (f", then node{self.second} lost {self.second_after_steps} step(s) after "
+                  "the comeback" if self.second is not None else "")
+        return f"node(node{self.node}, {how}, {then}{kept}{degraded}{second})@{when}"
 
 
 @dataclass(frozen=True)
@@ -173,7 +183,7 @@ def parse_kinds(text: str) -> tuple[str, ...]:
         raise ConfigError(f"--faults={text!r}: unknown or empty fault kind {unknown}; fix: "
                           f"choose from {','.join(ALL_KINDS)}")
     others = [k for k in kinds if k not in (*NODE_FAULTS, "storage")]
-    for kind in ("join", "stale", "degraded"):
+    for kind in ("join", "stale", "degraded", "second"):
         if kind in kinds and "node" not in kinds:
             raise ConfigError(f"--faults={text!r}: {kind} is a lost node coming back, so it "
                               f"needs node; fix: --faults node,{kind}")
@@ -251,6 +261,10 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
         degraded_rng = random.Random(s ^ 0x64656772)  # its own stream, as above
         if degraded_rng.random() < 0.5:
             node = replace_fields(node, degraded=degraded_rng.randrange(nodes))
+    if node is not None and "second" in kinds and (node.replace or node.rejoin_after_steps):
+        second_rng = random.Random(s ^ 0x7365636F)  # its own stream, as above
+        node = replace_fields(node, second=second_rng.randrange(nodes),
+                              second_after_steps=second_rng.randint(1, 5))
     return Schedule(trial=trial, seed=s, faults=tuple(sorted(faults, key=lambda f: f.at_s)),
                     storage=storage, memory=tuple(sorted(memory, key=lambda f: f.at_s)),
                     node=node)

@@ -269,6 +269,36 @@ def test_stale_keeps_the_lost_nodes_memory_on_some_trials_and_replays_the_loss()
         parse_kinds("stale")
 
 
+def test_second_loses_a_node_again_only_after_a_comeback() -> None:
+    """``second``: a node is lost again once the lost one is back (replaced, or a
+    rejoin drawn); the first loss replays as without ``second``."""
+    kinds = ("node", "join")
+    plain = [make_schedule(4, t, kinds, 30.0, 2, nodes=2).node for t in range(40)]
+    drawn = [make_schedule(4, t, (*kinds, "second"), 30.0, 2, nodes=2).node for t in range(40)]
+    for without, with_second in zip(plain, drawn, strict=True):
+        assert without is not None and with_second is not None
+        assert replace(with_second, second=None, second_after_steps=0) == without
+        comes_back = without.replace or without.rejoin_after_steps is not None
+        assert (with_second.second is not None) == comes_back
+        if with_second.second is not None:
+            assert 1 <= with_second.second_after_steps <= 5
+            assert "lost" in with_second.describe().split("then node")[-1]
+
+
+def test_a_resume_after_two_abrupt_losses_may_lose_one_step_each_time() -> None:
+    """Two abrupt losses, each followed by a resume: with the rescue across nodes each
+    resume may lose at most the step in progress."""
+    lives = [A, B, B_NEW]
+    events = [*BEFORE, ev("resume", 30, "a.0", from_step=14, tier="memory"),
+              ev("resume", 40, "a.0", from_step=28, tier="memory")]
+    losses = [Loss(20, silent=False), Loss(35, silent=False)]
+    two_records = [*trained(14, 2), *[{"step": s, "ts": 36 + s / 100} for s in range(15, 30)]]
+    assert check_node_resumes(events, lives, two_records, PEER, losses) is None
+    late = [*BEFORE, ev("resume", 30, "a.0", from_step=14, tier="memory"),
+            ev("resume", 40, "a.0", from_step=25, tier="memory")]
+    assert "lost 4 steps" in str(check_node_resumes(late, lives, two_records, PEER, losses))
+
+
 def test_degraded_draws_a_node_on_some_trials_and_replays_the_loss() -> None:
     plain = [make_schedule(4, t, ("node",), 30.0, 3, nodes=3).node for t in range(40)]
     drawn = [make_schedule(4, t, ("node", "degraded"), 30.0, 3, nodes=3).node
