@@ -269,7 +269,7 @@ class NodeTrial:
                     phase, back_ts = self._back(fault)
                     phase_at = None
                 elif phase == "second" and fault is not None and fault.second is not None \
-                        and self._trained_since(back_ts) >= fault.second_after_steps:
+                        and self._second_due(fault, back_ts):
                     # The second loss: abrupt, its memory wiped, replaced at once.
                     fault = replace_fields(fault, node=fault.second, silent=False, hold_s=0.0,
                                            keep_memory=False, replace=True,
@@ -292,6 +292,20 @@ class NodeTrial:
         finally:
             self.job.close()
             self.wall_s = time.monotonic() - started
+
+    def _second_due(self, fault: NodeFault, back_ts: float) -> bool:
+        """Whether the second loss is due: the node that came back resumed with the
+        job (it trains in the group), and the job trained ``second_after_steps`` steps
+        since."""
+        if now_joined := self._resumed_since(self.job.current(fault.node), back_ts):
+            return self._trained_since(now_joined) >= fault.second_after_steps
+        return False
+
+    def _resumed_since(self, node: Node, since: float) -> float | None:
+        """When ``node``'s workers first resumed after ``since`` (epoch seconds)."""
+        found = [float(e["ts"]) for e in events_of(node.job.events_dir)
+                 if e.get("event") == "resume" and float(e.get("ts") or 0.0) > since]
+        return min(found, default=None)
 
     def _back(self, fault: NodeFault, rejoin: bool = False) -> tuple[str, float]:
         """The lost node comes back; the next phase (a second loss to wait for, or
