@@ -53,10 +53,10 @@ class End:
 
 def agree_and_mark(ctx: DistContext, digest: int = 0,
                    timeout_s: float = AGREEMENT_TIMEOUT_S) -> End:
-    """Whether every rank reached the end; if so, and every rank brought the same
-    ``digest`` (its replicated state: the caller's to compare, and to raise on), this
-    process is marked as ended for its agent. A peer that failed or never came makes it
-    not agreed (logged here; the caller raises)."""
+    """Whether every rank reached the end; if so, this process is marked as ended for
+    its agent. A peer that failed or never came makes it not agreed (logged here; the
+    caller raises). ``digest``: this rank's replicated state, reduced in the same
+    all-reduce (the largest and smallest come back, for the caller to compare)."""
     end = End(True, digest, digest)
     if ctx.initialized:
         try:
@@ -68,8 +68,6 @@ def agree_and_mark(ctx: DistContext, digest: int = 0,
             return End(False)
         log.info("run.end_agreed")
         end = End(True, highest, -neg_lowest)
-        if end.highest != end.lowest:
-            return end  # replicas apart: no success to mark
     directory = os.environ.get(END_DIR_VAR)
     if directory:
         mark = Path(directory) / f"{_PREFIX}{os.getpid()}"

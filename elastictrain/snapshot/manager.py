@@ -441,8 +441,8 @@ class SnapshotManager:
         if self._restart is not None:  # its saves are done and it takes no more steps:
             self._restart.ready()  # a restart for a joining node need not wait for it
             self._restart.close()
-        # The replicas end as one, or the run is no success (compared in the agreement).
-        digest = self._train.replica_digest()
+        # The replicas' parameters, compared in the end agreement's own all-reduce.
+        digest = self._train.replica_digest(parameters_only=True)
         end = runend.agree_and_mark(self.ctx, 0 if digest is None else digest)
         if not end.agreed:
             # The rescue stays armed and the node's memory snapshots stay: the error
@@ -453,9 +453,8 @@ class SnapshotManager:
                 f"close() within {runend.AGREEMENT_TIMEOUT_S:.0f} s (run.end_not_agreed "
                 "says which); the launcher restarts the workers, which resume from the "
                 "newest snapshot and finish the run")
-        if digest is not None:  # every rank alike: exit 78, the run is no success
-            replica_check.compare(self.ctx, digest, end.highest, end.lowest,
-                                  f"at the end of the run (step {self.step_count})")
+        equal = None if digest is None else replica_check.report_end(
+            self.ctx, digest, end.highest, end.lowest, self.step_count)
         # The end's record first, the teardown after: a node lost from here on takes
         # less of the record with it.
         weights = None
@@ -465,7 +464,7 @@ class SnapshotManager:
         if self.ctx.rank == 0:
             runtime.log_finished(**{"final_step": self.step_count, "epoch": self.epoch,
                                     "param_digest": weights,
-                                    "replicas_equal": None if digest is None else True,
+                                    "replicas_equal": equal,
                                     **finished})
         # This node's memory goes before the record stream ends: that waits (bounded)
         # for the other nodes, and a node lost now never answers.

@@ -166,13 +166,19 @@ class TrainingState:
         reseed_for_new_world(rng_states[0], self.step, self._ctx.rank)
         return "reseeded"
 
-    def replica_digest(self) -> int | None:
-        """The digest every rank of replicated state shares (snapshot/replica_check.py);
-        None for sharded state, which differs per rank by design."""
+    def replica_digest(self, parameters_only: bool = False) -> int | None:
+        """The digest every rank of replicated state shares (snapshot/replica_check.py):
+        of everything a snapshot holds of the model and optimizer, or of the parameters
+        alone (``parameters_only``: after training, when buffers may differ per rank, as
+        BatchNorm's do under ``DistributedDataParallel(broadcast_buffers=False)``). None
+        for sharded state, which differs per rank by design."""
         if self._saver_holds_model:
             return None
+        model = unwrap(self.model)
+        if parameters_only:
+            return replica_check.state_digest(dict(model.named_parameters()), None, self.step)
         return replica_check.state_digest(
-            unwrap(self.model).state_dict(),
+            model.state_dict(),
             self.optimizer.state_dict() if self.optimizer is not None else None, self.step)
 
     def resume_fields(self, payload: dict[str, Any], rng_rule: str) -> dict[str, Any]:

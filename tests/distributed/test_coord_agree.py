@@ -31,6 +31,7 @@ def _failing_rank(rank: int, tmp: str, port: int, per_step_collective: bool) -> 
     if per_step_collective:  # preemption on: one small all-reduce every step
         preempt.install(PreemptConfig(signals=[]), poll=False)
     store = FailingStore(open_store(f"{tmp}/run"), failures=10**6)
+    torch.manual_seed(0)  # one replica on every rank, as DDP makes it
     snap = SnapshotManager(store, model=torch.nn.Linear(4, 4), ctx=ctx, every_steps=3,
                            max_consecutive_failures=1, retry_backoff_s=0.01)
     raised, sums = [], []
@@ -69,6 +70,7 @@ def _no_ctx_rank(rank: int, tmp: str, port: int, via_init: bool) -> None:
         et.init(storage={"url": f"{tmp}/run"})
     else:
         dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)  # one replica on every rank, as DDP makes it
     snap = SnapshotManager(f"{tmp}/run", model=torch.nn.Linear(4, 4), every_steps=1)
     torch.manual_seed(100 + rank)  # each rank's RNG differs
     expected = capture_rng()

@@ -1,7 +1,8 @@
-"""Two real ranks over gloo: replicas that hold different states after a restore, or at
-the end of the run, stop the run on every rank (``ReplicasDiverged``, exit 78) instead of
-training on, or reporting success (snapshot/replica_check.py). The fault: one rank's
-parameters changed behind the manager's back (as a replica rebuilt wrong would be)."""
+"""Two real ranks over gloo: replicas that hold different states after a restore stop
+the run on every rank (``ReplicasDiverged``, exit 78) instead of training on; replicas
+that end apart are reported at ``close()`` (``run.replicas_diverged``,
+``replicas_equal: false``) (snapshot/replica_check.py). The fault: one rank's parameters
+changed behind the manager's back (as a replica rebuilt wrong would be)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from structlog.testing import capture_logs
 
 from elastictrain.errors import EXIT_FATAL, ReplicasDiverged
 from elastictrain.snapshot.manager import SnapshotManager
@@ -68,23 +70,33 @@ def _rank(rank: int, tmp: str, port: int, when: str) -> None:
         if rank == 1:
             with torch.no_grad():
                 next(snap.model.parameters()).mul_(1.0000001)
-        result = _outcome(snap.close)
-        result["ended"] = bool(list(Path(tmp).glob("ended-*")))
+        with capture_logs() as logs:
+            result = _outcome(snap.close)
+        result["events"] = [{k: e.get(k) for k in ("event", "replicas_equal", "digests")}
+                            for e in logs if e["event"] in ("run.replicas_diverged",
+                                                            "run.finished")]
     Path(f"{tmp}/{when}-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("when", ["restore", "close"])
-def test_replicas_apart_stop_every_rank(tmp_path: Path, when: str,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ELASTICTRAIN_END_DIR", str(tmp_path))  # the agent's marks
-    _join(tmp_path, _rank, when)
-    results = [json.loads((tmp_path / f"{when}-{r}.json").read_text()) for r in (0, 1)]
+def test_replicas_apart_after_a_restore_stop_every_rank(tmp_path: Path) -> None:
+    _join(tmp_path, _rank, "restore")
+    results = [json.loads((tmp_path / f"restore-{r}.json").read_text()) for r in (0, 1)]
     for result in results:
         assert result["raised"] == "ReplicasDiverged", results
         assert result["code"] == EXIT_FATAL
         assert "ranks [0]" in result["message"] and "ranks [1]" in result["message"]
-        assert when == "restore" or not result["ended"]  # no rank marked a success
+
+
+def test_replicas_apart_at_the_end_are_reported(tmp_path: Path) -> None:
+    _join(tmp_path, _rank, "close")
+    r0, r1 = (json.loads((tmp_path / f"close-{r}.json").read_text()) for r in (0, 1))
+    assert r0["raised"] is None and r1["raised"] is None  # the end stands
+    diverged, finished = r0["events"]
+    assert diverged["event"] == "run.replicas_diverged"
+    assert "ranks [0]" in diverged["digests"] and "ranks [1]" in diverged["digests"]
+    assert (finished["event"], finished["replicas_equal"]) == ("run.finished", False)
+    assert r1["events"] == []  # rank 0 reports
 
 
 def _equal_rank(rank: int, tmp: str, port: int) -> None:
@@ -92,14 +104,17 @@ def _equal_rank(rank: int, tmp: str, port: int) -> None:
     snap = _manager(tmp, ctx)
     snap.restore()
     _train(snap, 3)
-    snap.close()
+    with capture_logs() as logs:
+        snap.close()
+    equal = [e["replicas_equal"] for e in logs if e["event"] == "run.finished"]
     again = _manager(tmp, ctx)
     info = again.restore()
-    Path(f"{tmp}/equal-{rank}.json").write_text(json.dumps({"from": info.from_step}))
+    Path(f"{tmp}/equal-{rank}.json").write_text(json.dumps({"from": info.from_step,
+                                                            "equal": equal}))
     dist.destroy_process_group()
 
 
 def test_equal_replicas_restore_and_end(tmp_path: Path) -> None:
     _join(tmp_path, _equal_rank)
     assert [json.loads((tmp_path / f"equal-{r}.json").read_text()) for r in (0, 1)] == \
-        [{"from": 2}] * 2
+        [{"from": 2, "equal": [True]}, {"from": 2, "equal": []}]
