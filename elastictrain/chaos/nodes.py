@@ -54,7 +54,6 @@ class Node:
     shm: Path
     started_ts: float = 0.0
     lost_ts: float | None = None  # when the harness froze or killed it
-    degraded: bool = False  # started on a shared-memory root elastictrain refuses
 
     @property
     def name(self) -> str:
@@ -136,7 +135,7 @@ class NodeJob:
         job = Job(self.spec_for(node_dir, self.store.port), env,
                   node_dir, f"{self.marker}/node{index}.{incarnation}")
         node_dir.mkdir(parents=True, exist_ok=True)
-        node = Node(index, incarnation, job, shm, started_ts=time.time(), degraded=degraded)
+        node = Node(index, incarnation, job, shm, started_ts=time.time())
         job.launch()
         self.nodes.append(node)
         return node

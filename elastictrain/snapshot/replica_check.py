@@ -83,13 +83,7 @@ def check(ctx: DistContext, digest: int, when: str) -> None:
     if not ctx.initialized or ctx.world_size == 1:
         return
     highest, neg_lowest = ctx.all_reduce_max([digest, -digest])
-    compare(ctx, digest, highest, -neg_lowest, when)
-
-
-def compare(ctx: DistContext, digest: int, highest: int, lowest: int, when: str) -> None:
-    """(every rank) Given the largest and smallest digest over the ranks (one
-    all-reduce of ``[digest, -digest]``), raise ``ReplicasDiverged`` unless equal."""
-    if highest == lowest:
+    if highest == -neg_lowest:
         return
     raise ReplicasDiverged(
         f"{when} the ranks hold different states ({_described(ctx, digest)}): "
