@@ -100,6 +100,10 @@ class SnapshotConfig(_Model):
     auto_min_interval_s: float = Field(default=1.0, gt=0)
     auto_max_interval_s: float = Field(default=3600.0, gt=0)
     keep: int = Field(default=3, ge=1)
+    # close() commits a durable snapshot of the last step unless one exists: a relaunch
+    # of the finished run, or a restart for a node that joins while the workers close,
+    # resumes there instead of training the steps since the last snapshot again.
+    save_on_close: bool = True
     mode: Literal["sync", "async"] = "async"
     persister: Literal["thread", "process"] = "thread"  # the two compared: docs/persister.md
     # "low": the persister thread or process runs at nice +10 and best-effort I/O level 7,

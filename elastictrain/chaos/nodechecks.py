@@ -116,9 +116,11 @@ def complete_memory_step(newest: dict[str, Copy | None], peer_restore: bool,
 
 def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLife],
                        records: Sequence[dict[str, Any]], expect: Expectation,
-                       losses: Sequence[Loss] | Loss | None) -> str | None:
+                       losses: Sequence[Loss] | Loss | None,
+                       strict_joins: Sequence[float] = ()) -> str | None:
     """Every resume read from the newest complete copy and lost no more than allowed
-    (``losses``: the trial's node losses, in order)."""
+    (``losses``: the trial's node losses, in order; ``strict_joins``: when a node
+    joined while the job paused, each such join to cost no step)."""
     losses = [losses] if isinstance(losses, Loss) else list(losses or [])
     resumes = sorted((e for e in events if e.get("event") == "resume" and e.get("rank") == 0),
                      key=lambda e: float(e["ts"]))
@@ -163,6 +165,12 @@ def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLif
                 allowed = 1
             if not after_loss and saved_for_restart(events, previous, ts):
                 allowed = 0  # a join: the group saved the step it stood at first
+            paused_join = not after_loss and any(previous < t < ts for t in strict_joins)
+            if paused_join:
+                allowed = 0  # the pause outlasts no rescue timeout: the step is saved
+            if paused_join and lost > allowed:
+                return (f"{where} lost {lost} steps at a join during a pause (from step "
+                        f"{start}; allowed 0)")
             if lost > allowed:
                 return f"{where} lost {lost} steps (from step {start}; allowed {allowed})"
         previous = ts

@@ -63,6 +63,8 @@ _POLL_S = 0.05
 # A replacement that never got to join (the others had ended the run already) is
 # stopped this long after the last of the others exited.
 ORPHAN_GRACE_S = 30.0
+# A trial with a pause runs its workers' watchdogs this much longer than the pause.
+PAUSE_WATCHDOG_MARGIN_S = 5.0
 
 
 def peer_memory() -> bool:
@@ -162,6 +164,10 @@ class NodeTrial:
         self.injected: list[str] = []
         self.lost: set[str] = set()
         self.losses: list[Loss] = []  # the first, and a second (``second``)
+        # A pause in training while the lost node rejoins (``pause``): the paused PIDs
+        # and when they continue; the pauses whose join may cost no step (epoch s).
+        self._paused: tuple[list[int], float] | None = None
+        self.strict_joins: list[float] = []
         self.timed_out = False
         self.leftovers: list[int] = []
         self.wall_s = 0.0
@@ -188,7 +194,12 @@ class NodeTrial:
 
     def _env(self, secret: str) -> dict[str, str]:
         schedule = self.schedule
-        env = trial_env(str(self.storage), secret, self.opts.watchdog_timeout_s,
+        fault = schedule.node if schedule is not None else None
+        # A pause (SIGSTOP) stops a worker's watchdog thread with its training thread:
+        # a timeout under the pause would fire as they resume, before the next step.
+        watchdog_s = max(self.opts.watchdog_timeout_s,
+                         fault.pause_s + PAUSE_WATCHDOG_MARGIN_S if fault is not None else 0.0)
+        env = trial_env(str(self.storage), secret, watchdog_s,
                         schedule.storage if schedule is not None else None,
                         schedule.seed if schedule is not None else 0)
         if self.opts.script is not None:
@@ -263,6 +274,8 @@ class NodeTrial:
                 elif phase == "rejoin" and fault is not None and self.losses \
                         and self._trained_since(self.losses[0].ts) >= (
                             fault.rejoin_after_steps or 0):
+                    if fault.pause_s:
+                        self._pause(fault)
                     phase, back_ts = self._back(fault, rejoin=True)
                 elif phase == "replace" and fault is not None and phase_at is not None \
                         and now >= phase_at:
@@ -278,6 +291,7 @@ class NodeTrial:
                     phase, phase_at = ("frozen", now) if victim is not None else ("done", None)
                 if not running and phase in ("wait", "rejoin", "second", "done"):
                     break
+                self._continue_paused()
                 orphan_since = self._stop_orphan(running, orphan_since)
                 self.timed_out = time.monotonic() - started > self.timeout_s
                 time.sleep(_POLL_S)  # polling the agents and the fault clock
@@ -290,8 +304,39 @@ class NodeTrial:
             if not self.timed_out:
                 self.leftovers = self._wait_gone(10.0)
         finally:
+            self._continue_paused(at_once=True)
             self.job.close()
             self.wall_s = time.monotonic() - started
+
+    def _pause(self, fault: NodeFault) -> None:
+        """Pause every worker of the running nodes for ``fault.pause_s`` (an evaluation,
+        a wait for data: no step, the process alive), just before the lost node comes
+        back. Its join may cost no step (``strict_joins``) where a paused node can be
+        asked to save first: one on a refused shared-memory root has no rescue marks,
+        so no request reaches it (``degraded``)."""
+        running = self.job.running()
+        pids = [pid for node in running for pid in node.job.worker_pids().values()]
+        if not pids:
+            self.injected.append("pause: not injected (no worker running)")
+            return
+        for pid in pids:
+            signal_pid(pid, signal.SIGSTOP)
+        self._paused = (pids, time.monotonic() + fault.pause_s)
+        names = ", ".join(node.name for node in running)
+        if any(node.index != fault.degraded for node in running):
+            self.strict_joins.append(time.time())
+            note = "its join may cost no step"
+        else:
+            note = "every paused node degraded: no save request reaches it"
+        self.injected.append(f"pause: SIGSTOP {len(pids)} worker(s) of {names} for "
+                             f"{fault.pause_s:g}s as node{fault.node} rejoins ({note})")
+
+    def _continue_paused(self, at_once: bool = False) -> None:
+        """SIGCONT the paused workers once their pause is over (or now)."""
+        if self._paused is not None and (at_once or time.monotonic() >= self._paused[1]):
+            for pid in self._paused[0]:
+                signal_pid(pid, signal.SIGCONT)
+            self._paused = None
 
     def _second_due(self, fault: NodeFault, back_ts: float) -> bool:
         """Whether the second loss is due: the node that came back resumed with the
@@ -458,7 +503,7 @@ class NodeTrial:
             check_agents(self.exit_codes(), self.lost, self.timed_out),
             checks.check_snapshots(open_store(str(self.storage))),
             checks.check_replicas(events),
-            check_node_resumes(events, lives, marks, expect, self.losses),
+            check_node_resumes(events, lives, marks, expect, self.losses, self.strict_joins),
             checks.check_leftovers(self.leftovers),
             checks.check_secret(secret, self.workdir),
         ]

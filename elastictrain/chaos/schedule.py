@@ -43,7 +43,10 @@ STANDBY_FAULTS = ("standby_stop", "standby_kill", "pid_recycle")
 # ``second`` (with ``node`` only): once the lost node is back (replaced, or rejoining)
 # and the job has trained 1-5 more steps (drawn), a node is lost again, abruptly (the
 # one that came back or another, drawn), and replaced: a loss after a replacement.
-NODE_FAULTS = ("node", "join", "stale", "degraded", "second")
+# ``pause`` (with ``node,join``): on half the trials where the lost node rejoins, the
+# running nodes' workers are paused (SIGSTOP, 1-6 s, drawn) as it starts: the job is
+# evaluating, or waiting for data, when the node joins; the join may cost no step.
+NODE_FAULTS = ("node", "join", "stale", "degraded", "second", "pause")
 ALL_KINDS = (*FAULT_KINDS, *MEMORY_FAULTS, *STANDBY_FAULTS, *NODE_FAULTS)
 
 
@@ -122,6 +125,8 @@ class NodeFault:
         second: the node (an index) lost a second time, abruptly, once the lost node is
             back and the job trained ``second_after_steps`` more steps (``second``); it
             is replaced. None: no second loss.
+        pause_s: the running nodes' workers are paused (SIGSTOP) this long from the
+            moment the lost node rejoins (``pause``); 0: no pause.
     """
 
     at_step: int | None
@@ -136,11 +141,13 @@ class NodeFault:
     degraded: int | None = None
     second: int | None = None
     second_after_steps: int = 0
+    pause_s: float = 0.0
 
     def describe(self) -> str:
         how = f"silent {self.hold_s:g}s" if self.silent else "abrupt"
+        paused = f" during a {self.pause_s:g}s pause" if self.pause_s else ""
         then = (f"replaced +{self.replace_after_s:g}s" if self.replace
-                else f"not replaced, rejoins after {self.rejoin_after_steps} step(s)"
+                else f"not replaced, rejoins after {self.rejoin_after_steps} step(s){paused}"
                 if self.rejoin_after_steps is not None else "not replaced")
         when = (f"start+{self.at_s:.1f}s" if self.at_step is None
                 else f"step{self.at_step}+{self.at_s:.2f}s")
@@ -183,7 +190,10 @@ def parse_kinds(text: str) -> tuple[str, ...]:
         raise ConfigError(f"--faults={text!r}: unknown or empty fault kind {unknown}; fix: "
                           f"choose from {','.join(ALL_KINDS)}")
     others = [k for k in kinds if k not in (*NODE_FAULTS, "storage")]
-    for kind in ("join", "stale", "degraded", "second"):
+    if "pause" in kinds and "join" not in kinds:
+        raise ConfigError(f"--faults={text!r}: pause is a pause in training while a lost node "
+                          "rejoins, so it needs join; fix: --faults node,join,pause")
+    for kind in ("join", "stale", "degraded", "second", "pause"):
         if kind in kinds and "node" not in kinds:
             raise ConfigError(f"--faults={text!r}: {kind} is a lost node coming back, so it "
                               f"needs node; fix: --faults node,{kind}")
@@ -265,6 +275,10 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
         second_rng = random.Random(s ^ 0x7365636F)  # its own stream, as above
         node = replace_fields(node, second=second_rng.randrange(nodes),
                               second_after_steps=second_rng.randint(1, 5))
+    if node is not None and "pause" in kinds and node.rejoin_after_steps is not None:
+        pause_rng = random.Random(s ^ 0x70617573)  # its own stream, as above
+        if pause_rng.random() < 0.5:
+            node = replace_fields(node, pause_s=round(pause_rng.uniform(1.0, 6.0), 1))
     return Schedule(trial=trial, seed=s, faults=tuple(sorted(faults, key=lambda f: f.at_s)),
                     storage=storage, memory=tuple(sorted(memory, key=lambda f: f.at_s)),
                     node=node)

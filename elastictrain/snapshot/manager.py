@@ -160,6 +160,9 @@ class SnapshotManager:
         self._progress = ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
         self._preempt = setup.preemption
         self._stepped = False  # staging is prepared again at the first step (see step())
+        # The step a durable snapshot holds, saved or restored by this process (None:
+        # none yet): close() saves the last step when it is another.
+        self._durable_step: int | None = None
 
     # -- the training loop's objects and position -----------------------------------------
     @property
@@ -238,6 +241,8 @@ class SnapshotManager:
         previous_high = None if highest < 0 else highest
         info = apply_and_report(loaded, self._train, self.ctx, previous_high, outcome,
                                 self.config.restore_mode, started)
+        if loaded is not None and loaded.tier != "memory":
+            self._durable_step = self.step_count
         if loaded is not None:
             # The restored step is the last save: intervals count from it, not from
             # step 0 (with every_steps="auto" the steps since 0 made a wrong step time).
@@ -337,6 +342,7 @@ class SnapshotManager:
             rng, (failed_step,) = self.ctx.gather_object(capture_rng(),
                                                          agree=[self._failed_step()])
             self._schedule.durable_taken(self.step_count)
+            self._durable_step = self.step_count
             if failed_step:
                 self._raise_failed(failed_step)
             if not self._persists_here():
@@ -415,6 +421,15 @@ class SnapshotManager:
         if self._memory is not None:
             self._memory.wait_in_flight(self.step_count)
 
+    def _save_last_step(self) -> None:
+        """A durable snapshot of the step the run ends at, unless one exists or
+        ``snapshot.save_on_close`` is off (every rank decides alike: the step, and the
+        durable snapshot saved or restored, are the same on every rank). Before the
+        ready mark in close(), so a restart for a node joining now resumes from it too."""
+        if (self.config.save_on_close and self.step_count > 0
+                and self.step_count != self._durable_step):
+            self._last_handle = self._save(copy_behind=False)
+
     def close(self, **finished: Any) -> None:
         """Wait for the save in flight and release the persister (same watchdog rule);
         the writer logs the final parameters' digest (``params.digest``: equal digests,
@@ -436,6 +451,7 @@ class SnapshotManager:
                 restart that finishes the run.
         """
         self._fence.remove()
+        self._save_last_step()
         self._saver.close()
         self._node_memory.finish_saves()
         if self._restart is not None:  # its saves are done and it takes no more steps:
@@ -465,6 +481,7 @@ class SnapshotManager:
             runtime.log_finished(**{"final_step": self.step_count, "epoch": self.epoch,
                                     "param_digest": weights,
                                     "replicas_equal": equal,
+                                    "snapshot_step": self._durable_step,
                                     **finished})
         # This node's memory goes before the record stream ends: that waits (bounded)
         # for the other nodes, and a node lost now never answers.

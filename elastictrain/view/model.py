@@ -49,7 +49,8 @@ class RunState:
     last_ts: float | None = None
     finished: str | None = None  # "finished", "preempted", "fatal", … once the run ended
     lost_steps: int = 0  # summed over the resumes (rank 0's)
-    final_snapshot: int | None = None  # the step of the final snapshot after a notice
+    # The step of the final snapshot: after a notice, or at a finished run's close()
+    final_snapshot: int | None = None
     events: int = 0
     agent_seen: bool = False  # launched by elastictrain run/demo: the agent logs the end
     ended: bool = False  # nothing more will be written (the launcher or, without one, rank 0)
@@ -279,7 +280,11 @@ def _run_finished(state: RunState, e: dict[str, Any]) -> _Out:
     state.step = max(state.step, int(e.get("final_step") or 0))
     if e.get("final_loss") is not None:
         state.loss = float(e["final_loss"])
-    return "end", f"training finished at step {e.get('final_step')}"
+    saved = e.get("snapshot_step")
+    if isinstance(saved, int):
+        state.final_snapshot = saved
+    at = f"training finished at step {e.get('final_step')}"
+    return "end", at if not isinstance(saved, int) else f"{at}, snapshot of step {saved}"
 
 
 def _agent_end(state: RunState, e: dict[str, Any]) -> _Out:

@@ -310,6 +310,42 @@ def test_degraded_draws_a_node_on_some_trials_and_replays_the_loss() -> None:
     assert 10 <= len(degraded) <= 30 and set(degraded) == {0, 1, 2}
 
 
+def test_pause_draws_a_pause_on_some_rejoins_and_replays_the_rest() -> None:
+    """``pause``: on about half the trials whose lost node rejoins, the job pauses as it
+    does (1-6 s); everything else is drawn as without ``pause``."""
+    kinds = ("node", "join")
+    plain = [make_schedule(4, t, kinds, 30.0, 2, nodes=2).node for t in range(80)]
+    drawn = [make_schedule(4, t, (*kinds, "pause"), 30.0, 2, nodes=2).node for t in range(80)]
+    for without, with_pause in zip(plain, drawn, strict=True):
+        assert without is not None and with_pause is not None
+        assert replace(with_pause, pause_s=0.0) == without
+        if with_pause.pause_s:
+            assert with_pause.rejoin_after_steps is not None
+            assert 1.0 <= with_pause.pause_s <= 6.0
+            assert f"during a {with_pause.pause_s:g}s pause" in with_pause.describe()
+    rejoins = [f for f in drawn if f is not None and f.rejoin_after_steps is not None]
+    paused = [f for f in rejoins if f.pause_s]
+    assert 0.25 * len(rejoins) <= len(paused) <= 0.75 * len(rejoins)
+    with pytest.raises(ConfigError, match="pause is a pause in training"):
+        parse_kinds("node,pause")
+    assert parse_kinds("node,join,pause") == ("node", "join", "pause")
+
+
+def test_a_join_during_a_pause_may_lose_no_step() -> None:
+    """The job paused as node b came back (at 20.5): the join's restart waits for the
+    pause to end and saves the step it stood at, so the resume starts at step 15 even
+    where the group's save never showed (a save that did not happen is the bug)."""
+    at_15 = [*BEFORE, memory(21, "a.0", 15, 0),
+             ev("resume", 22, "a.0", from_step=15, tier="memory")]
+    assert check_node_resumes(at_15, [A], trained(15, 2), PEER, None, [20.5]) is None
+    at_12 = [*BEFORE, ev("resume", 22, "a.0", from_step=12, tier="memory")]
+    assert check_node_resumes(at_12, [A], trained(15, 2), PEER, None) is None
+    found = check_node_resumes(at_12, [A], trained(15, 2), PEER, None, [20.5])
+    assert "lost 3 steps at a join during a pause" in str(found)
+    # A pause whose join came after the loss the resume follows is that loss's.
+    assert check_node_resumes(at_12, [A, B], trained(15, 2), LOCAL, Loss(20, False),
+                              [20.5]) is None
+
 
 @pytest.mark.processes
 def test_a_node_counts_as_halted_only_once_every_thread_stopped() -> None:

@@ -24,7 +24,15 @@ import pytest
 from elastictrain.env import SHM_VAR
 from elastictrain.localfiles import user_dir_name
 from tests.helpers import events, free_port, wait_for
-from tests.memtier.test_memtier_e2e import PARK, Agents, _log, _runs_job, _wait_parked, agents
+from tests.memtier.test_memtier_e2e import (
+    PARK,
+    STEPS,
+    Agents,
+    _log,
+    _runs_job,
+    _wait_parked,
+    agents,
+)
 from tests.memtier.test_peer_e2e import _kill_node
 
 pytestmark = [pytest.mark.distributed, pytest.mark.processes]
@@ -168,6 +176,44 @@ def test_a_node_joining_while_the_workers_evaluate_repeats_no_step(
         [(PARK + 1, "memory", 2)] * 2
     finals = events(ev, "params.rank_digest")
     assert len(finals) == 2 and len({e["param_digest"] for e in finals}) == 1, finals
+
+
+@pytest.mark.timeout(600)
+def test_a_node_joining_while_the_workers_close_repeats_no_step(
+        tmp_path: Path, agents: Agents) -> None:
+    """(d) Node A alone trains its last step, 30 (durable 20, no memory snapshot since
+    step 1), evaluates for 3 s and closes the run; node B joins meanwhile. close() saves
+    step 30 before it tells the agent it is ready, so the group that takes B in resumes
+    at 30 and trains nothing again (a closing worker that was ready at once, before any
+    save, sent it back to step 20). Where A's worker ends before its agent restarts it,
+    the run is simply over: no resume before step 30 either way."""
+    common: dict[str, Any] = {
+        "nnodes": "1:2", "endpoint": f"127.0.0.1:{free_port()}", "park": STEPS,
+        "gates": tmp_path / "gates", "extra": ("--memory-every=1000", "--eval-s=3")}
+    root, ev = tmp_path / "run", tmp_path / "ev"
+    node_a = agents.start("a", root, tmp_path / "mem-a", is_host=1, **common)
+    _wait_parked(tmp_path / "gates", 1)
+    node_b = agents.start("b", root, tmp_path / "mem-b", is_host=0, **common)
+    wait_for(lambda: _membership_restart(ev / "a"), 120, "A's agent to take node B in")
+    (tmp_path / "gates" / "go").write_text("")  # the evaluation (3 s), then close()
+    assert node_a.wait(timeout=300) == 0, _log(agents)
+    assert node_b.wait(timeout=120) == 0, _log(agents)
+
+    committed = [e["snapshot_step"] for e in events(ev / "a", "snapshot.committed")
+                 if e.get("tier") != "memory"]
+    assert committed.count(STEPS) == 1, committed  # saved once, by close()
+    late = [e for e in events(ev, "resume") if e["from_step"] is not None
+            and e["from_step"] < STEPS and e["ts"] > _parked_at(tmp_path / "gates")]
+    assert not late, late
+    # A's group finished, and the group that took B in too (it trained nothing).
+    ends = [(e["final_step"], e["snapshot_step"]) for e in events(ev, "run.finished")
+            if e["ts"] > _parked_at(tmp_path / "gates")]
+    assert ends and set(ends) == {(STEPS, STEPS)}, ends
+
+
+def _parked_at(gates: Path) -> float:
+    """When the first park released (the go file's time)."""
+    return (gates / "go").stat().st_mtime
 
 
 @pytest.mark.timeout(600)

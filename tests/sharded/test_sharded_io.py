@@ -36,7 +36,9 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _saved_run(url: str, until: int = 10, mode: str = "async") -> None:
-    model, opt, sched, sampler, snap = build(url, sharded=True, mode=mode)
+    """A run that ends after step ``until`` as a killed one does: no final save."""
+    model, opt, sched, sampler, snap = build(url, sharded=True, mode=mode,
+                                             save_on_close=False)
     train(model, opt, sched, sampler, snap, until)
     snap.close()
 

@@ -50,7 +50,8 @@ def test_resume_is_bit_exact(tmp_path: Path) -> None:
     ref = build(str(tmp_path / "ref"))
     ref_losses = train(*ref, until=23)
     ref[4].close()
-    interrupted = build(str(tmp_path / "run"))
+    # Ends as a process that dies after step 17 does: without close()'s final save.
+    interrupted = build(str(tmp_path / "run"), save_on_close=False)
     train(*interrupted, until=17)  # last snapshot at 15: steps 16, 17 are lost
     interrupted[4].close()
     resumed = build(str(tmp_path / "run"), progress_dir=tmp_path / "progress")
@@ -87,7 +88,7 @@ def test_fresh_start_reports_no_resume(tmp_path: Path) -> None:
 
 
 def test_lost_steps_come_from_progress_marker(tmp_path: Path) -> None:
-    first = build(str(tmp_path / "run"), progress_dir=tmp_path / "p")
+    first = build(str(tmp_path / "run"), progress_dir=tmp_path / "p", save_on_close=False)
     train(*first, until=13)
     first[4].close()
     *_, snap = build(str(tmp_path / "run"), progress_dir=tmp_path / "p")
@@ -101,9 +102,40 @@ def test_lost_steps_come_from_progress_marker(tmp_path: Path) -> None:
 def test_lost_steps_count_another_ranks_marker_on_this_node(tmp_path: Path) -> None:
     """After a node is replaced the rendezvous may swap ranks: the worker that ran as
     rank 1 here comes back as rank 0, and still reports the steps this node lost."""
-    first = build(str(tmp_path / "run"), progress_dir=tmp_path / "p")
+    first = build(str(tmp_path / "run"), progress_dir=tmp_path / "p", save_on_close=False)
     train(*first, until=13)
     first[4].close()
     (tmp_path / "p" / "progress-rank0").rename(tmp_path / "p" / "progress-rank1")
     *_, snap = build(str(tmp_path / "run"), progress_dir=tmp_path / "p")
     assert snap.restore().lost_steps == 3
+
+
+def test_close_saves_the_last_step_once_and_a_relaunch_trains_nothing(tmp_path: Path) -> None:
+    """The run ends at step 13 (snapshots every 5): close() commits 13 and names it in
+    run.finished; the same run again resumes at 13 and, training nothing, saves
+    nothing more; with save_on_close off the newest stays 10."""
+    url = str(tmp_path / "run")
+    first = build(url)
+    train(*first, until=13)
+    with capture_logs() as logs:
+        first[4].close()
+    assert list_snapshot_dirs(first[4].store) == [13, 10]
+    (finished,) = [e for e in logs if e["event"] == "run.finished"]
+    assert (finished["final_step"], finished["snapshot_step"]) == (13, 13)
+    again = build(url)
+    assert again[4].restore().from_step == 13
+    with capture_logs() as logs:
+        train(*again, until=13)  # the loop's end is reached: no step
+        again[4].close()
+    assert not [e for e in logs if e["event"].startswith("snapshot.")], logs
+    (finished,) = [e for e in logs if e["event"] == "run.finished"]
+    assert finished["snapshot_step"] == 13
+
+    off = str(tmp_path / "off")
+    unsaved = build(off, save_on_close=False)
+    train(*unsaved, until=13)
+    with capture_logs() as logs:
+        unsaved[4].close()
+    assert list_snapshot_dirs(unsaved[4].store) == [10, 5]
+    (finished,) = [e for e in logs if e["event"] == "run.finished"]
+    assert finished["snapshot_step"] == 10

@@ -107,7 +107,8 @@ def test_a_paced_persist_lasts_at_least_its_bytes_over_the_rate(
     url = str(tmp_path / "run")
     with capture_logs() as logs:
         model, opt, sched, sampler, snap = build(url, sharded=sharded, persister=persister,
-                                                 persist_max_mb_s=_RATE_MB_S)
+                                                 persist_max_mb_s=_RATE_MB_S,
+                                                 save_on_close=False)  # as if killed at 8
         train(model, opt, sched, sampler, snap, until=8)
         snap.wait()  # at the pace: close() would lift it
         snap.close()
