@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from dataclasses import replace as replace_fields
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,10 @@ _POLL_S = 0.05
 # A replacement that never got to join (the others had ended the run already) is
 # stopped this long after the last of the others exited.
 ORPHAN_GRACE_S = 30.0
-# A trial with a pause runs its workers' watchdogs this much longer than the pause.
+# A pause lasts until the paused nodes' agents restart for the joining node (at most
+# PAUSE_JOIN_WAIT_S), then ``pause_s`` more; the workers' watchdogs run longer than all
+# of it, by PAUSE_WATCHDOG_MARGIN_S.
+PAUSE_JOIN_WAIT_S = 30.0
 PAUSE_WATCHDOG_MARGIN_S = 5.0
 
 
@@ -145,6 +149,32 @@ def expectation(opts: ChaosOptions, clean_events: list[dict[str, Any]]) -> Expec
                        cross_node_rescue=peer)
 
 
+@dataclass
+class Pause:
+    """Workers paused (SIGSTOP) as a node joins: ``pids``, on the nodes whose events are
+    in ``events_dirs``, since ``since`` (epoch s). They continue ``pause_s`` after an
+    agent there restarts for the join (or ``wait_until``, monotonic, passes first)."""
+
+    pids: list[int]
+    events_dirs: list[Path]
+    since: float
+    wait_until: float
+    pause_s: float
+    until: float | None = None  # monotonic: when they continue, once the join was seen
+    _checked: float = 0.0
+
+    def join_seen(self) -> bool:
+        """Whether a paused node's agent restarted for a membership change (read at
+        most every 0.25 s: each read parses the nodes' logs)."""
+        now = time.monotonic()
+        if now - self._checked < 0.25:
+            return False
+        self._checked = now
+        return any(e.get("event") == "agent.restart" and e.get("reason") == "membership_change"
+                   and float(e.get("ts") or 0.0) > self.since
+                   for d in self.events_dirs for e in events_of(d))
+
+
 class NodeTrial:
     """One job on several agents (clean, or a trial losing one node)."""
 
@@ -166,7 +196,7 @@ class NodeTrial:
         self.losses: list[Loss] = []  # the first, and a second (``second``)
         # A pause in training while the lost node rejoins (``pause``): the paused PIDs
         # and when they continue; the pauses whose join may cost no step (epoch s).
-        self._paused: tuple[list[int], float] | None = None
+        self._paused: Pause | None = None
         self.strict_joins: list[float] = []
         self.timed_out = False
         self.leftovers: list[int] = []
@@ -198,7 +228,8 @@ class NodeTrial:
         # A pause (SIGSTOP) stops a worker's watchdog thread with its training thread:
         # a timeout under the pause would fire as they resume, before the next step.
         watchdog_s = max(self.opts.watchdog_timeout_s,
-                         fault.pause_s + PAUSE_WATCHDOG_MARGIN_S if fault is not None else 0.0)
+                         PAUSE_JOIN_WAIT_S + fault.pause_s + PAUSE_WATCHDOG_MARGIN_S
+                         if fault is not None and fault.pause_s else 0.0)
         env = trial_env(str(self.storage), secret, watchdog_s,
                         schedule.storage if schedule is not None else None,
                         schedule.seed if schedule is not None else 0)
@@ -309,11 +340,12 @@ class NodeTrial:
             self.wall_s = time.monotonic() - started
 
     def _pause(self, fault: NodeFault) -> None:
-        """Pause every worker of the running nodes for ``fault.pause_s`` (an evaluation,
-        a wait for data: no step, the process alive), just before the lost node comes
-        back. Its join may cost no step (``strict_joins``) where a paused node can be
-        asked to save first: one on a refused shared-memory root has no rescue marks,
-        so no request reaches it (``degraded``)."""
+        """Pause every worker of the running nodes (an evaluation, a wait for data: no
+        step, the process alive) just before the lost node comes back, until their
+        agents restart to take it in and ``fault.pause_s`` after: the request to save
+        reaches workers that are paused. Its join may cost no step (``strict_joins``)
+        where a paused node can be asked to save first: one on a refused shared-memory
+        root has no rescue marks, so no request reaches it (``degraded``)."""
         running = self.job.running()
         pids = [pid for node in running for pid in node.job.worker_pids().values()]
         if not pids:
@@ -321,20 +353,29 @@ class NodeTrial:
             return
         for pid in pids:
             signal_pid(pid, signal.SIGSTOP)
-        self._paused = (pids, time.monotonic() + fault.pause_s)
+        self._paused = Pause(pids, [n.job.events_dir for n in running], time.time(),
+                             time.monotonic() + PAUSE_JOIN_WAIT_S, fault.pause_s)
         names = ", ".join(node.name for node in running)
         if any(node.index != fault.degraded for node in running):
             self.strict_joins.append(time.time())
             note = "its join may cost no step"
         else:
             note = "every paused node degraded: no save request reaches it"
-        self.injected.append(f"pause: SIGSTOP {len(pids)} worker(s) of {names} for "
-                             f"{fault.pause_s:g}s as node{fault.node} rejoins ({note})")
+        self.injected.append(f"pause: SIGSTOP {len(pids)} worker(s) of {names} until their "
+                             f"agents restart for node{fault.node}, then {fault.pause_s:g}s "
+                             f"({note})")
 
     def _continue_paused(self, at_once: bool = False) -> None:
         """SIGCONT the paused workers once their pause is over (or now)."""
-        if self._paused is not None and (at_once or time.monotonic() >= self._paused[1]):
-            for pid in self._paused[0]:
+        pause = self._paused
+        if pause is None:
+            return
+        if not at_once and pause.until is None:
+            if time.monotonic() >= pause.wait_until or pause.join_seen():
+                pause.until = time.monotonic() + pause.pause_s
+            return
+        if at_once or (pause.until is not None and time.monotonic() >= pause.until):
+            for pid in pause.pids:
                 signal_pid(pid, signal.SIGCONT)
             self._paused = None
 
