@@ -51,6 +51,22 @@ class End:
     lowest: int = 0
 
 
+def all_reached(ctx: DistContext, values: list[int],
+                timeout_s: float = AGREEMENT_TIMEOUT_S) -> list[int] | None:
+    """The element-wise max of ``values`` over the ranks once every rank brought its
+    own (an all-reduce bounded by ``timeout_s``), or None where a peer failed or did not
+    come in time (``run.end_not_agreed`` logged: the caller raises)."""
+    if not ctx.initialized:
+        return list(values)
+    try:
+        # A peer still finishing its last save (a slow upload that moves) is no hang.
+        with watchdog.busy("the end agreement"):
+            return ctx.all_reduce_max(values, timeout_s)
+    except Exception as exc:  # a peer gone or late: no agreed end
+        log.warning("run.end_not_agreed", error=f"{type(exc).__name__}: {exc}"[:300])
+        return None
+
+
 def agree_and_mark(ctx: DistContext, digest: int = 0,
                    timeout_s: float = AGREEMENT_TIMEOUT_S) -> End:
     """Whether every rank reached the end; if so, this process is marked as ended for
@@ -59,15 +75,11 @@ def agree_and_mark(ctx: DistContext, digest: int = 0,
     all-reduce (the largest and smallest come back, for the caller to compare)."""
     end = End(True, digest, digest)
     if ctx.initialized:
-        try:
-            # A peer still finishing its last save (a slow upload that moves) is no hang.
-            with watchdog.busy("the end agreement"):
-                highest, neg_lowest = ctx.all_reduce_max([digest, -digest], timeout_s)
-        except Exception as exc:  # a peer gone or late: no agreed end
-            log.warning("run.end_not_agreed", error=f"{type(exc).__name__}: {exc}"[:300])
+        reduced = all_reached(ctx, [digest, -digest], timeout_s)
+        if reduced is None:
             return End(False)
         log.info("run.end_agreed")
-        end = End(True, highest, -neg_lowest)
+        end = End(True, reduced[0], -reduced[1])
     directory = os.environ.get(END_DIR_VAR)
     if directory:
         mark = Path(directory) / f"{_PREFIX}{os.getpid()}"

@@ -423,11 +423,16 @@ class SnapshotManager:
 
     def _save_last_step(self) -> None:
         """A durable snapshot of the step the run ends at, unless one exists or
-        ``snapshot.save_on_close`` is off (every rank decides alike: the step, and the
-        durable snapshot saved or restored, are the same on every rank). Before the
+        ``snapshot.save_on_close`` is off. Its collectives run only once every rank has
+        reached close() (a bounded all-reduce that also agrees whether to save): a peer
+        lost or late there is no agreed end, as in the agreement below. Before the
         ready mark in close(), so a restart for a node joining now resumes from it too."""
-        if (self.config.save_on_close and self.step_count > 0
-                and self.step_count != self._durable_step):
+        wanted = int(self.config.save_on_close and self.step_count > 0
+                     and self.step_count != self._durable_step)
+        agreed = runend.all_reached(self.ctx, [wanted])
+        if agreed is None:
+            raise _end_not_agreed()
+        if agreed[0]:
             self._last_handle = self._save(copy_behind=False)
 
     def close(self, **finished: Any) -> None:
@@ -464,11 +469,7 @@ class SnapshotManager:
             # The rescue stays armed and the node's memory snapshots stay: the error
             # commits the last step to node memory (a peer's record of it included),
             # where the restart resumes from, instead of an older snapshot.
-            raise RunEndNotAgreed(
-                "the run's end was not agreed: a peer rank failed, or did not reach "
-                f"close() within {runend.AGREEMENT_TIMEOUT_S:.0f} s (run.end_not_agreed "
-                "says which); the launcher restarts the workers, which resume from the "
-                "newest snapshot and finish the run")
+            raise _end_not_agreed()
         equal = None if digest is None else replica_check.report_end(
             self.ctx, digest, end.highest, end.lowest, self.step_count)
         # The end's record first, the teardown after: a node lost from here on takes
@@ -488,3 +489,11 @@ class SnapshotManager:
         self._rescuer.disarm()
         self._node_memory.close()
         self._rescuer.close()
+
+
+def _end_not_agreed() -> RunEndNotAgreed:
+    return RunEndNotAgreed(
+        "the run's end was not agreed: a peer rank failed, or did not reach close() "
+        f"within {runend.AGREEMENT_TIMEOUT_S:.0f} s (run.end_not_agreed says which); the "
+        "launcher restarts the workers, which resume from the newest snapshot and finish "
+        "the run")
