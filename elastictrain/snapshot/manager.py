@@ -433,7 +433,11 @@ class SnapshotManager:
         if agreed is None:
             raise _end_not_agreed()
         if agreed[0]:
-            self._last_handle = self._save(copy_behind=False)
+            try:
+                self._last_handle = self._save(copy_behind=False)
+            except SnapshotWriteFailed as error:  # agreed alike: an earlier save gave up
+                log.warning("snapshot.last_step_unsaved", snapshot_step=self.step_count,
+                            error=str(error)[:300], action="the run ends without it")
 
     def close(self, **finished: Any) -> None:
         """Wait for the save in flight and release the persister (same watchdog rule);

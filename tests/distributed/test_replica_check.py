@@ -117,4 +117,4 @@ def _equal_rank(rank: int, tmp: str, port: int) -> None:
 def test_equal_replicas_restore_and_end(tmp_path: Path) -> None:
     _join(tmp_path, _equal_rank)
     assert [json.loads((tmp_path / f"equal-{r}.json").read_text()) for r in (0, 1)] == \
-        [{"from": 2, "equal": [True]}, {"from": 2, "equal": []}]
+        [{"from": 3, "equal": [True]}, {"from": 3, "equal": []}]  # close() saved step 3

@@ -79,8 +79,9 @@ def test_time_trigger_is_agreed_across_ranks(tmp_path: Path) -> None:
     _join(tmp_path, _time_trigger_rank)
     saved = [json.loads((tmp_path / f"saved-{r}.json").read_text()) for r in (0, 1)]
     assert saved[0] == saved[1] == [4, 8, 12]  # rank 1's clock never says "due"
+    # close() saved the last step, 14; keep=3 pruned 4.
     assert sorted(p.name for p in (tmp_path / "run" / layout.SNAPSHOTS).iterdir()) == [
-        "step_000000000004", "step_000000000008", "step_000000000012"]
+        "step_000000000008", "step_000000000012", "step_000000000014"]
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, snap: SnapshotManager,
