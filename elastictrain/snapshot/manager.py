@@ -435,7 +435,9 @@ class SnapshotManager:
         if agreed[0]:
             try:
                 self._last_handle = self._save(copy_behind=False)
-            except SnapshotWriteFailed as error:  # agreed alike: an earlier save gave up
+                if self._persists_here():
+                    self._saver.wait()  # its outcome here, not as close()'s error
+            except SnapshotWriteFailed as error:  # an earlier save, or this one, gave up
                 log.warning("snapshot.last_step_unsaved", snapshot_step=self.step_count,
                             error=str(error)[:300], action="the run ends without it")
 

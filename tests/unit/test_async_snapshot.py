@@ -68,7 +68,8 @@ def test_resume_is_bit_exact_with_every_persister(tmp_path: Path, persister: str
     *ref, ref_snap = make(str(tmp_path / "ref"), persister, every_steps=5)
     ref_losses = train(*ref, ref_snap, until=12)
     ref_snap.close()
-    *first, first_snap = make(str(tmp_path / "run"), persister, every_steps=5)
+    *first, first_snap = make(str(tmp_path / "run"), persister, every_steps=5,
+                              save_on_close=False)  # ends as if killed after step 8
     train(*first, first_snap, until=8)
     first_snap.close()
     *again, snap = make(str(tmp_path / "run"), persister, seed=1, every_steps=5)
@@ -105,7 +106,7 @@ def test_consecutive_failures_raise_at_the_next_save_once(tmp_path: Path,
                                                           persister: str) -> None:
     store = FailingStore(open_store(str(tmp_path)), failures=10**6)
     *live, snap = make(store, persister, every_steps=3, retry_backoff_s=0.01,
-                       max_consecutive_failures=2)
+                       max_consecutive_failures=2, save_on_close=False)  # no last save
     with capture_logs() as logs:
         train(*live, snap, until=3)
         handle = snap._last_handle
