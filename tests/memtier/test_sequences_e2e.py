@@ -149,15 +149,12 @@ def _membership_restart(ev: Path) -> bool:
     return any(e.get("reason") == "membership_change" for e in events(ev, "agent.restart"))
 
 
-@pytest.mark.timeout(600)
-def test_a_node_joining_while_the_workers_evaluate_repeats_no_step(
-        tmp_path: Path, agents: Agents) -> None:
-    """(c) Node A alone trains to step 25 (durable 20, no memory snapshot since step 1)
-    and evaluates for 3 s; node B joins meanwhile. A's agent asks for a save before the
-    restart: the evaluating worker is not ready until its next step, step 26, which it
-    saves; both resume 26, and no step is trained twice."""
+def _join_while_a_evaluates(tmp_path: Path, agents: Agents, park: int) -> Path:
+    """Node A alone (``--nnodes 1:2``, no memory snapshot after step 1) parks after step
+    ``park``; node B starts, and once A's agent has asked to take it in, A evaluates
+    for 3 s and trains on. Both launchers must end 0; the events' directory."""
     common: dict[str, Any] = {
-        "nnodes": "1:2", "endpoint": f"127.0.0.1:{free_port()}", "park": PARK,
+        "nnodes": "1:2", "endpoint": f"127.0.0.1:{free_port()}", "park": park,
         "gates": tmp_path / "gates", "extra": ("--memory-every=1000", "--eval-s=3")}
     root, ev = tmp_path / "run", tmp_path / "ev"
     node_a = agents.start("a", root, tmp_path / "mem-a", is_host=1, **common)
@@ -166,7 +163,18 @@ def test_a_node_joining_while_the_workers_evaluate_repeats_no_step(
     wait_for(lambda: _membership_restart(ev / "a"), 120, "A's agent to take node B in")
     (tmp_path / "gates" / "go").write_text("")  # the evaluation (3 s) starts
     assert node_a.wait(timeout=300) == 0, _log(agents)
-    assert node_b.wait(timeout=60) == 0, _log(agents)
+    assert node_b.wait(timeout=120) == 0, _log(agents)
+    return ev
+
+
+@pytest.mark.timeout(600)
+def test_a_node_joining_while_the_workers_evaluate_repeats_no_step(
+        tmp_path: Path, agents: Agents) -> None:
+    """(c) Node A alone trains to step 25 (durable 20, no memory snapshot since step 1)
+    and evaluates for 3 s; node B joins meanwhile. A's agent asks for a save before the
+    restart: the evaluating worker is not ready until its next step, step 26, which it
+    saves; both resume 26, and no step is trained twice."""
+    ev = _join_while_a_evaluates(tmp_path, agents, PARK)
 
     assert not events(ev, "snapshot.restart_ready_idle")
     (saved,) = events(ev / "a", "snapshot.saved_for_restart")
@@ -187,17 +195,7 @@ def test_a_node_joining_while_the_workers_close_repeats_no_step(
     at 30 and trains nothing again (a closing worker that was ready at once, before any
     save, sent it back to step 20). Where A's worker ends before its agent restarts it,
     the run is simply over: no resume before step 30 either way."""
-    common: dict[str, Any] = {
-        "nnodes": "1:2", "endpoint": f"127.0.0.1:{free_port()}", "park": STEPS,
-        "gates": tmp_path / "gates", "extra": ("--memory-every=1000", "--eval-s=3")}
-    root, ev = tmp_path / "run", tmp_path / "ev"
-    node_a = agents.start("a", root, tmp_path / "mem-a", is_host=1, **common)
-    _wait_parked(tmp_path / "gates", 1)
-    node_b = agents.start("b", root, tmp_path / "mem-b", is_host=0, **common)
-    wait_for(lambda: _membership_restart(ev / "a"), 120, "A's agent to take node B in")
-    (tmp_path / "gates" / "go").write_text("")  # the evaluation (3 s), then close()
-    assert node_a.wait(timeout=300) == 0, _log(agents)
-    assert node_b.wait(timeout=120) == 0, _log(agents)
+    ev = _join_while_a_evaluates(tmp_path, agents, STEPS)
 
     committed = [e["snapshot_step"] for e in events(ev / "a", "snapshot.committed")
                  if e.get("tier") != "memory"]
