@@ -38,6 +38,7 @@ rescue (rescuer.py), and the final save on a preemption notice (preempt_exit.py)
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -429,10 +430,13 @@ class SnapshotManager:
         ready mark in close(), so a restart for a node joining now resumes from it too."""
         wanted = int(self.config.save_on_close and self.step_count > 0
                      and self.step_count != self._durable_step)
-        agreed = runend.all_reached(self.ctx, [wanted])
+        # Never while an error propagates on any rank (close() in a ``finally``): its
+        # parameters may be half-way through a step that step_count does not count.
+        vetoed = int(sys.exc_info()[1] is not None)
+        agreed = runend.all_reached(self.ctx, [wanted, vetoed])
         if agreed is None:
             raise _end_not_agreed()
-        if agreed[0]:
+        if agreed[0] and not agreed[1]:
             try:
                 self._last_handle = self._save(copy_behind=False)
                 if self._persists_here():

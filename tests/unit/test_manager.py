@@ -139,3 +139,18 @@ def test_close_saves_the_last_step_once_and_a_relaunch_trains_nothing(tmp_path: 
     assert list_snapshot_dirs(unsaved[4].store) == [10, 5]
     (finished,) = [e for e in logs if e["event"] == "run.finished"]
     assert finished["snapshot_step"] == 10
+
+
+def test_close_while_an_error_propagates_saves_no_last_step(tmp_path: Path) -> None:
+    """close() in a ``finally`` around a loop that raised mid-step: the parameters may
+    be half-updated, so no snapshot is labelled with the last counted step."""
+    model, opt, sched, sampler, snap = build(str(tmp_path / "run"))
+    train(model, opt, sched, sampler, snap, until=13)
+    try:
+        try:
+            raise RuntimeError("a step failed half-way")
+        finally:
+            snap.close()
+    except RuntimeError:
+        pass
+    assert list_snapshot_dirs(snap.store) == [10, 5]
