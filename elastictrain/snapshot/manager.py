@@ -437,11 +437,13 @@ class SnapshotManager:
         if agreed is None:
             raise _end_not_agreed()
         if agreed[0] and not agreed[1]:
+            held = self._durable_step
             try:
                 self._last_handle = self._save(copy_behind=False)
                 if self._persists_here():
                     self._saver.wait()  # its outcome here, not as close()'s error
             except SnapshotWriteFailed as error:  # an earlier save, or this one, gave up
+                self._durable_step = held  # run.finished names what storage holds
                 log.warning("snapshot.last_step_unsaved", snapshot_step=self.step_count,
                             error=str(error)[:300], action="the run ends without it")
 
