@@ -31,13 +31,13 @@ from elastictrain.log import get_logger
 
 log = get_logger("elastictrain.dist")
 
-# Tensors elastictrain handed to collectives, kept alive until the backend's worker
-# threads let go of them. A gloo worker thread drops a finished work's tensors after
-# the caller saw the result; if Python dropped them first, that needs the GIL, and at
-# interpreter exit the main thread holds the GIL while ~ProcessGroupGloo joins that
-# thread: the worker hangs after its last collective, until the agent's SIGKILL (exit
-# 143 instead of 75). Tensors Python still owns never need the GIL there. See
-# docs/faults.md.
+# Tensors elastictrain handed to collectives, kept until the backend's worker threads
+# let go of them. A gloo worker thread drops a finished work's tensors after the caller
+# saw the result, and with torch >= 2.10 that always takes the GIL (the tensor's Python
+# object is released from C++). If the main thread meanwhile holds the GIL while
+# ~ProcessGroupGloo joins that thread (interpreter exit, a DDP model freed after
+# destroy_process_group), the process hangs. So each collective below returns only once
+# the backend let go of its tensors (`_released`, GIL released while it waits). See docs/faults.md.
 _handed: deque[torch.Tensor] = deque(maxlen=256)
 QUIESCE_TIMEOUT_S = 5.0
 
@@ -74,6 +74,8 @@ class DistContext:
             work = torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX, async_op=True)
             assert work is not None  # async_op=True returns the work
             work.wait(timeout=timedelta(seconds=timeout_s))
+            del work  # the work object pins the tensor too
+        _released([tensor])
         return [int(v) for v in tensor.tolist()]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -90,6 +92,7 @@ class DistContext:
             data = _kept(torch.empty(int(size.item()), dtype=torch.uint8,
                                      device=self._comm_device))
         torch_dist.broadcast(data, src=src)
+        _released([size, data])
         return obj if self.rank == src else _unpickled(data)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -105,6 +108,7 @@ class DistContext:
         padded[:data.numel()] = data
         out = [_kept(torch.empty_like(padded)) for _ in range(self.world_size)]
         torch_dist.all_gather(out, padded)
+        _released([data, size, padded, *sizes, *out])
         return [_unpickled(o[:int(n.item())]) for o, n in zip(out, sizes, strict=True)]
 
     def gather_object(self, obj: Any, dst: int = 0, agree: Sequence[int] = ()
@@ -128,6 +132,7 @@ class DistContext:
         out = ([_kept(torch.empty_like(padded)) for _ in range(self.world_size)]
                if self.rank == dst else None)
         torch_dist.gather(padded, out, dst=dst)
+        _released([data, padded, *(out or [])])
         if out is None:
             return None, agreed
         lengths = [int(o[:8].cpu().view(torch.int64).item()) for o in out]
@@ -152,6 +157,7 @@ class DistContext:
                 padded[8:8 + data.numel()] = data
                 parts.append(_kept(padded.to(self._comm_device)))
         torch_dist.scatter(out, parts, src=src)
+        _released([out, *(parts or [])])
         length = int(out[:8].cpu().view(torch.int64).item())
         return _unpickled(out[8:8 + length])
 
@@ -246,12 +252,18 @@ def quiesce(timeout_s: float = QUIESCE_TIMEOUT_S) -> None:
     """Wait, with the GIL released, until the backend let go of every tensor
     elastictrain handed it; then drop them. One still held at the deadline stays
     referenced (a small leak at exit beats a hang)."""
-    deadline = time.monotonic() + timeout_s
-    while any(map(_held, _handed)) and time.monotonic() < deadline:
-        time.sleep(0.001)  # a worker thread waiting for the GIL gets it here
+    _released(list(_handed), timeout_s)
     held = [t for t in _handed if _held(t)]
     _handed.clear()
     _handed.extend(held)
+
+
+def _released(tensors: list[torch.Tensor], timeout_s: float = QUIESCE_TIMEOUT_S) -> None:
+    """Wait, with the GIL released, until the backend let go of ``tensors`` (after a
+    collective, usually within one GIL switch); at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(map(_held, tensors)) and time.monotonic() < deadline:
+        time.sleep(0.0002)  # a worker thread waiting for the GIL gets it here
 
 
 def _held(tensor: torch.Tensor) -> bool:

@@ -145,15 +145,30 @@ def _object_collectives(rank: int, root: str, port: int) -> None:
     ctx = _group(rank, port)
     # Objects of different sizes per rank (padding), a tensor inside, and a broadcast.
     mine = {"rank": rank, "blob": "x" * (10 + 5000 * rank), "t": torch.arange(3) + rank}
+    held = []  # after each collective: whether gloo's thread still holds a tensor of it
+
+    def released() -> None:
+        held.append(any(map(et_dist._held, et_dist._handed)))
+
     gathered = ctx.all_gather_object(mine)
+    released()
     told = ctx.broadcast_object({"from": rank, "steps": list(range(100))} if rank == 1
                                 else None, src=1)
+    released()
     assert ctx.all_reduce_max([rank, 7 - rank]) == [1, 7]
+    released()
+    assert ctx.all_reduce_max([rank, 7 - rank], timeout_s=60) == [1, 7]
+    released()
     # To rank 1 only, with an agreement carried along: rank 0 receives nothing.
     to_one, agreed = ctx.gather_object(mine, dst=1, agree=[rank, 7 - rank])
+    released()
     # From rank 1, each rank its own object.
     own = ctx.scatter_object([{"to": r, "blob": "y" * (3 + 4000 * r)} for r in range(2)]
                              if rank == 1 else None, src=1)
+    released()
+    # Each returns only once gloo's thread let go, so a DDP model freed after torch's
+    # own destroy_process_group never waits on that thread with the GIL held.
+    assert held == [False] * 6, held
     et_dist.destroy_process_group()  # quiesce, then tear down
     assert len(et_dist._handed) == 0  # the backend let go of every tensor it was given
     Path(root, f"rank{rank}.json").write_text(json.dumps({
