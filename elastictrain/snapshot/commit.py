@@ -29,13 +29,12 @@ from typing import Any
 from elastictrain.config import ChecksumAlgorithm
 from elastictrain.errors import (
     SnapshotCorrupt,
-    StorageConflictError,
     StorageError,
-    StorageNotFoundError,
 )
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout, signing
 from elastictrain.snapshot.checksum import HashingWriter
+from elastictrain.snapshot.commitmark import commit_by_rename, commit_in_place, is_committed
 from elastictrain.snapshot.manifest import FORMAT_VERSION, Manifest, ObjectEntry
 from elastictrain.snapshot.pacing import Pace, PacedWriter
 from elastictrain.snapshot.reader import read_manifest, verify_snapshot
@@ -153,28 +152,15 @@ def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta,
     marker: raising there leaves an uncommitted (ignored, later pruned) write.
     ``pace`` paces the payload's write (``serialize_payload``)."""
     final = layout.step_dir(meta.step)
-    if _is_committed(store, final):
+    if is_committed(store, meta.step):
         if _committed_copy_verifies(store, meta.step):
             log.info("snapshot.exists", snapshot_step=meta.step, action="kept")
             return None
         store.delete(final, recursive=True)
     check = before_commit or _no_check
     if store.supports_rename:
-        return _persist_by_rename(store, payload, meta, final, check, pace)
+        return _persist_by_rename(store, payload, meta, check, pace)
     return _persist_manifest_last(store, payload, meta, final, check, pace)
-
-
-def _is_committed(store: Store, final: str) -> bool:
-    """Whether ``final`` has a manifest. A GET of it is one request on an object store
-    (a 404 when absent), where ``exists`` is two on S3 (s3fs follows a 404 HEAD with a
-    listing, to find a "directory"); the manifest is always an object. What it says is
-    the same, and a read that fails is raised as before: the commit stays the
-    conditional manifest PUT, so skipping nothing here weakens it."""
-    try:
-        store.read_bytes(f"{final}/{layout.MANIFEST}")
-    except StorageNotFoundError:
-        return False
-    return True
 
 
 def _committed_copy_verifies(store: Store, step: int) -> bool:
@@ -224,7 +210,7 @@ def _manifest(meta: SnapshotMeta, size: int, checksum: str,
     return build_manifest(meta, [ObjectEntry(name=name, size_bytes=size, checksum=checksum)])
 
 
-def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: str,
+def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta,
                        before_commit: Callable[[], None],
                        pace: Pace | None) -> Manifest | None:
     partial = layout.partial_dir(meta.step, uuid.uuid4().hex[:12])
@@ -233,15 +219,11 @@ def _persist_by_rename(store: Store, payload: Any, meta: SnapshotMeta, final: st
             size, checksum = serialize_payload(payload, sink, meta.checksum_algorithm,
                                                pace)
         manifest = _manifest(meta, size, checksum)
-        store.write_bytes(f"{partial}/{layout.MANIFEST}", manifest.to_json())
-        before_commit()
-        if store.exists(f"{final}/{layout.MANIFEST}"):  # committed since we checked
+        if not commit_by_rename(store, partial, meta.step, manifest.to_json(), replace=False,
+                                before_commit=before_commit):
             _best_effort_delete(store, partial)
             _kept_theirs(store, meta.step)
             return None
-        if store.exists(final):  # a manifest-less leftover of an earlier crash
-            store.delete(final, recursive=True)
-        store.rename(partial, final)
     except BaseException:
         _best_effort_delete(store, partial)
         raise
@@ -257,9 +239,7 @@ def _persist_manifest_last(store: Store, payload: Any, meta: SnapshotMeta,
                                            pace)
     manifest = _manifest(meta, size, checksum, name)
     before_commit()
-    try:
-        store.write_bytes(f"{final}/{layout.MANIFEST}", manifest.to_json(), if_absent=True)
-    except StorageConflictError:
+    if not commit_in_place(store, meta.step, manifest.to_json(), exclusive=True):
         return _after_lost_race(store, meta, final, manifest)
     return manifest
 

@@ -32,6 +32,7 @@ from elastictrain.errors import SnapshotCorrupt, StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import new_hasher
+from elastictrain.snapshot.commitmark import commit_by_rename, read_marker
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry
 from elastictrain.snapshot.memory_choice import Choice, Durable, Held, choose
 from elastictrain.snapshot.peer_transport import (
@@ -99,7 +100,7 @@ def send_copy(transport: PeerTransport, store: Store, step: int, dst: int) -> No
     manifest announced, so neither end waits for bytes that never come."""
     started = time.perf_counter()
     try:
-        raw = store.read_bytes(f"{layout.step_dir(step)}/{layout.MANIFEST}")
+        raw = read_marker(store, step)
         manifest = Manifest.from_json(raw, f"{store.url}/{layout.step_dir(step)}")
     except Exception as exc:
         send_json(transport, {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}, dst, TAG_COPY)
@@ -166,11 +167,8 @@ def receive_copy(transport: PeerTransport, store: Store, step: int, src: int) ->
                                  CHUNK_BYTES, refused) or problem
     if problem is None:
         try:
-            store.write_bytes(f"{partial}/{layout.MANIFEST}", raw)  # last: the commit
-            final = layout.step_dir(step)
-            if store.exists(final):  # a leftover, or another snapshot of this step that
-                store.delete(final, recursive=True)  # the agreement set aside
-            store.rename(partial, final)
+            # replace: a copy of this step here is one the agreement set aside
+            commit_by_rename(store, partial, step, raw, replace=True)
         except Exception as exc:
             problem = f"{type(exc).__name__}: {exc}"
     if problem is not None:

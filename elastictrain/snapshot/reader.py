@@ -36,6 +36,7 @@ from elastictrain.errors import (
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout, signing
 from elastictrain.snapshot.checksum import new_hasher
+from elastictrain.snapshot.commitmark import read_marker
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest, ObjectEntry
 from elastictrain.snapshot.sharded.reader import verify_sharded
 from elastictrain.storage.api import Store
@@ -84,7 +85,7 @@ def read_manifest(store: Store, step: int) -> Manifest:
     """
     where = f"{store.url}/{layout.step_dir(step)}"
     try:
-        raw = store.read_bytes(f"{layout.step_dir(step)}/{layout.MANIFEST}")
+        raw = read_marker(store, step)
     except StorageNotFoundError as exc:
         raise SnapshotCorrupt(f"{where}: no {layout.MANIFEST} (not committed: a partial "
                               "write?)") from exc

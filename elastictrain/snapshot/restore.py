@@ -60,6 +60,7 @@ from elastictrain.errors import (
 )
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
+from elastictrain.snapshot.commitmark import is_committed
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.memory_choice import NO_STEP, Durable, Held, choose
 from elastictrain.snapshot.onepass import InPlace
@@ -326,7 +327,7 @@ def _check_same_view(store: Store, ctx: DistContext, newest: int) -> None:
     seen = True
     if not ctx.is_writer and ctx.local_rank == 0:
         try:
-            seen = store.exists(f"{layout.step_dir(newest)}/{layout.MANIFEST}")
+            seen = is_committed(store, newest)
         except Exception as exc:
             error = exc
     blind_rank, failed = ctx.all_reduce_max([0 if seen else ctx.rank + 1,

@@ -21,6 +21,7 @@ import time
 from elastictrain.errors import StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
+from elastictrain.snapshot.commitmark import is_committed
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.sharded.commit import is_sharded_object
 from elastictrain.storage.api import Store
@@ -37,7 +38,7 @@ def prune(store: Store, keep: int, newest_step: int) -> list[int]:
     names = store.list_dir(layout.SNAPSHOTS)
     committed: list[int] = []
     for step in list_snapshot_dirs(store, names):
-        if store.exists(f"{layout.step_dir(step)}/{layout.MANIFEST}"):
+        if is_committed(store, step):
             committed.append(step)
         elif step < newest_step:
             _prune_one(store, layout.step_dir(step), step, "partial")

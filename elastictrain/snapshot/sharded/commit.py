@@ -14,11 +14,11 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from elastictrain.errors import StorageConflictError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import checksum_bytes
 from elastictrain.snapshot.commit import SnapshotMeta, build_manifest
+from elastictrain.snapshot.commitmark import commit_in_place
 from elastictrain.snapshot.manifest import (
     SHARDED_FORMAT_VERSION,
     ItemEntry,
@@ -59,9 +59,7 @@ def commit_sharded(store: Store, meta: SnapshotMeta, token: str, parts: list[Ran
     manifest = sharded_manifest(meta, token, parts, metadata_bytes, train_bytes)
     for name, data in ((metadata_name(token), metadata_bytes), (train_name(token), train_bytes)):
         store.write_bytes(f"{directory}/{name}", data)
-    try:
-        store.write_bytes(f"{directory}/{layout.MANIFEST}", manifest.to_json(), if_absent=True)
-    except StorageConflictError:
+    if not commit_in_place(store, meta.step, manifest.to_json(), exclusive=True):
         log.info("snapshot.exists", snapshot_step=meta.step, action="kept",
                  reason="another writer committed this step first")
         return None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from elastictrain.errors import SnapshotCorrupt, StorageError, StorageNotFoundError
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import new_hasher
+from elastictrain.snapshot.commitmark import read_marker
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
 from elastictrain.storage.api import Store
@@ -158,7 +159,7 @@ def holdings(store: Store, newer_than: int) -> list[Holding]:
             break
         try:
             manifest = read_manifest(store, step)
-            raw = store.read_bytes(f"{layout.step_dir(step)}/{layout.MANIFEST}")
+            raw = read_marker(store, step)
         except StorageError:  # no manifest (never committed here), unreadable, corrupt
             continue
         listed = read_held(store, step)

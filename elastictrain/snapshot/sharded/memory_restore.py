@@ -31,6 +31,7 @@ from elastictrain.dist import DistContext
 from elastictrain.errors import SnapshotCorrupt, SnapshotUnloadable, StorageError
 from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
+from elastictrain.snapshot.commitmark import commit_in_place, is_committed, read_marker
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.peer_restore import receive_object
 from elastictrain.snapshot.peer_transport import NodeMap, PeerTransport, recv_json, send_json
@@ -143,7 +144,7 @@ def _newest_committed(store: Store) -> tuple[int, str | None]:
     listing (sent to every rank: none may wait for a broadcast that never comes)."""
     try:
         for step in list_snapshot_dirs(store):
-            if store.exists(f"{layout.step_dir(step)}/{layout.MANIFEST}"):
+            if is_committed(store, step):
                 return step, None
     except StorageError as exc:
         return NO_STEP, f"{type(exc).__name__}: {exc}"
@@ -160,12 +161,11 @@ def _skipped(durable_step: int, reason: str) -> LoadedSnapshot | None:
 
 def _commit_here(store: Store, step: int, received: set[str], raw: bytes | None) -> str | None:
     """HELD.json with what arrived, then the manifest (last), when this node lacked it."""
-    manifest_path = f"{layout.step_dir(step)}/{layout.MANIFEST}"
     try:
         write_held(store, step, read_held(store, step) | received)
-        if not store.exists(manifest_path):
+        if not is_committed(store, step):
             assert raw is not None  # a node lacking the manifest received one
-            store.write_bytes(manifest_path, raw)
+            commit_in_place(store, step, raw, exclusive=False)
     except (StorageError, OSError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -177,7 +177,7 @@ def send_objects(transport: PeerTransport, store: Store, step: int, names: list[
     fails sends zeros for the rest (the receiver's checksum refuses them)."""
     started = time.perf_counter()
     directory = layout.step_dir(step)
-    raw = store.read_bytes(f"{directory}/{layout.MANIFEST}")
+    raw = read_marker(store, step)
     manifest = Manifest.from_json(raw, f"{store.url}/{directory}")
     send_json(transport, {"manifest": raw.decode()}, dst, TAG_FETCH)
     sizes = {o.name: o.size_bytes for o in manifest.objects}

@@ -39,6 +39,7 @@ from elastictrain.log import get_logger
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.checksum import new_hasher
 from elastictrain.snapshot.commit import SnapshotMeta
+from elastictrain.snapshot.commitmark import commit_in_place
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry
 from elastictrain.snapshot.peer_transport import NodeMap
 from elastictrain.snapshot.persister import SaveHandle, SaveState
@@ -175,7 +176,7 @@ class ShardedMemorySaver(ShardedSaver):
                 self.counted_store.write_bytes(f"{directory}/{name}", data)
                 held.add(name)
             write_held(self.counted_store, step, held)
-            self.counted_store.write_bytes(f"{directory}/{layout.MANIFEST}", raw)
+            commit_in_place(self.counted_store, step, raw, exclusive=False)
         except (StorageError, OSError) as exc:
             return f"{type(exc).__name__}: {exc}"
         duration = round(time.perf_counter() - started, 4)
