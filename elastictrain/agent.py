@@ -71,6 +71,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +90,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from elastictrain import runend
 from elastictrain.config import LaunchDefaults
 from elastictrain.errors import (
-    EXIT_FATAL,
-    EXIT_HANG,
     EXIT_OK,
-    EXIT_PREEMPTED,
-    EXIT_PREEMPTED_UNSAVED,
     ElasticTrainError,
 )
 from elastictrain.exitbarrier import (
@@ -104,6 +101,23 @@ from elastictrain.exitbarrier import (
     stay_for_waiting_nodes,
 )
 from elastictrain.failure import ERROR_FIELDS, fix_line
+from elastictrain.launcher.policy import (
+    AfterEnd,
+    CrashLoop,
+    ExitWatch,
+    Verdict,
+    Workers,
+    after_the_end,
+    describe_exit,
+    first_failure,
+    on_failures,
+    preempted_outcome,
+    rescue_wait_over,
+    restart_reason,
+    save_wait_over,
+    signalled_exit_code,
+    survivors_to_stop,
+)
 from elastictrain.log import bind, get_logger
 from elastictrain.proctree import tree_cpu_ticks
 from elastictrain.rescue_marks import (
@@ -123,15 +137,6 @@ NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 RENDEZVOUS_RETRIES = 2  # rounds an agent joins again after a rank exchange timed out
 # torch >= 2.12 passes torchrun's --shutdown-timeout to _shutdown; 2.11 has neither.
 _SHUTDOWN_TAKES_TIMEOUT = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
-PREEMPTED = (EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED)  # the group agreed to stop: no restart
-
-
-def preempted_outcome(codes: Any) -> str | None:
-    """``preempted`` (75), ``preempted_unsaved`` (76: any rank says the final snapshot
-    did not commit) or None, from the workers' exit codes."""
-    if EXIT_PREEMPTED_UNSAVED in codes:
-        return "preempted_unsaved"
-    return "preempted" if EXIT_PREEMPTED in codes else None
 
 
 class WorkersPreempted(SignalException):
@@ -147,20 +152,28 @@ class WorkersFatal(Exception):
     """A worker exited 78 (fatal): do not restart."""
 
 
-def describe_exit(exitcode: int) -> str:
-    """What a worker's exit code means to the launcher."""
-    if exitcode in PREEMPTED:
-        return str(preempted_outcome([exitcode]))
-    if exitcode == EXIT_FATAL:
-        return "fatal"
-    if exitcode == EXIT_HANG:
-        return "hang"
-    return "signal" if exitcode < 0 else "error"
+@dataclass(frozen=True)
+class AgentSettings:
+    """What the launcher tells its agent (from ``launch.*`` and the run's directories)."""
 
+    exit_timeout_s: float = 60.0  # launch.exit_timeout_s
+    standby_preload: tuple[str, ...] | None = None  # None: no standby (launch.standby)
+    rescue_dir: Path | None = None  # where survivors mark a rescue (rescue_marks.py)
+    rescue_timeout_s: float = 30.0
+    rescue_start_timeout_s: float = 5.0
+    end_dir: Path | None = None  # where workers mark the run's agreed end (runend.py)
+    shutdown_timeout_s: float | None = None  # the notice grace; None: torchrun's
+    crash_loop_failures: int = 2  # launch.crash_loop_failures
 
-# Errors a worker raises for a fault outside its script (errors.PeerNodeLost): never a
-# crash loop, however often they repeat.
-EXTERNAL_ERRORS = frozenset({"PeerNodeLost"})
+    @classmethod
+    def of(cls, launch: LaunchDefaults, rescue_dir: Path | None, end_dir: Path | None,
+           shutdown_timeout_s: float | None) -> AgentSettings:
+        return cls(exit_timeout_s=launch.exit_timeout_s,
+                   standby_preload=tuple(launch.standby_preload) if launch.standby else None,
+                   rescue_dir=rescue_dir, rescue_timeout_s=launch.rescue_timeout_s,
+                   rescue_start_timeout_s=launch.rescue_start_timeout_s, end_dir=end_dir,
+                   shutdown_timeout_s=shutdown_timeout_s,
+                   crash_loop_failures=launch.crash_loop_failures)
 
 
 class ElasticTrainAgent(LocalElasticAgent):
@@ -170,24 +183,15 @@ class ElasticTrainAgent(LocalElasticAgent):
     for that reason (None otherwise); the launcher maps it to its exit code.
     """
 
-    latest: ElasticTrainAgent | None = None
-    exit_timeout_s: float = 60.0  # set by installed() from launch.exit_timeout_s
-    standby_preload: tuple[str, ...] | None = None  # None: no standby (launch.standby)
-    rescue_dir: Path | None = None  # where survivors mark a rescue (rescue_marks.py)
-    rescue_timeout_s: float = 30.0
-    rescue_start_timeout_s: float = 5.0
-    end_dir: Path | None = None  # where workers mark the run's agreed end (runend.py)
-    shutdown_timeout_s: float | None = None  # the notice grace; None: torchrun's
-    crash_loop_failures: int = 2  # set by installed() from launch.crash_loop_failures
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, settings: AgentSettings, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.settings = settings
         self.standby: Standby | None = None
         self._started_by: str | None = None
         self._standby_announced = False
-        if self.standby_preload is not None:
+        if self.settings.standby_preload is not None:
             # Started now, so its imports run during the first rendezvous.
-            self.standby = Standby(self.standby_preload)
+            self.standby = Standby(self.settings.standby_preload)
             self.standby.start()
         self.outcome: str | None = None
         self.worker_exit_codes: dict[int, int | None] = {}
@@ -196,15 +200,14 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._killed: set[int] = set()  # survivors this agent SIGKILLed after a failure
         self._detected = False  # a failure of the current attempt was reported
         self._rendezvous_s: float | None = None
-        self._exit_watch: dict[int, tuple[int | None, float]] = {}  # pid -> CPU ticks, since
+        self._exit_watch = ExitWatch(self.settings.exit_timeout_s)
         self._exit_checked = 0.0
         self._end_logged = False  # agent.failed_after_end was logged for this attempt
         self._finished = False  # see finished
         # The first failing worker's error of the newest failed attempt (its summary),
         # and the crash-loop count: identical failures in a row (_check_crash_loop).
         self.failure: dict[str, Any] | None = None
-        self._loop_signature: tuple[str, ...] | None = None
-        self._loop_count = 0
+        self._crash_loop = CrashLoop(self.settings.crash_loop_failures)
         self.rendezvous_error: str | None = None  # why the rendezvous ended this launcher
         self._store_lost_after_end = False
         self._join_after_end_logged = False
@@ -212,7 +215,6 @@ class ElasticTrainAgent(LocalElasticAgent):
         handler = self._worker_group.spec.rdzv_handler
         ask_store = handler.num_nodes_waiting
         handler.num_nodes_waiting = lambda: self._nodes_waiting(ask_store)  # type: ignore[method-assign]
-        ElasticTrainAgent.latest = self
 
     @property
     def finished(self) -> bool:
@@ -220,23 +222,20 @@ class ElasticTrainAgent(LocalElasticAgent):
         ``runend``): a notice while the agent waits for the other nodes, or while a
         script works on after ``close()``, is no failure (a relaunch would only re-run
         the end from an older snapshot)."""
-        codes = self._worker_codes()
-        ended = runend.ended_pids(self.end_dir) if self.end_dir is not None else set()
-        return self._finished or (bool(codes) and all(
-            code == 0 or pid in ended for pid, code in codes.items()))
+        return self._finished or self._workers().finished()
 
-    def _past_the_end(self) -> bool:
-        """A worker of this node marked the run's agreed end: every rank reached it."""
-        if self.end_dir is None:
-            return False
-        return bool(set(self._worker_codes()) & runend.ended_pids(self.end_dir))
+    def _workers(self) -> Workers:
+        """The current workers at this look (policy.Workers)."""
+        end_dir = self.settings.end_dir
+        ended = runend.ended_pids(end_dir) if end_dir is not None else set()
+        return Workers(self._worker_codes(), frozenset(ended))
 
     def _nodes_waiting(self, ask_store: Callable[[], int]) -> int:
         """How many nodes wait to join, for torchrun's membership restart: 0 once the run
         ended here. After the end a joining node would only restart a finished group,
         and the store may be gone with the node that hosted it; this node's workers,
         perhaps still evaluating or writing files, are left to end on their own."""
-        if not self._past_the_end():
+        if not self._workers().past_the_end():
             return ask_store()
         if self._store_lost_after_end:
             return 0
@@ -287,14 +286,14 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._world_size = world
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
-        if self.end_dir is not None:
-            runend.clear(self.end_dir)
-        if self.rescue_dir is not None:
-            clear_save_marks(self.rescue_dir)
+        if self.settings.end_dir is not None:
+            runend.clear(self.settings.end_dir)
+        if self.settings.rescue_dir is not None:
+            clear_save_marks(self.settings.rescue_dir)
         self._end_logged = False
         super()._initialize_workers(worker_group)
         self._detected = False
-        self._exit_watch.clear()
+        self._exit_watch.reset()
         restart_count = self.restart_count()
         bind(restart_count=restart_count, world_size=self._world_size,
              group_rank=worker_group.group_rank)
@@ -359,17 +358,15 @@ class ElasticTrainAgent(LocalElasticAgent):
         not restart a finished run: its peers here are left to finish (rank 0 may still
         be evaluating or writing files), then the group counts as succeeded. None while
         no worker failed, or one failed before the end: the usual handling."""
-        if self.end_dir is None:
-            return None
-        codes = self._worker_codes()
-        failed = {pid: code for pid, code in codes.items() if code not in (None, 0)}
-        if not failed or not set(failed) <= runend.ended_pids(self.end_dir):
+        workers = self._workers()
+        verdict = after_the_end(workers)
+        if verdict is None:
             return None
         if not self._end_logged:
             self._end_logged = True
             log.warning("agent.failed_after_end", exit_codes={str(p): c for p, c in
-                                                              sorted(failed.items())})
-        if any(code is None for code in codes.values()):
+                                                              sorted(workers.failed.items())})
+        if verdict is AfterEnd.WAIT:
             return RunResult(state=WorkerState.HEALTHY)
         self._finished = True
         return RunResult(state=WorkerState.SUCCEEDED,
@@ -378,10 +375,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _on_failures(self, failures: dict[int, ProcessFailure]) -> None:
         errors = {rank: self._worker_error(rank, f) for rank, f in failures.items()
                   if f.pid not in self._killed}
-        reported = {rank: e for rank, e in errors.items() if e is not None}
-        # The worker that failed first says why; the others mostly fail because it did.
-        first = min(reported, key=lambda r: (float(reported[r].get("ts") or 0.0), r),
-                    default=None)
+        first = first_failure(errors)
         for global_rank, failure in sorted(failures.items()):
             code = int(failure.exitcode)
             stopped = failure.pid in self._killed
@@ -400,20 +394,19 @@ class ElasticTrainAgent(LocalElasticAgent):
                         meaning="stopped by the agent" if stopped else describe_exit(code),
                         message=message[:300], first=global_rank == first, **fields)
         self._killed.clear()
-        self.failure = reported[first] if first is not None else None
+        self.failure = errors[first] if first is not None else None
         codes = sorted({int(f.exitcode) for f in failures.values()})
-        # A 75 means the whole world agreed and the writer committed before any rank
-        # exited (workers pass a barrier first); a 78 cannot be healed by a restart.
-        preempted = preempted_outcome(codes)
-        if preempted is not None:
-            self.outcome = preempted
-            log.warning("agent.preempted", exit_codes=codes, outcome=preempted)
-            raise WorkersPreempted(f"workers exited {codes} ({preempted})", signal.SIGTERM)
-        if EXIT_FATAL in codes:
+        verdict = on_failures(codes, self.failure, self._crash_loop)
+        if verdict in (Verdict.PREEMPTED, Verdict.PREEMPTED_UNSAVED):
+            self.outcome = verdict.value
+            log.warning("agent.preempted", exit_codes=codes, outcome=verdict.value)
+            raise WorkersPreempted(f"workers exited {codes} ({verdict.value})", signal.SIGTERM)
+        if verdict is Verdict.FATAL:
             self.outcome = "fatal"
             log.error("agent.fatal", exit_codes=codes)
             raise WorkersFatal("a worker exited 78 (fatal, not restarted)")
-        self._check_crash_loop()
+        if verdict is Verdict.CRASH_LOOP:
+            self._stop_crash_loop()
 
     def _worker_error(self, rank: int, failure: ProcessFailure) -> dict[str, Any] | None:
         """What the worker wrote to its error file before it died (runtime.record_failure),
@@ -427,38 +420,26 @@ class ElasticTrainAgent(LocalElasticAgent):
         output = stderrs.get(failure.local_rank) if isinstance(stderrs, dict) else None
         return {**ours, "worker_rank": rank, "output_file": str(output) if output else None}
 
-    def _check_crash_loop(self) -> None:
-        """Stop (exit 78) once ``crash_loop_failures`` attempts in a row failed first with
-        the same error at the same place and the same step: no progress, and a restart
-        would fail the same way. A failure at a later step (progress) or another error
-        starts the count over; a failure without a reported error (a signal) resets it,
-        and so does the loss of another node (``PeerNodeLost``): the fleet's fault, not
-        the script's, which two losses in a row at one step must not turn into a stop."""
-        error = self.failure
-        signature = None if error is None or error.get("error") in EXTERNAL_ERRORS else tuple(
-            str(error.get(k)) for k in ("error", "message", "where", "failed_step"))
-        if signature is not None and signature == self._loop_signature:
-            self._loop_count += 1
-        else:
-            self._loop_signature, self._loop_count = signature, int(signature is not None)
-        if error is None or not self.crash_loop_failures or \
-                self._loop_count < self.crash_loop_failures:
-            return
+    def _stop_crash_loop(self) -> None:
+        """Stop (exit 78): ``crash_loop_failures`` attempts in a row failed first with the
+        same error at the same place and step (policy.CrashLoop)."""
+        error = self.failure or {}
+        count = self._crash_loop.count
         self.outcome = "crash_loop"
-        log.error("agent.crash_loop", failures=self._loop_count,
+        log.error("agent.crash_loop", failures=count,
                   worker_rank=error.get("worker_rank"),
                   **{k: error.get(k) for k in ERROR_FIELDS},
                   fix=fix_line(error))
-        raise WorkersFatal(f"crash loop: {self._loop_count} attempts failed with the same "
+        raise WorkersFatal(f"crash loop: {count} attempts failed with the same "
                            f"error at the same step ({error.get('error')} at "
                            f"{error.get('where')})")
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        healthy = worker_group.state == WorkerState.HEALTHY
-        log.info("agent.restart", reason="membership_change" if healthy else "failure",
+        reason = restart_reason(worker_group.state == WorkerState.HEALTHY)
+        log.info("agent.restart", reason=reason,
                  from_restart_count=self.restart_count(),
                  remaining_restarts=self._remaining_restarts)
-        if healthy:
+        if reason == "membership_change":
             self._save_before_restart()
         super()._restart_workers(worker_group)
 
@@ -468,21 +449,21 @@ class ElasticTrainAgent(LocalElasticAgent):
         closing, or taking no step) and none writes a rescue (a peer node was lost while
         this group looked healthy: the rescue is what the new group resumes from), or for
         ``launch.rescue_timeout_s``: the new group resumes where this one stood."""
-        if self.rescue_dir is None:
+        if self.settings.rescue_dir is None:
             return
         try:
-            request_save(self.rescue_dir)
+            request_save(self.settings.rescue_dir)
         except OSError as error:  # the node's tmpfs refused the file: restart as torchrun
             log.warning("agent.save_before_restart_failed", error=str(error)[:300])
             return
         started = time.monotonic()
         while True:
             running = {pid for pid, code in self._worker_codes().items() if code is None}
-            listening = listening_pids(self.rescue_dir) & running
-            ready = ready_pids(self.rescue_dir) & listening
-            rescuing = rescuing_pids(self.rescue_dir) & running
+            listening = listening_pids(self.settings.rescue_dir) & running
+            ready = ready_pids(self.settings.rescue_dir) & listening
+            rescuing = rescuing_pids(self.settings.rescue_dir) & running
             elapsed = time.monotonic() - started
-            if (ready == listening and not rescuing) or elapsed >= self.rescue_timeout_s:
+            if save_wait_over(listening, ready, rescuing, elapsed, self.settings.rescue_timeout_s):
                 break
             time.sleep(0.005)
         if listening or rescuing:
@@ -495,7 +476,6 @@ class ElasticTrainAgent(LocalElasticAgent):
         group = self._worker_group
         handler = group.spec.rdzv_handler
         world = int(group.group_world_size or 1)  # set by the rendezvous before any start
-        self._in_exit_barrier = True
         try:
             mark_job_finished(handler)  # for a node that joins once the others have gone
             outcome = exit_barrier(self._store, world, self._exit_barrier_timeout,
@@ -508,8 +488,6 @@ class ElasticTrainAgent(LocalElasticAgent):
             raise
         except Exception as error:  # torchrun's barrier logs and goes on, too
             log.warning("agent.exit_barrier_failed", error=str(error)[:300])
-        finally:
-            self._in_exit_barrier = False
 
     def joined_closed_rendezvous(self) -> int:
         """The exit code of a launcher that found the job's rendezvous closed (its other
@@ -547,13 +525,14 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _kill_survivors_of_a_failure(self) -> None:
         """Once a worker failed, SIGKILL the rest before torchrun's poll would SIGTERM them
         (see the module docstring); a 75 means the others are finishing a final save."""
-        codes = self._worker_codes()
-        failed = {c for c in codes.values() if c not in (None, 0)}
-        live = [pid for pid, c in codes.items() if c is None]
+        workers = self._workers()
+        failed, live = workers.failed, workers.running
         if failed and not self._detected:
             self._detected = True  # the moment the agent saw it: recovery's "detection"
-            log.warning("agent.failure_detected", exit_codes=sorted(failed), running=live)
-        if failed and live and preempted_outcome(failed) is None and self._pcontext is not None:
+            log.warning("agent.failure_detected", exit_codes=sorted(set(failed.values())),
+                        running=live)
+        live = survivors_to_stop(workers)
+        if live and self._pcontext is not None:
             self._wait_for_rescues(live)
             self._killed.update(live)
             self._pcontext.close(death_sig=signal.SIGKILL, timeout=30)
@@ -565,17 +544,17 @@ class ElasticTrainAgent(LocalElasticAgent):
         armed for a rescue that has not met its error yet (its peer's death reaches it
         through a collective, a moment after the agent saw it) gets up to
         ``launch.rescue_start_timeout_s`` to begin one."""
-        if self.rescue_dir is None:
+        if self.settings.rescue_dir is None:
             return
         started = time.monotonic()
         while True:
             running = {pid for pid, code in self._worker_codes().items()
                        if code is None} & set(live)
-            busy = rescuing_pids(self.rescue_dir) & running
-            unstarted = armed_pids(self.rescue_dir) & running - busy
+            busy = rescuing_pids(self.settings.rescue_dir) & running
+            unstarted = armed_pids(self.settings.rescue_dir) & running - busy
             elapsed = time.monotonic() - started
-            if not ((busy and elapsed < self.rescue_timeout_s)
-                    or (unstarted and elapsed < self.rescue_start_timeout_s)):
+            if rescue_wait_over(busy, unstarted, elapsed, self.settings.rescue_timeout_s,
+                                self.settings.rescue_start_timeout_s):
                 break
             time.sleep(0.005)
         waited = round(time.monotonic() - started, 3)
@@ -595,20 +574,14 @@ class ElasticTrainAgent(LocalElasticAgent):
         if now - self._exit_checked < 1.0:  # one /proc walk a second is plenty
             return
         self._exit_checked = now
-        codes = self._worker_codes()
-        live = [pid for pid, code in codes.items() if code is None]
-        if 0 not in codes.values() or not live or self._pcontext is None:
+        workers = self._workers()
+        if self._pcontext is None or 0 not in workers.codes.values() or not workers.running:
             return
-        stuck = []
-        for pid, ticks in tree_cpu_ticks(live).items():
-            seen = self._exit_watch.get(pid)
-            if seen is None or seen[0] != ticks:
-                self._exit_watch[pid] = (ticks, now)
-            elif now - seen[1] >= self.exit_timeout_s:
-                stuck.append(pid)
+        codes = workers.codes
+        stuck = self._exit_watch.stuck(workers, tree_cpu_ticks(workers.running), now)
         if stuck:
             log.warning("agent.worker_stuck_at_exit", pids=stuck,
-                        idle_s=round(self.exit_timeout_s, 1),
+                        idle_s=round(self.settings.exit_timeout_s, 1),
                         exit_codes={str(pid): code for pid, code in codes.items()})
             self._killed.update(stuck)
             self._pcontext.close(death_sig=signal.SIGKILL, timeout=30)
@@ -632,9 +605,9 @@ class ElasticTrainAgent(LocalElasticAgent):
             log.warning("agent.signal_forwarded", signal=death_sig.name, received=received.name,
                         pids=live, grace_s=timeout)
         notice = forwarding and death_sig in NOTICE_SIGNALS
-        if notice and self.shutdown_timeout_s is not None:
+        if notice and self.settings.shutdown_timeout_s is not None:
             # Ours, not torchrun's 30 s: a torch without --shutdown-timeout passes 30.
-            timeout = int(self.shutdown_timeout_s)
+            timeout = int(self.settings.shutdown_timeout_s)
         with _ignoring(NOTICE_SIGNALS) if notice else nullcontext():
             if _SHUTDOWN_TAKES_TIMEOUT:
                 super()._shutdown(death_sig, timeout)
@@ -678,23 +651,19 @@ class ElasticTrainAgent(LocalElasticAgent):
         return {h.proc.pid: h.proc.poll() for h in self._handlers().values()}
 
 
-def on_grace_expired(signum: int) -> tuple[list[int], int]:
+def on_grace_expired(agent: ElasticTrainAgent | None, signum: int) -> tuple[list[int], int]:
     """For ``gracewatch``: the process groups to SIGKILL (the current workers, each in
     its own session, and the standby) and the launcher's exit code: 75/76 when the
     workers settled their final snapshot, else that of a launcher killed by ``signum``."""
-    agent = ElasticTrainAgent.latest
     if agent is None:
         return [], 128 + signum
-    codes = agent._worker_codes()
-    groups = [pid for pid, code in codes.items() if code is None]
+    workers = agent._workers()
+    groups = workers.running
     if agent.standby is not None and agent.standby.pid is not None:
         groups.append(agent.standby.pid)
-    if agent.finished:
-        return groups, EXIT_OK  # stuck in the exit barrier, waiting for the other nodes
-    outcome = preempted_outcome(codes.values()) or agent.outcome
-    code = {"preempted": EXIT_PREEMPTED,
-            "preempted_unsaved": EXIT_PREEMPTED_UNSAVED}.get(str(outcome), 128 + signum)
-    return groups, code
+    if agent.finished:  # stuck in the exit barrier, waiting for the other nodes
+        return groups, EXIT_OK
+    return groups, signalled_exit_code(workers, agent.outcome, signum)
 
 
 @contextmanager
@@ -707,37 +676,36 @@ def _ignoring(signals: Sequence[signal.Signals]) -> Iterator[None]:
             signal.signal(s, handler)
 
 
+class Built:
+    """The agent torchrun built in this launcher (None until the first rendezvous),
+    handed to the launcher by :func:`installed`, for its exit code and summary."""
+
+    def __init__(self) -> None:
+        self.agent: ElasticTrainAgent | None = None
+
+
 @contextmanager
-def installed(launch: LaunchDefaults | None = None, rescue_dir: Path | None = None,
-              end_dir: Path | None = None, shutdown_timeout_s: float | None = None
-              ) -> Iterator[type[ElasticTrainAgent]]:
-    """Make torchrun's ``launch_agent`` build :class:`ElasticTrainAgent` (this process),
-    ending workers stuck in their exit after ``launch.exit_timeout_s`` without CPU use
-    and starting workers from a standby when ``launch.standby``."""
-    launch = launch or LaunchDefaults()
+def installed(settings: AgentSettings | None = None) -> Iterator[Built]:
+    """Make torchrun's ``launch_agent`` build :class:`ElasticTrainAgent` with
+    ``settings`` (this process, for the duration of the run); the agent it built is
+    then in the :class:`Built` yielded."""
+    settings = settings or AgentSettings()
+    built = Built()
     original = getattr(launcher_api, "LocalElasticAgent", None)
     if original is not LocalElasticAgent:
         raise ElasticTrainError(
             "torch.distributed.launcher.api no longer builds LocalElasticAgent by name; "
             "fix: run plain torchrun (no agent events; exit 1 instead of 75 on preemption) "
             "and report the torch version")
-    launcher_api.LocalElasticAgent = ElasticTrainAgent  # type: ignore[misc]
-    ElasticTrainAgent.exit_timeout_s = launch.exit_timeout_s
-    ElasticTrainAgent.rescue_dir = rescue_dir
-    ElasticTrainAgent.end_dir = end_dir
-    ElasticTrainAgent.shutdown_timeout_s = shutdown_timeout_s
-    ElasticTrainAgent.rescue_timeout_s = launch.rescue_timeout_s
-    ElasticTrainAgent.rescue_start_timeout_s = launch.rescue_start_timeout_s
-    ElasticTrainAgent.crash_loop_failures = launch.crash_loop_failures
-    ElasticTrainAgent.standby_preload = tuple(launch.standby_preload) if launch.standby else None
-    ElasticTrainAgent.latest = None
+
+    def build(*args: Any, **kwargs: Any) -> ElasticTrainAgent:
+        built.agent = ElasticTrainAgent(settings, *args, **kwargs)
+        return built.agent
+
+    launcher_api.LocalElasticAgent = build  # type: ignore[misc,assignment]
     try:
-        yield ElasticTrainAgent
+        yield built
     finally:
         launcher_api.LocalElasticAgent = original  # type: ignore[misc]
-        ElasticTrainAgent.standby_preload = None
-        ElasticTrainAgent.rescue_dir = None
-        ElasticTrainAgent.end_dir = None
-        ElasticTrainAgent.shutdown_timeout_s = None
-        if ElasticTrainAgent.latest is not None:
-            ElasticTrainAgent.latest.close_standby()
+        if built.agent is not None:
+            built.agent.close_standby()

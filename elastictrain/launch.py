@@ -44,7 +44,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, NoReturn
+from typing import IO, TYPE_CHECKING, NoReturn
 
 from elastictrain.config import LaunchDefaults, Settings
 from elastictrain.env import END_DIR_VAR, launcher_environ
@@ -57,6 +57,9 @@ from elastictrain.errors import (
     ConfigError,
     ElasticTrainError,
 )
+
+if TYPE_CHECKING:  # the agent imports torch's launcher: only when a run starts
+    from elastictrain.agent import ElasticTrainAgent
 
 # Kept importable for callers of the walking skeleton; the value lives in config.
 DEFAULT_RDZV_CONF = LaunchDefaults().rdzv_conf
@@ -425,10 +428,11 @@ GRACE_MARGIN_S = 10.0
 
 def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
                  rescue_dir: Path | None = None, *, shutdown_timeout_s: float,
-                 notices: frozenset[int]) -> int:
-    """Run torchrun's ``main`` with our agent in this process; return our exit code.
-    After a notice among ``notices`` it ends within ``shutdown_timeout_s`` plus
-    ``GRACE_MARGIN_S``, whatever it is waiting in."""
+                 notices: frozenset[int]) -> tuple[int, ElasticTrainAgent | None]:
+    """Run torchrun's ``main`` with our agent in this process; return our exit code and
+    the agent torchrun built (None if it built none). After a notice among ``notices``
+    it ends within ``shutdown_timeout_s`` plus ``GRACE_MARGIN_S``, whatever it is
+    waiting in."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (
@@ -438,46 +442,43 @@ def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
     from torch.distributed.run import main as torchrun_main
 
     from elastictrain import gracewatch, runend
-    from elastictrain.agent import ElasticTrainAgent, WorkersFatal, installed, on_grace_expired
+    from elastictrain.agent import AgentSettings, WorkersFatal, installed, on_grace_expired
+    from elastictrain.launcher.policy import outcome_exit_code
 
     gc.freeze()  # as in a worker (runtime.init): the imports leave the collector's view
     with runend.end_dir() as end_dir, \
-            installed(launch, rescue_dir, end_dir, shutdown_timeout_s), \
+            installed(AgentSettings.of(launch, rescue_dir, end_dir,
+                                       shutdown_timeout_s)) as built, \
             gracewatch.watching(shutdown_timeout_s + GRACE_MARGIN_S, notices,
-                                on_grace_expired):
+                                lambda signum: on_grace_expired(built.agent, signum)):
         os.environ[END_DIR_VAR] = str(end_dir)  # the workers inherit it
+        agent = None
         try:
             torchrun_main(list(argv))
-            return _after_closing(EXIT_OK)
+            return _after_closing(EXIT_OK, built.agent), built.agent
         except RendezvousClosedError:
-            agent = ElasticTrainAgent.latest
-            return 1 if agent is None else agent.joined_closed_rendezvous()
+            agent = built.agent
+            return (1 if agent is None else agent.joined_closed_rendezvous()), agent
         except RendezvousConnectionError as exc:
-            agent = ElasticTrainAgent.latest
-            return 1 if agent is None else agent.rendezvous_unreachable(exc)
+            agent = built.agent
+            return (1 if agent is None else agent.rendezvous_unreachable(exc)), agent
         except SignalException as exc:
-            agent = ElasticTrainAgent.latest
+            agent = built.agent
             if agent is not None and agent.finished:
-                return EXIT_OK  # signalled while waiting for the other nodes at the end
-            if agent is not None and agent.outcome == "preempted":
-                return EXIT_PREEMPTED
-            if agent is not None and agent.outcome == "preempted_unsaved":
-                return EXIT_PREEMPTED_UNSAVED
-            return 128 + int(exc.sigval)
+                return EXIT_OK, agent  # signalled while waiting for the other nodes
+            outcome = None if agent is None else agent.outcome
+            return outcome_exit_code(outcome, int(exc.sigval)), agent
         except WorkersFatal:
-            return _after_closing(EXIT_FATAL)
+            return _after_closing(EXIT_FATAL, built.agent), built.agent
         except ChildFailedError:
-            return _after_closing(1)
+            return _after_closing(1, built.agent), built.agent
         except KeyboardInterrupt:  # Ctrl-C before torchrun handles signals: no worker yet
-            return 128 + signal.SIGINT
+            return 128 + signal.SIGINT, built.agent
 
 
-def _after_closing(code: int) -> int:
+def _after_closing(code: int, agent: ElasticTrainAgent | None) -> int:
     """torchrun closed the rendezvous: a node waiting to join reads that before this
     launcher (perhaps the rendezvous store's host) goes (exitbarrier.py)."""
-    from elastictrain.agent import ElasticTrainAgent
-
-    agent = ElasticTrainAgent.latest
     if agent is not None:
         with contextlib.suppress(Exception):  # never turn an ended run into a failure
             agent.stay_for_waiting_nodes()
@@ -537,10 +538,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_id = str(args.rdzv_id)
     # --tee asks for the workers' output on the terminal, where it would tear the view.
     if not view_wanted(quiet=no_view) or "tee" in given:
-        code = _run(full, args, settings, run_id)
-        why = failure_summary()
+        code, agent = _run(full, args, settings, run_id)
+        why = failure_summary(agent)
         if code != EXIT_OK and why:
-            print(f"elastictrain run: exit {code}: {_launch_meaning(code)}\n" + "\n".join(why),
+            print(f"elastictrain run: exit {code}: {_launch_meaning(code, agent)}\n"
+                  + "\n".join(why),
                   file=sys.stderr, flush=True)
         return code
     from elastictrain.view.run import RunOutput, run_view, summary, worker_log_args
@@ -549,9 +551,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     added, log_dir = worker_log_args(given, args.log_dir, events_dir)
     output = RunOutput(events_dir, log_dir, events_dir / f"launcher-{launch}.log")
     with run_view(output, run_id, launch) as view:
-        code = _run(added + full, args, settings, run_id)
-    why = failure_summary() if code != EXIT_OK else []
-    print("\n".join([summary(view.state, code, _launch_meaning(code), output), *why]),
+        code, agent = _run(added + full, args, settings, run_id)
+    why = failure_summary(agent) if code != EXIT_OK else []
+    print("\n".join([summary(view.state, code, _launch_meaning(code, agent), output), *why]),
           flush=True)
     return code
 
@@ -588,12 +590,9 @@ def _fork_standby(args: argparse.Namespace, launch: LaunchDefaults,
     fork_from_launcher(launch.standby_preload, title, environ)
 
 
-def _launch_meaning(code: int) -> str:
+def _launch_meaning(code: int, agent: ElasticTrainAgent | None) -> str:
     """What this launch's exit code means: ``exit_meaning``, unless the rendezvous ended
     it before its workers ever ran (then no restart was used up)."""
-    from elastictrain.agent import ElasticTrainAgent
-
-    agent = ElasticTrainAgent.latest
     if code != EXIT_OK and agent is not None and agent.rendezvous_error is not None:
         return "failed in the rendezvous, not in the workers"
     return exit_meaning(code)
@@ -604,24 +603,24 @@ def _usage_error(exc: ConfigError) -> int:
     return EXIT_USAGE
 
 
-def failure_summary() -> list[str]:
+def failure_summary(agent: ElasticTrainAgent | None) -> list[str]:
     """Lines naming the first failing worker's error of the last failed attempt, its
     log and a fix, and the crash loop if that stopped the run (``elastictrain.failure``);
     none when no worker reported an error (killed by a signal, preempted)."""
-    from elastictrain.agent import ElasticTrainAgent
     from elastictrain.failure import failure_lines
 
-    agent = ElasticTrainAgent.latest
     if agent is None:
         return []
     if agent.rendezvous_error is not None:
         return [agent.rendezvous_error]
-    loop = agent.crash_loop_failures if agent.outcome == "crash_loop" else None
+    loop = agent.settings.crash_loop_failures if agent.outcome == "crash_loop" else None
     return failure_lines(agent.failure, loop)
 
 
-def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: str) -> int:
-    """Run torchrun with the agent's events around it; return the exit code."""
+def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: str
+         ) -> tuple[int, ElasticTrainAgent | None]:
+    """Run torchrun with the agent's events around it; return the exit code and the
+    agent torchrun built."""
     from elastictrain.log import get_logger
 
     _configure_agent_log(settings, run_id)
@@ -633,20 +632,18 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
              monitor_interval_s=args.monitor_interval, rdzv_backend=args.rdzv_backend,
              rdzv_endpoint=args.rdzv_endpoint, shutdown_timeout_s=grace_s,
              signals_to_handle=args.signals_to_handle, entrypoint=args.training_script)
-    from elastictrain.agent import ElasticTrainAgent
     from elastictrain.rescue_marks import launch_marks
 
     notices = frozenset(int(signal.Signals[name.strip()])
                         for name in str(args.signals_to_handle).split(",") if name.strip())
     with launch_marks() as marks:  # where survivors mark a rescue (agent waits)
-        code = run_torchrun(full, settings.launch, marks,
-                            shutdown_timeout_s=grace_s, notices=notices)
-    agent = ElasticTrainAgent.latest
+        code, agent = run_torchrun(full, settings.launch, marks,
+                                   shutdown_timeout_s=grace_s, notices=notices)
     crash_loop = agent is not None and agent.outcome == "crash_loop" and code == EXIT_FATAL
     log.info("agent.finished", exit_code=code,
              outcome="crash_loop" if crash_loop else _outcome(code),
              wall_s=round(time.monotonic() - started, 3))
-    return code
+    return code, agent
 
 
 def _outcome(code: int) -> str:

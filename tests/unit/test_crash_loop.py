@@ -8,16 +8,19 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain.agent import ElasticTrainAgent, WorkersFatal
+from elastictrain.agent import AgentSettings, ElasticTrainAgent, WorkersFatal
 from elastictrain.failure import failure_lines
+from elastictrain.launcher.policy import CrashLoop
 
 
 def _agent(limit: int) -> ElasticTrainAgent:
     agent = ElasticTrainAgent.__new__(ElasticTrainAgent)
-    agent.crash_loop_failures = limit
+    agent.settings = AgentSettings(crash_loop_failures=limit)
     agent.outcome = None
     agent.failure = None
-    agent._loop_signature, agent._loop_count = None, 0
+    agent._crash_loop = CrashLoop(limit)
+    agent._killed = set()
+    agent._pcontext = None  # type: ignore[assignment]
     return agent
 
 
@@ -26,9 +29,19 @@ def _error(step: int, message: str = "Numpy is not available") -> dict[str, Any]
             "failed_step": step, "worker_rank": 0, "log_file": "ev/attempt000-x-rank0.jsonl"}
 
 
+class _Failure:
+    """A worker's failure as torchrun reports it (ProcessFailure), with its error file."""
+
+    def __init__(self, error: dict[str, Any] | None) -> None:
+        self.pid, self.local_rank, self.exitcode, self.message = 4242, 0, 1, "failed"
+        self.error_file_data = {"elastictrain": error} if error is not None else {}
+
+    def signal_name(self) -> str:
+        return ""
+
+
 def _fail(agent: ElasticTrainAgent, error: dict[str, Any] | None) -> None:
-    agent.failure = error
-    agent._check_crash_loop()
+    agent._on_failures({0: _Failure(error)})  # type: ignore[dict-item]
 
 
 def test_two_identical_failures_stop_the_run() -> None:
@@ -37,8 +50,8 @@ def test_two_identical_failures_stop_the_run() -> None:
     with capture_logs() as logs, pytest.raises(WorkersFatal, match="crash loop"):
         _fail(agent, _error(0))
     assert agent.outcome == "crash_loop"
-    assert [(e["event"], e["failures"], e["where"]) for e in logs] == [
-        ("agent.crash_loop", 2, "onepass.py:282")]
+    assert [(e["event"], e["failures"], e["where"]) for e in logs
+            if e["event"] == "agent.crash_loop"] == [("agent.crash_loop", 2, "onepass.py:282")]
 
 
 @pytest.mark.parametrize("second", [_error(12), _error(0, "another message"), None])

@@ -92,8 +92,7 @@ def test_the_launcher_summary_says_the_rendezvous_ended_it(
     from elastictrain.launch import _launch_meaning, failure_summary
 
     agent = _agent_of(SimpleNamespace(_store=store, get_run_id=lambda: "job-a"))
-    monkeypatch.setattr(ElasticTrainAgent, "latest", agent)
-    assert "restarts are used up" in _launch_meaning(1)  # no rendezvous error: as before
+    assert "restarts are used up" in _launch_meaning(1, agent)  # no rendezvous error
     assert agent.joined_closed_rendezvous() == 1
-    assert _launch_meaning(1) == "failed in the rendezvous, not in the workers"
-    assert failure_summary() == [agent.rendezvous_error]
+    assert _launch_meaning(1, agent) == "failed in the rendezvous, not in the workers"
+    assert failure_summary(agent) == [agent.rendezvous_error]

@@ -16,7 +16,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.agent import ElasticTrainAgent
+from elastictrain.agent import AgentSettings, ElasticTrainAgent
 from elastictrain.dist import DistContext
 from elastictrain.env import RESCUE_MARKS_VAR
 from elastictrain.rescue_marks import (
@@ -165,7 +165,7 @@ def test_the_agent_waits_only_for_workers_that_listen(tmp_path: Path,
     never answers: the agent must not wait its full time for it; one that listens and
     does not answer is waited for until the limit."""
     agent = ElasticTrainAgent.__new__(ElasticTrainAgent)  # no torchrun agent behind it
-    agent.rescue_dir, agent.rescue_timeout_s = tmp_path, 30.0
+    agent.settings = AgentSettings(rescue_dir=tmp_path, rescue_timeout_s=30.0)
     monkeypatch.setattr(agent, "_worker_codes", lambda: {111: None, 222: None})
     started = time.monotonic()
     with capture_logs() as logs:
@@ -175,7 +175,7 @@ def test_the_agent_waits_only_for_workers_that_listen(tmp_path: Path,
     assert not [e for e in logs if e["event"] == "agent.saved_before_restart"]
     (tmp_path / f"{LISTENING}111").touch()
     (tmp_path / f"{READY}222").touch()  # not listening: its mark changes nothing
-    agent.rescue_timeout_s = 0.2
+    agent.settings = AgentSettings(rescue_dir=tmp_path, rescue_timeout_s=0.2)
     with capture_logs() as logs:
         agent._save_before_restart()
     (waited,) = [e for e in logs if e["event"] == "agent.saved_before_restart"]
@@ -193,7 +193,7 @@ def test_a_membership_restart_waits_for_a_rescue_in_progress(
     what the new group resumes from; the agent stops nobody until it is done (its
     process exits), even where every listening worker is ready."""
     agent = ElasticTrainAgent.__new__(ElasticTrainAgent)  # no torchrun agent behind it
-    agent.rescue_dir, agent.rescue_timeout_s = tmp_path, 30.0
+    agent.settings = AgentSettings(rescue_dir=tmp_path, rescue_timeout_s=30.0)
     codes: dict[int, int | None] = {111: None, 222: None}
     monkeypatch.setattr(agent, "_worker_codes", lambda: dict(codes))
     for mark in (f"{LISTENING}111", f"{LISTENING}222", f"{READY}111", f"{READY}222",

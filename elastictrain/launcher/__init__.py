@@ -1,0 +1,2 @@
+"""The launcher process: ``elastictrain run`` around torchrun, its agent and the
+agent's failure policy."""
