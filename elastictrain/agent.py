@@ -75,7 +75,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.launcher.api as launcher_api
 from torch.distributed import DistStoreError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -91,7 +90,6 @@ from elastictrain import runend
 from elastictrain.config import LaunchDefaults
 from elastictrain.errors import (
     EXIT_OK,
-    ElasticTrainError,
 )
 from elastictrain.exitbarrier import (
     exit_barrier,
@@ -101,6 +99,7 @@ from elastictrain.exitbarrier import (
     stay_for_waiting_nodes,
 )
 from elastictrain.failure import ERROR_FIELDS, fix_line
+from elastictrain.launcher import torch_hooks
 from elastictrain.launcher.policy import (
     AfterEnd,
     CrashLoop,
@@ -129,7 +128,7 @@ from elastictrain.rescue_marks import (
     rescuing_pids,
 )
 from elastictrain.standby.client import Standby
-from elastictrain.standby.context import starting_from
+from elastictrain.standby.context import start_processes_with
 
 log = get_logger("elastictrain.agent")
 
@@ -212,9 +211,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._store_lost_after_end = False
         self._join_after_end_logged = False
         # torchrun's monitor loop asks the handler itself (it has no step to override).
-        handler = self._worker_group.spec.rdzv_handler
-        ask_store = handler.num_nodes_waiting
-        handler.num_nodes_waiting = lambda: self._nodes_waiting(ask_store)  # type: ignore[method-assign]
+        torch_hooks.answer_nodes_waiting(self._worker_group.spec.rdzv_handler,
+                                         self._nodes_waiting)
 
     @property
     def finished(self) -> bool:
@@ -255,7 +253,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     def restart_count(self) -> int:
         """The attempt number torchrun gives workers (TORCHELASTIC_RESTART_COUNT)."""
         spec = self._worker_group.spec
-        return int(spec.max_restarts - self._remaining_restarts)
+        return int(spec.max_restarts - torch_hooks.remaining_restarts(self))
 
     # -- events around torchrun's steps --------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -312,7 +310,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         if standby is None:
             self._started_by = "popen"
             return super()._start_workers(worker_group)
-        with starting_from(standby, self._on_group_start):
+        with torch_hooks.workers_started_by(
+                lambda original: start_processes_with(standby, original, self._on_group_start)):
             return super()._start_workers(worker_group)
 
     def _on_group_start(self, forked: bool, why_not: str | None) -> None:
@@ -416,8 +415,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         ours = data.get("elastictrain") if isinstance(data, dict) else None
         if not isinstance(ours, dict):
             return None
-        stderrs = getattr(self._pcontext, "stderrs", None) or {}
-        output = stderrs.get(failure.local_rank) if isinstance(stderrs, dict) else None
+        output = torch_hooks.stderr_files(self).get(failure.local_rank)
         return {**ours, "worker_rank": rank, "output_file": str(output) if output else None}
 
     def _stop_crash_loop(self) -> None:
@@ -438,7 +436,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         reason = restart_reason(worker_group.state == WorkerState.HEALTHY)
         log.info("agent.restart", reason=reason,
                  from_restart_count=self.restart_count(),
-                 remaining_restarts=self._remaining_restarts)
+                 remaining_restarts=torch_hooks.remaining_restarts(self))
         if reason == "membership_change":
             self._save_before_restart()
         super()._restart_workers(worker_group)
@@ -478,7 +476,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         world = int(group.group_world_size or 1)  # set by the rendezvous before any start
         try:
             mark_job_finished(handler)  # for a node that joins once the others have gone
-            outcome = exit_barrier(self._store, world, self._exit_barrier_timeout,
+            outcome = exit_barrier(torch_hooks.rendezvous_store(self), world,
+                                   torch_hooks.exit_barrier_timeout(self),
                                    lambda: rendezvous_participants(handler))
             if outcome.ended == "gone":
                 log.warning("agent.exit_barrier_short", arrived=outcome.arrived,
@@ -532,10 +531,11 @@ class ElasticTrainAgent(LocalElasticAgent):
             log.warning("agent.failure_detected", exit_codes=sorted(set(failed.values())),
                         running=live)
         live = survivors_to_stop(workers)
-        if live and self._pcontext is not None:
+        context = torch_hooks.process_context(self)
+        if live and context is not None:
             self._wait_for_rescues(live)
             self._killed.update(live)
-            self._pcontext.close(death_sig=signal.SIGKILL, timeout=30)
+            context.close(death_sig=signal.SIGKILL, timeout=30)
 
     def _wait_for_rescues(self, live: list[int]) -> None:
         """A survivor writing a rescue (the failed step's predecessor, to node memory:
@@ -575,7 +575,8 @@ class ElasticTrainAgent(LocalElasticAgent):
             return
         self._exit_checked = now
         workers = self._workers()
-        if self._pcontext is None or 0 not in workers.codes.values() or not workers.running:
+        context = torch_hooks.process_context(self)
+        if context is None or 0 not in workers.codes.values() or not workers.running:
             return
         codes = workers.codes
         stuck = self._exit_watch.stuck(workers, tree_cpu_ticks(workers.running), now)
@@ -584,7 +585,7 @@ class ElasticTrainAgent(LocalElasticAgent):
                         idle_s=round(self.settings.exit_timeout_s, 1),
                         exit_codes={str(pid): code for pid, code in codes.items()})
             self._killed.update(stuck)
-            self._pcontext.close(death_sig=signal.SIGKILL, timeout=30)
+            context.close(death_sig=signal.SIGKILL, timeout=30)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._restart_stop = True
@@ -612,8 +613,9 @@ class ElasticTrainAgent(LocalElasticAgent):
             if _SHUTDOWN_TAKES_TIMEOUT:
                 super()._shutdown(death_sig, timeout)
             else:  # torch 2.11: its _shutdown waits 30 s; the grace is applied here
-                if self._pcontext is not None:
-                    self._pcontext.close(death_sig, timeout)
+                context = torch_hooks.process_context(self)
+                if context is not None:
+                    context.close(death_sig, timeout)
                 super()._shutdown(death_sig)  # the rest of its teardown; closing is idempotent
         if forwarding:
             self.worker_exit_codes = self._worker_codes()
@@ -626,7 +628,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         """An exited worker's error file that is not JSON (the worker was killed while
         writing it) is moved aside: torch's agent would die reading it (JSONDecodeError)
         instead of restarting the group. The failure then counts by its exit code."""
-        error_files = getattr(self._pcontext, "error_files", None) or {}
+        error_files = torch_hooks.error_files(self)
         for local_rank, handler in self._handlers().items():
             path = error_files.get(local_rank)
             if path is None or handler.proc.poll() is None:
@@ -644,7 +646,7 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     def _handlers(self) -> dict[int, Any]:
         """local rank -> the current workers' process handlers (none before a start)."""
-        return getattr(self._pcontext, "subprocess_handlers", None) or {}
+        return torch_hooks.subprocess_handlers(self)
 
     def _worker_codes(self) -> dict[int, int | None]:
         """pid -> exit code (None while running) of the current workers."""
@@ -691,21 +693,14 @@ def installed(settings: AgentSettings | None = None) -> Iterator[Built]:
     then in the :class:`Built` yielded."""
     settings = settings or AgentSettings()
     built = Built()
-    original = getattr(launcher_api, "LocalElasticAgent", None)
-    if original is not LocalElasticAgent:
-        raise ElasticTrainError(
-            "torch.distributed.launcher.api no longer builds LocalElasticAgent by name; "
-            "fix: run plain torchrun (no agent events; exit 1 instead of 75 on preemption) "
-            "and report the torch version")
 
     def build(*args: Any, **kwargs: Any) -> ElasticTrainAgent:
         built.agent = ElasticTrainAgent(settings, *args, **kwargs)
         return built.agent
 
-    launcher_api.LocalElasticAgent = build  # type: ignore[misc,assignment]
     try:
-        yield built
+        with torch_hooks.agent_built_by(build):
+            yield built
     finally:
-        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
         if built.agent is not None:
             built.agent.close_standby()

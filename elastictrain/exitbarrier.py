@@ -30,6 +30,8 @@ from typing import Any
 
 from torch.distributed import DistStoreError
 
+from elastictrain.launcher import torch_hooks
+
 # torchrun's own keys (torch.distributed.elastic.agent.server.api and utils.store): the
 # barrier is shared with agents that run torchrun's own implementation.
 TERMINAL_STATE_PREFIX = "torchelastic/agent/terminal_state"
@@ -111,7 +113,7 @@ def stay_for_waiting_nodes(rdzv_handler: Any, timeout_s: float) -> float:
 def mark_job_finished(rdzv_handler: Any) -> None:
     """Record in the rendezvous store, beside the rendezvous state and for every round,
     that this job's workers finished the run."""
-    store = getattr(rdzv_handler, "_store", None)
+    store = torch_hooks.handler_store(rdzv_handler)
     if store is not None:
         store.set(_finished_key(rdzv_handler), "1")
 
@@ -119,7 +121,7 @@ def mark_job_finished(rdzv_handler: Any) -> None:
 def job_finished(rdzv_handler: Any) -> bool:
     """Whether an agent of this job recorded that the run finished (False when the store
     cannot tell: not the dynamic rendezvous, or unreachable)."""
-    store = getattr(rdzv_handler, "_store", None)
+    store = torch_hooks.handler_store(rdzv_handler)
     try:
         return store is not None and bool(store.check([_finished_key(rdzv_handler)]))
     except Exception:  # the store's host is gone

@@ -3,9 +3,9 @@
 torchrun's agent starts its workers through ``start_processes``, which builds a
 ``SubprocessContext`` of one ``SubprocessHandler`` (a ``Popen``) per local rank.
 :class:`StandbyContext` is that context with :class:`StandbyHandler` in place of
-the handler, and :func:`starting_from` points the agent's ``start_processes`` at
-it while the agent starts a worker group: log files, tee, error files, failure
-reports and the stop signals stay torchrun's own.
+the handler, and :func:`start_processes_with` is the ``start_processes`` the agent
+uses while it starts a worker group (installed by ``launcher/torch_hooks.py``): log
+files, tee, error files, failure reports and the stop signals stay torchrun's own.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch.distributed.elastic.agent.server.local_elastic_agent as local_agent
 from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
 
 from elastictrain.standby.client import (
@@ -125,14 +123,3 @@ def start_processes_with(standby: Standby, original: Callable[..., PContext],
         return context
 
     return start
-
-
-@contextmanager
-def starting_from(standby: Standby, on_start: OnStart) -> Iterator[None]:
-    """While inside, torchrun's local agent starts its workers from ``standby``."""
-    original = local_agent.start_processes
-    local_agent.start_processes = start_processes_with(standby, original, on_start)
-    try:
-        yield
-    finally:
-        local_agent.start_processes = original
