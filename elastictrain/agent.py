@@ -86,7 +86,6 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
 )
 
-from elastictrain import runend
 from elastictrain.config import LaunchDefaults
 from elastictrain.errors import (
     EXIT_OK,
@@ -99,6 +98,15 @@ from elastictrain.exitbarrier import (
     stay_for_waiting_nodes,
 )
 from elastictrain.failure import ERROR_FIELDS, fix_line
+from elastictrain.handoff import end_marks
+from elastictrain.handoff.rescue_marks import (
+    armed_pids,
+    clear_save_marks,
+    listening_pids,
+    ready_pids,
+    request_save,
+    rescuing_pids,
+)
 from elastictrain.launcher import torch_hooks
 from elastictrain.launcher.policy import (
     AfterEnd,
@@ -119,14 +127,6 @@ from elastictrain.launcher.policy import (
 )
 from elastictrain.log import bind, get_logger
 from elastictrain.proctree import tree_cpu_ticks
-from elastictrain.rescue_marks import (
-    armed_pids,
-    clear_save_marks,
-    listening_pids,
-    ready_pids,
-    request_save,
-    rescuing_pids,
-)
 from elastictrain.standby.client import Standby
 from elastictrain.standby.context import start_processes_with
 
@@ -225,7 +225,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _workers(self) -> Workers:
         """The current workers at this look (policy.Workers)."""
         end_dir = self.settings.end_dir
-        ended = runend.ended_pids(end_dir) if end_dir is not None else set()
+        ended = end_marks.ended_pids(end_dir) if end_dir is not None else set()
         return Workers(self._worker_codes(), frozenset(ended))
 
     def _nodes_waiting(self, ask_store: Callable[[], int]) -> int:
@@ -285,7 +285,7 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         if self.settings.end_dir is not None:
-            runend.clear(self.settings.end_dir)
+            end_marks.clear(self.settings.end_dir)
         if self.settings.rescue_dir is not None:
             clear_save_marks(self.settings.rescue_dir)
         self._end_logged = False

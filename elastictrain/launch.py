@@ -441,12 +441,13 @@ def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
     )
     from torch.distributed.run import main as torchrun_main
 
-    from elastictrain import gracewatch, runend
+    from elastictrain import gracewatch
     from elastictrain.agent import AgentSettings, WorkersFatal, installed, on_grace_expired
+    from elastictrain.handoff import end_marks
     from elastictrain.launcher.policy import outcome_exit_code
 
     gc.freeze()  # as in a worker (runtime.init): the imports leave the collector's view
-    with runend.end_dir() as end_dir, \
+    with end_marks.end_dir() as end_dir, \
             installed(AgentSettings.of(launch, rescue_dir, end_dir,
                                        shutdown_timeout_s)) as built, \
             gracewatch.watching(shutdown_timeout_s + GRACE_MARGIN_S, notices,
@@ -632,7 +633,7 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
              monitor_interval_s=args.monitor_interval, rdzv_backend=args.rdzv_backend,
              rdzv_endpoint=args.rdzv_endpoint, shutdown_timeout_s=grace_s,
              signals_to_handle=args.signals_to_handle, entrypoint=args.training_script)
-    from elastictrain.rescue_marks import launch_marks
+    from elastictrain.handoff.rescue_marks import launch_marks
 
     notices = frozenset(int(signal.Signals[name.strip()])
                         for name in str(args.signals_to_handle).split(",") if name.strip())

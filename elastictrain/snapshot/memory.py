@@ -33,9 +33,9 @@ from pathlib import Path
 
 from elastictrain.config import SnapshotConfig
 from elastictrain.errors import ConfigError
+from elastictrain.handoff.rescue_marks import sweep_marks
 from elastictrain.localfiles import open_private, private_dir
 from elastictrain.log import get_logger
-from elastictrain.rescue_marks import sweep_marks
 from elastictrain.shm import LOCK, exclusive, hold, user_dirs, user_root
 from elastictrain.snapshot import layout
 from elastictrain.snapshot.attempt import ATTEMPT_FILE

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from elastictrain import watchdog
 from elastictrain.dist import DistContext
+from elastictrain.handoff.rescue_marks import LISTENING, MARKS_ENV, READY, SAVE_REQUEST
 from elastictrain.localfiles import open_private
 from elastictrain.log import get_logger
-from elastictrain.rescue_marks import LISTENING, MARKS_ENV, READY, SAVE_REQUEST
 
 log = get_logger("elastictrain.snapshot")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.rescue_marks import launch_marks
+from elastictrain.handoff.rescue_marks import launch_marks
 from elastictrain.snapshot import memory
 
 
@@ -28,7 +28,7 @@ def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def _launcher_holding_marks(shm: Path) -> tuple[subprocess.Popen[str], Path]:
     """A real process inside ``launch_marks`` (as ``elastictrain run`` is), waiting."""
-    code = ("import sys\nfrom elastictrain.rescue_marks import launch_marks\n"
+    code = ("import sys\nfrom elastictrain.handoff.rescue_marks import launch_marks\n"
             "with launch_marks() as path:\n    print(path, flush=True)\n"
             "    sys.stdin.read()\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
@@ -94,7 +94,7 @@ def test_a_sweep_while_a_launcher_makes_its_marks_leaves_them(
     """Another launcher of this user sweeps at the moment this one has made its marks
     directory and not yet locked it: the directory is not taken for an abandoned one
     (the agent would wait for no rescue, the workers get no channel)."""
-    from elastictrain import rescue_marks
+    from elastictrain.handoff import rescue_marks
 
     real_hold = rescue_marks.hold
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.rescue_marks import rescuing_pids
+from elastictrain.handoff.rescue_marks import rescuing_pids
 from elastictrain.snapshot import rescue
 from tests.helpers import REPO, child_env, kill_session
 

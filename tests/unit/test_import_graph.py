@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "elastictrain.dist", "elastictrain.env", "elastictrain.errors",
         "elastictrain.failure", "elastictrain.gracewatch", "elastictrain.helpformat",
         "elastictrain.localfiles", "elastictrain.log", "elastictrain.preempt",
-        "elastictrain.proctree", "elastictrain.rescue_marks", "elastictrain.runend",
+        "elastictrain.proctree", "elastictrain.handoff", "elastictrain.runend",
         "elastictrain.shm", "elastictrain.version", "elastictrain.watchdog",
         # The names of a snapshot's paths: storage's fault injection targets them.
         "elastictrain.snapshot.layout",
@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ops", ("elastictrain.ops", "elastictrain.goodput", "elastictrain.view")),
     ("runtime", ("elastictrain.runtime", "elastictrain.__init__")),
     ("launch", ("elastictrain.launch", "elastictrain.agent", "elastictrain.exitbarrier",
+                "elastictrain.launcher",
                 "elastictrain.standby")),
     ("cli", ("elastictrain.cli", "elastictrain.__main__", "elastictrain.chaos",
              "elastictrain.demo")),

@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 from elastictrain.agent import AgentSettings, ElasticTrainAgent
 from elastictrain.dist import DistContext
 from elastictrain.env import RESCUE_MARKS_VAR
-from elastictrain.rescue_marks import (
+from elastictrain.handoff.rescue_marks import (
     LISTENING,
     READY,
     RESCUING,
