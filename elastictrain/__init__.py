@@ -21,30 +21,31 @@ from typing import TYPE_CHECKING, Any
 from elastictrain.version import __version__
 
 if TYPE_CHECKING:
-    from elastictrain.config import Settings, load_settings
-    from elastictrain.data import ElasticSampler, Micro, MicroBatchSampler, optimizer_steps
-    from elastictrain.errors import (
+    from elastictrain.core.config import Settings, load_settings
+    from elastictrain.core.errors import (
         ConfigError,
         ElasticTrainError,
         SnapshotCorrupt,
         StorageError,
     )
-    from elastictrain.runtime import Runtime, init, shutdown
+    from elastictrain.runtime import init, shutdown
     from elastictrain.snapshot.manager import ResumeInfo, SnapshotManager
+    from elastictrain.worker.data import ElasticSampler, Micro, MicroBatchSampler, optimizer_steps
+    from elastictrain.worker.session import Runtime
 
 # Public name → the module that defines it.
 _HOMES = {
-    "Settings": "elastictrain.config",
-    "load_settings": "elastictrain.config",
-    "ElasticSampler": "elastictrain.data",
-    "Micro": "elastictrain.data",
-    "MicroBatchSampler": "elastictrain.data",
-    "optimizer_steps": "elastictrain.data",
-    "ConfigError": "elastictrain.errors",
-    "ElasticTrainError": "elastictrain.errors",
-    "SnapshotCorrupt": "elastictrain.errors",
-    "StorageError": "elastictrain.errors",
-    "Runtime": "elastictrain.runtime",
+    "Settings": "elastictrain.core.config",
+    "load_settings": "elastictrain.core.config",
+    "ElasticSampler": "elastictrain.worker.data",
+    "Micro": "elastictrain.worker.data",
+    "MicroBatchSampler": "elastictrain.worker.data",
+    "optimizer_steps": "elastictrain.worker.data",
+    "ConfigError": "elastictrain.core.errors",
+    "ElasticTrainError": "elastictrain.core.errors",
+    "SnapshotCorrupt": "elastictrain.core.errors",
+    "StorageError": "elastictrain.core.errors",
+    "Runtime": "elastictrain.worker.session",
     "init": "elastictrain.runtime",
     "shutdown": "elastictrain.runtime",
     "ResumeInfo": "elastictrain.snapshot.manager",

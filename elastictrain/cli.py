@@ -16,15 +16,15 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
-from elastictrain import log as et_log
-from elastictrain.errors import (
+from elastictrain.core import log as et_log
+from elastictrain.core.errors import (
     EXIT_FATAL,
     EXIT_USAGE,
     ConfigError,
     ElasticTrainError,
     StorageNotFoundError,
 )
-from elastictrain.helpformat import HelpFormatter
+from elastictrain.core.helpformat import HelpFormatter
 
 # Commands that start a run: only they may end with 78 (a fatal run, do not retry).
 _RUNS = ("demo", "chaos")
@@ -72,8 +72,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _snapshots(args: argparse.Namespace) -> int:
-    from elastictrain import ops
     from elastictrain.storage.locations import open_from_cli
+    from elastictrain.view import ops
 
     if getattr(args, "memory", False):  # node memory, not a storage
         return ops.list_memory(args.json)
@@ -101,9 +101,9 @@ def _snapshots(args: argparse.Namespace) -> int:
 
 
 def _goodput(args: argparse.Namespace) -> int:
-    from elastictrain.accounting.split import format_split, split_run
-    from elastictrain.events import is_remote
-    from elastictrain.goodput import (
+    from elastictrain.runlog.accounting.split import format_split, split_run
+    from elastictrain.runlog.events import is_remote
+    from elastictrain.runlog.goodput import (
         compute_goodput,
         format_report,
         one_figure,
@@ -130,7 +130,7 @@ def _goodput(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from None
     if args.plot and split is not None:
-        from elastictrain.accounting.plot import plot_split
+        from elastictrain.runlog.accounting.plot import plot_split
 
         plot_split(split, args.plot)
     if args.json:
@@ -415,7 +415,7 @@ def exit_code_for(command: str, exc: ElasticTrainError) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
-        from elastictrain.launch import cli_main, exit_launcher
+        from elastictrain.launcher.launch import cli_main, exit_launcher
 
         exit_launcher(cli_main(argv[1:]))
     parser = build_parser()

@@ -3,7 +3,7 @@
 ``init`` reads the worker environment once, configures structured logging
 with the run's context bound (run_id, rank, world_size, restart_count), joins
 the process group, and installs a ``sys.excepthook`` under which an
-:class:`~elastictrain.errors.ElasticTrainError` reaching the top of the script
+:class:`~elastictrain.core.errors.ElasticTrainError` reaching the top of the script
 logs one ``worker.error`` event and exits with the error's ``exit_code`` (78 for
 a fatal one: the launcher's agent then stops restarting). Any other exception
 logs ``worker.failed`` and goes on to the previous hook (exit 1). Either way the
@@ -19,7 +19,7 @@ group and restores the previous hook.
 Where the events go (the rule): ``log.events_dir`` when set; otherwise beside the
 snapshots: ``<storage>/events/<run id>/``, with ``<storage>`` the URL the script
 passes to its first ``SnapshotManager`` (``events_beside``; on object storage the
-file is spooled locally and uploaded there, elastictrain.events). ``init`` runs
+file is spooled locally and uploaded there, elastictrain.runlog.events). ``init`` runs
 before any manager exists, so it opens the file under ``storage.url`` (the setting,
 default ``./elastictrain-run``) and the manager moves it, with what it holds so far;
 a script without a manager keeps it there. This needs no launcher, so plain torchrun
@@ -37,55 +37,21 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from elastictrain import events, preempt, watchdog
-from elastictrain import log as et_log
-from elastictrain.config import Settings, StorageConfig, load_settings
-from elastictrain.dist import DistContext, destroy_process_group, init_process_group
-from elastictrain.env import LAUNCH_ID_VAR, WorkerEnv, getenv
-from elastictrain.errors import EXIT_FATAL, ElasticTrainError
+from elastictrain.core import log as et_log
+from elastictrain.core.config import Settings, load_settings
+from elastictrain.core.env import WorkerEnv
+from elastictrain.core.errors import EXIT_FATAL, ElasticTrainError
+from elastictrain.runlog import events
 from elastictrain.snapshot import rescue
+from elastictrain.worker import preempt, session, watchdog
+from elastictrain.worker.dist import destroy_process_group, init_process_group
+from elastictrain.worker.session import Runtime, structlog_step
 
 ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
-
-
-@dataclass
-class Runtime:
-    """What a worker needs after ``init``: its settings, environment and process group."""
-
-    settings: Settings
-    env: WorkerEnv
-    ctx: DistContext
-    events_dir: str | None
-    run_id: str = ""
-    events_file_name: str = ""
-    events_moved: bool = False  # events_beside already chose the storage
-    finished: bool = False  # run.finished was logged
-
-    @property
-    def rank(self) -> int:
-        return self.ctx.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ctx.world_size
-
-    @property
-    def device(self) -> Any:
-        return self.ctx.device
-
-
-_current: Runtime | None = None  # what init() returned in this process
-
-
-def default_events_dir(settings: Settings) -> str | None:
-    """The local root of event files (``elastictrain.events``: beside the snapshots for
-    local storage, a spool directory uploaded to the storage for object storage)."""
-    return events.events_root(settings)
 
 
 def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
@@ -113,89 +79,27 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
     # step the watchdog allows startup_timeout_s. One file/URL poller per node is enough.
     preempt.install(settings.preempt, poll=env.local_rank == 0)
     watchdog.install(settings.watchdog)
-    global _current
-    _current = Runtime(settings, env, ctx, str(sink.path.parent), run_id,
-                       sink.path.name)
+    runtime = Runtime(settings, env, ctx, str(sink.path.parent), run_id, sink.path.name)
+    session.set_current(runtime)
     # What was imported so far (torch alone: some 190 thousand objects) leaves the cyclic
     # collector's view: its full collections during training no longer walk it, nor does
     # the interpreter's exit (figures: docs/recovery.md#the-garbage-collector).
     gc.freeze()
-    return _current
-
-
-def events_beside(storage: StorageConfig) -> None:
-    """Move this worker's event file beside the snapshots at ``storage`` (the module
-    docstring's rule; ``SnapshotManager`` calls it): the first manager decides, and
-    a configured ``log.events_dir`` is left alone."""
-    rt = _current
-    if rt is None or rt.events_moved or rt.settings.log.events_dir:
-        return
-    rt.events_moved = True
-    moved = rt.settings.model_copy(update={"storage": storage})
-    sink = events.open_sink(moved, rt.run_id, rt.events_file_name)
-    old_dir = Path(rt.events_dir) if rt.events_dir else None
-    if rt.events_dir is not None and sink.path.parent == old_dir:
-        return
-    # Under elastictrain run (it sets the launch id) the launcher's live view and agent
-    # watch the old directory: a link there keeps the worker's events in their sight.
-    launched = bool(getenv(LAUNCH_ID_VAR))
-    et_log.move_events_file(sink.path, sink.upload, leave_link=launched)
-    rt.events_dir = str(sink.path.parent)
-    if old_dir is not None and not launched:
-        _remove_empty(old_dir, levels=3)  # <run id>/, events/, the default storage root
-
-
-def _remove_empty(directory: Path, levels: int) -> None:
-    """Remove ``directory`` and up to ``levels - 1`` parents while they are empty (what
-    ``init`` created for the events before they moved)."""
-    for _ in range(levels):
-        try:
-            directory.rmdir()
-        except OSError:  # not empty (another rank's file, snapshots) or gone
-            return
-        directory = directory.parent
-
-
-def log_finished(**fields: Any) -> None:
-    """Log ``run.finished`` once (rank 0): the script ended cleanly. Not while an error
-    propagates (a ``finally`` around the loop): that is no clean end."""
-    rt = _current
-    if sys.exc_info()[1] is not None or (rt is not None and rt.finished):
-        return
-    if rt is not None:
-        rt.finished = True
-        if rt.rank != 0:
-            return
-    fields.setdefault("final_step", structlog_step())
-    et_log.get_logger("elastictrain").info("run.finished", **fields)
-
-
-def structlog_step() -> int | None:
-    """The step bound to this process's events (the manager re-binds it every step)."""
-    import structlog
-
-    step = structlog.contextvars.get_contextvars().get("step")
-    return step if isinstance(step, int) else None
-
-
-def current() -> Runtime | None:
-    """What ``init`` returned in this process (None before ``init`` or after ``shutdown``)."""
-    return _current
+    return runtime
 
 
 def shutdown() -> None:
     """Leave the process group (call at the end of training, also on errors)."""
-    global _current
     failing = sys.exc_info()[1]
     if failing is not None:  # from a ``finally`` while an error propagates: the rescue
         rescue.on_uncaught(failing)  # goes first, before the agent stops this process
-    elif _current is not None:
-        log_finished()  # a script without SnapshotManager.close() ends cleanly here
+    elif session.current() is not None:
+        session.log_finished()  # a script without SnapshotManager.close() ends cleanly here
     watchdog.uninstall()  # teardown is not a hang
     # Handlers stay: a late SIGTERM from the agent must not turn exit 75 into a kill.
     preempt.uninstall(restore_signals=False)
     destroy_process_group()
-    _current = None
+    session.set_current(None)
     # Called from a ``finally`` while an error propagates, the hook must stay for it.
     if sys.exc_info()[1] is None:
         _restore_excepthook()

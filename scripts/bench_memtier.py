@@ -47,8 +47,8 @@ from bench_recovery import _poll, _start, _stop
 from bench_snapshot import SyncTorchSave, Trainer, evict
 from benchlib import CallTimer, fmt, load_average, noisy, ratio_spread, spread, write_json
 
-from elastictrain import log as et_log
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core import log as et_log
 from elastictrain.snapshot.manager import SnapshotManager
 
 

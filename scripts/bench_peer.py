@@ -67,7 +67,7 @@ from benchlib import (
     write_json,
 )
 
-from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
+from elastictrain.launcher.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
 
 RUN_TIMEOUT_S = 900
 
@@ -135,7 +135,7 @@ COPY_WORKER = r'''
 import os, sys, time, json
 from pathlib import Path
 import torch, torch.distributed as dist
-from elastictrain.dist import DistContext
+from elastictrain.worker.dist import DistContext
 from elastictrain.snapshot.peer_restore import send_copy, receive_copy
 from elastictrain.snapshot.peer_transport import GlooTransport
 from elastictrain.snapshot.reader import verify_snapshot
@@ -169,7 +169,7 @@ MICRO_WORKER = r'''
 import json, os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from elastictrain.dist import DistContext
+from elastictrain.worker.dist import DistContext
 from elastictrain.snapshot.peer_records import RecordStream
 from elastictrain.snapshot.record_links import connect_record_links
 from elastictrain.snapshot.rescue import BoundaryRecord, same_states

@@ -120,9 +120,9 @@ def worker(endpoint: str, mode: str, rank: int, port: int) -> None:
     """One rank: restore the newest snapshot; print bytes read, peak growth and time."""
     import torch.distributed as dist
 
-    from elastictrain.dist import DistContext
     from elastictrain.snapshot.reader import read_manifest
     from elastictrain.snapshot.restore import load_newest
+    from elastictrain.worker.dist import DistContext
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

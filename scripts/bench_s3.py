@@ -70,10 +70,10 @@ from benchlib import (
     write_json,
 )
 
-from elastictrain import log as et_log
-from elastictrain.config import StorageConfig
-from elastictrain.errors import StorageNotFoundError
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core import log as et_log
+from elastictrain.core.config import StorageConfig
+from elastictrain.core.errors import StorageNotFoundError
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot, serialize_payload
 from elastictrain.snapshot.reader import newest_first, verify_snapshot
 from elastictrain.snapshot.retention import prune

@@ -249,7 +249,7 @@ def _local(args: argparse.Namespace, rank: int, sub: str = "") -> Any:
 
 
 def _s3(args: argparse.Namespace, rank: int, prefix: str) -> Any:
-    from elastictrain.config import StorageConfig
+    from elastictrain.core.config import StorageConfig
 
     return StorageConfig(url=f"s3://{BUCKET}/{prefix}", storage_options={
         "key": f"rank{rank}", "secret": "x", "client_kwargs": {"endpoint_url": args.s3}})
@@ -411,7 +411,7 @@ def _poll(predicate: Any, timeout: float, what: str, procs: list[Any] = ()) -> A
 
 def _events(directory: Path) -> list[dict[str, Any]]:
     """Every event in the directory's files, each tagged with its file's name."""
-    from elastictrain.events_read import read_event_files  # here: workers time their start
+    from elastictrain.runlog.events_read import read_event_files  # here: workers time their start
 
     return [{**event, "_file": name} for name, events in read_event_files(directory)
             for event in events]

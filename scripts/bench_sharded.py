@@ -46,8 +46,8 @@ sys.path.insert(0, str(REPO))
 
 from benchlib import free_port  # noqa: E402  (scripts/, beside this file)
 
-from elastictrain.dist import DistContext  # noqa: E402
 from elastictrain.snapshot.manager import SnapshotManager  # noqa: E402
+from elastictrain.worker.dist import DistContext  # noqa: E402
 
 WIDTH = 2048
 BUFFER_MB = 64

@@ -93,9 +93,9 @@ from benchlib import (
     write_json,
 )
 
-from elastictrain import log as et_log
-from elastictrain.config import SnapshotConfig
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core import log as et_log
+from elastictrain.core.config import SnapshotConfig
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.restore import resolve_mode
 from elastictrain.snapshot.staging import StagingBuffers
@@ -480,7 +480,7 @@ def restore_worker(rank: int, world: int, port: int, root: str, size_mb: float, 
     et_log.configure(level="warning", stream=sys.stderr)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from elastictrain.dist import DistContext
+    from elastictrain.worker.dist import DistContext
 
     ctx = DistContext(rank, world, rank, "gloo", torch.device("cpu"), True)
     trainer = Trainer.build(size_mb)

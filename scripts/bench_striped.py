@@ -36,9 +36,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_s3 import free_port, moto_server  # noqa: E402
 
-from elastictrain.dist import DistContext  # noqa: E402
 from elastictrain.snapshot.manager import SnapshotManager  # noqa: E402
 from elastictrain.storage import open_store  # noqa: E402
+from elastictrain.worker.dist import DistContext  # noqa: E402
 
 WIDTH = 1024
 

@@ -162,7 +162,7 @@ class CallTimer:
 def events_named(directory: Path, name: str) -> list[dict[str, Any]]:
     """Every event called ``name`` in the JSON-lines files anywhere below ``directory``
     (a run's agents' and workers' event files), file by file in name order."""
-    from elastictrain.events_read import read_events
+    from elastictrain.runlog.events_read import read_events
 
     return [event for path in sorted(directory.rglob("*.jsonl"))
             for event in read_events(path) if event.get("event") == name]

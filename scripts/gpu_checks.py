@@ -102,8 +102,8 @@ class Checks:
 
 def check_snapshot(checks: Checks) -> dict[str, Any]:
     """In this process: blocking of each save of a user's loop, durable-after, restore."""
-    from elastictrain.dist import DistContext
     from elastictrain.snapshot.manager import SnapshotManager
+    from elastictrain.worker.dist import DistContext
 
     device = torch.device("cpu" if checks.dry else "cuda")
     width, batch = (512, 64) if checks.dry else (8192, 1024)

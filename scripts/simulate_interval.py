@@ -24,7 +24,7 @@ import random
 import sys
 from dataclasses import asdict, dataclass
 
-from elastictrain import log
+from elastictrain.core import log
 from elastictrain.snapshot.interval import FailureHistory, IntervalPolicy
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastictrain.data import ElasticSampler
+from elastictrain.worker.data import ElasticSampler
 from tests.helpers import events
 
 
@@ -85,7 +85,7 @@ def kill_leftovers(events_root: Path) -> None:
     that still run, by PID, after checking the PID still belongs to them."""
     for pid_file in events_root.rglob("agent.pid"):
         pid = int(pid_file.read_text())
-        if _runs(pid, "elastictrain.launch"):
+        if _runs(pid, "elastictrain.launcher.launch"):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
     for event in events(events_root, "worker.start"):

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from elastictrain.errors import StorageError, StorageTransientError
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import StorageError, StorageTransientError
 from elastictrain.storage.api import Store
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from elastictrain.snapshot.checksum import checksum_bytes
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry
 from elastictrain.storage.api import Store

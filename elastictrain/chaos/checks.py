@@ -10,10 +10,10 @@ from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from elastictrain import ops
-from elastictrain.errors import EXIT_PREEMPTED, ElasticTrainError
+from elastictrain.core.errors import EXIT_PREEMPTED, ElasticTrainError
 from elastictrain.snapshot.reader import verify_snapshot
 from elastictrain.storage import Store
+from elastictrain.view import ops
 
 
 def _named(events: Iterable[dict[str, Any]], name: str) -> list[dict[str, Any]]:

@@ -13,8 +13,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from elastictrain.data import ElasticSampler
-from elastictrain.events_read import read_events
+from elastictrain.runlog.events_read import read_events
+from elastictrain.worker.data import ElasticSampler
 
 
 def read_records(directory: Path) -> list[dict[str, Any]]:

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from elastictrain.chaos.schedule import StorageFaults
-from elastictrain.events_read import read_events
-from elastictrain.launch import LaunchSpec, start_torchrun
-from elastictrain.proctree import stat_fields
+from elastictrain.launcher.launch import LaunchSpec, start_torchrun
+from elastictrain.launcher.proctree import stat_fields
+from elastictrain.runlog.events_read import read_events
 
 MARKER_VAR = "ETCHAOS_RUN"
 

@@ -15,9 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from elastictrain.env import SHM_VAR
-from elastictrain.shm import user_root_in
-from elastictrain.snapshot import layout, memory
+from elastictrain.core import layout
+from elastictrain.core.env import SHM_VAR
+from elastictrain.core.shm import user_root_in
+from elastictrain.snapshot import memory
 
 TMPFS_SIZE = "64m"
 NEIGHBOUR_STEPS = 200

@@ -53,10 +53,10 @@ from elastictrain.chaos.stepmarks import (
     unmarked_steps,
     widest_gap,
 )
-from elastictrain.config import load_settings
-from elastictrain.errors import ConfigError, ElasticTrainError
-from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec
-from elastictrain.shm import user_root_in
+from elastictrain.core.config import load_settings
+from elastictrain.core.errors import ConfigError, ElasticTrainError
+from elastictrain.core.shm import user_root_in
+from elastictrain.launcher.launch import DEFAULT_RDZV_CONF, LaunchSpec
 from elastictrain.storage import open_store
 from elastictrain.view.tail import EventTail
 

@@ -29,9 +29,9 @@ from elastictrain.chaos.schedule import (
     Schedule,
     make_schedule,
 )
-from elastictrain.config import load_settings
-from elastictrain.errors import ConfigError, ElasticTrainError
-from elastictrain.launch import LaunchSpec
+from elastictrain.core.config import load_settings
+from elastictrain.core.errors import ConfigError, ElasticTrainError
+from elastictrain.launcher.launch import LaunchSpec
 from elastictrain.storage import open_store
 
 STORAGE_PLACEHOLDER = "{storage}"

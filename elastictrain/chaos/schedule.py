@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from dataclasses import replace as replace_fields
 from typing import Any
 
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
 
 # Faults on processes; "storage" switches the fault-injecting store on for the trial.
 PROCESS_FAULTS = ("kill", "relaunch", "notice", "stop")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from elastictrain.events_read import read_events
+from elastictrain.runlog.events_read import read_events
 
 
 @dataclass

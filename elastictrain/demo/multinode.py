@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from elastictrain import preempt
+from elastictrain.core.errors import ConfigError, ElasticTrainError
+from elastictrain.core.log import get_logger
 from elastictrain.demo.job import RunningJob
-from elastictrain.errors import ConfigError, ElasticTrainError
-from elastictrain.events_read import read_events
-from elastictrain.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
-from elastictrain.log import get_logger
+from elastictrain.launcher.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
+from elastictrain.runlog.events_read import read_events
+from elastictrain.worker import preempt
 
 log = get_logger("elastictrain.demo")
 

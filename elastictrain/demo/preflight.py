@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from elastictrain.batching import check_global_batch
+from elastictrain.core.errors import ConfigError, ResumeMismatchError
 from elastictrain.demo.corpus import demo_corpus
 from elastictrain.demo.model import GPTConfig
 from elastictrain.demo.multinode import parse_nnodes
-from elastictrain.errors import ConfigError, ResumeMismatchError
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.reader import newest_first
 from elastictrain.storage import Store
+from elastictrain.worker.batching import check_global_batch
 
 
 class ElasticOptions(Protocol):

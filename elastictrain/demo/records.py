@@ -25,7 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
-from elastictrain.runtime import Runtime
+from elastictrain.worker.session import Runtime
 
 
 class SampleRecorder:

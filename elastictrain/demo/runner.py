@@ -17,17 +17,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastictrain.config import load_settings
+from elastictrain.core.config import load_settings
+from elastictrain.core.errors import EXIT_PREEMPTED, ConfigError
 from elastictrain.demo.job import RunningJob
 from elastictrain.demo.multinode import NodesPlan, membership_timings, parse_nnodes, run_nodes
 from elastictrain.demo.preflight import check_resumable, validate_elastic
-from elastictrain.errors import EXIT_PREEMPTED, ConfigError
-from elastictrain.events_read import read_events
-from elastictrain.failure import failure_lines
-from elastictrain.launch import LaunchSpec, start_torchrun
-from elastictrain.runtime import default_events_dir
+from elastictrain.launcher.launch import LaunchSpec, start_torchrun
+from elastictrain.runlog.events_read import read_events
+from elastictrain.runlog.failure import failure_lines
 from elastictrain.storage import open_store
 from elastictrain.view.live import LiveView, live_view
+from elastictrain.worker.session import default_events_dir
 
 
 @dataclass
@@ -94,7 +94,7 @@ class DemoResult:
     membership: list[dict[str, Any]] = field(default_factory=list)  # nodes killed / added
     final_snapshot: int | None = None  # step of the final snapshot after a notice
     interrupted: str | None = None  # SIGINT / SIGTERM the demo received
-    # The first failing worker's error of the last failed attempt (elastictrain.failure),
+    # The first failing worker's error of the last failed attempt (elastictrain.runlog.failure),
     # and the number of identical failures when the launcher stopped on a crash loop.
     error: dict[str, Any] | None = None
     crash_loop: int | None = None
@@ -169,7 +169,7 @@ def _live_view(opts: DemoOptions, run_id: str, events_dir: str
 def _worker_env(opts: DemoOptions) -> dict[str, str]:
     """Storage options reach the workers through their environment, never their
     arguments: torchrun logs a worker's command line. The URL is there too, so the
-    agent's events reach the run's storage (elastictrain.events)."""
+    agent's events reach the run's storage (elastictrain.runlog.events)."""
     env = {"ELASTICTRAIN_STORAGE__URL": opts.storage}
     if opts.storage_options:
         env["ELASTICTRAIN_STORAGE__STORAGE_OPTIONS"] = json.dumps(opts.storage_options)

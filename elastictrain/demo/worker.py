@@ -21,11 +21,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 import elastictrain as et
+from elastictrain.core.log import get_logger
 from elastictrain.demo.corpus import CharDataset, IndexedPrefix, demo_corpus
 from elastictrain.demo.model import CharGPT, GPTConfig
 from elastictrain.demo.multinode import Park, wait_at_gates
 from elastictrain.demo.records import SampleRecorder
-from elastictrain.log import get_logger
 
 log = get_logger("elastictrain.demo")
 
@@ -183,7 +183,7 @@ def train_step(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     All but the last backward run under ``no_sync`` (gradients accumulate locally;
     the last one all-reduces); each mean loss is scaled so the step's gradient is
-    the mean over the whole step (see elastictrain.batching).
+    the mean over the whole step (see elastictrain.worker.batching).
     """
     optimizer.zero_grad(set_to_none=True)
     trained: list[int] = []

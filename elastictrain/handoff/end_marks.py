@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from elastictrain.shm import exclusive, hold
+from elastictrain.core.shm import exclusive, hold
 
 _PREFIX = "ended-"
 

@@ -18,11 +18,11 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from elastictrain.env import RESCUE_MARKS_VAR
-from elastictrain.errors import ConfigError
-from elastictrain.localfiles import open_private, private_dir
-from elastictrain.log import get_logger
-from elastictrain.shm import exclusive, hold, user_dirs, user_root
+from elastictrain.core.env import RESCUE_MARKS_VAR
+from elastictrain.core.errors import ConfigError
+from elastictrain.core.localfiles import open_private, private_dir
+from elastictrain.core.log import get_logger
+from elastictrain.core.shm import exclusive, hold, user_dirs, user_root
 
 log = get_logger("elastictrain.snapshot")
 

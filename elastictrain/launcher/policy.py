@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from elastictrain.errors import (
+from elastictrain.core.errors import (
     EXIT_FATAL,
     EXIT_HANG,
     EXIT_OK,

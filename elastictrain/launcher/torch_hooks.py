@@ -18,7 +18,7 @@ import torch.distributed.elastic.agent.server.local_elastic_agent as local_agent
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from elastictrain.errors import ElasticTrainError
+from elastictrain.core.errors import ElasticTrainError
 
 CHECKED_TORCH = ("2.13",)
 

@@ -23,8 +23,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from elastictrain.dist import DistContext
-from elastictrain.localfiles import open_private
+from elastictrain.core.localfiles import open_private
+from elastictrain.worker.dist import DistContext
 
 ATTEMPT_FILE = "ATTEMPT"
 NONE_SEEN = -1  # a node that kept no attempt (new, or without a memory directory)

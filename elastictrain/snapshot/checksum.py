@@ -12,7 +12,7 @@ import hashlib
 import zlib
 from typing import BinaryIO, Protocol
 
-from elastictrain.config import ChecksumAlgorithm
+from elastictrain.core.config import ChecksumAlgorithm
 
 try:
     from isal.isal_zlib import crc32 as _crc32

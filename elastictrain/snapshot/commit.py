@@ -26,13 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from elastictrain.config import ChecksumAlgorithm
-from elastictrain.errors import (
+from elastictrain.core import layout
+from elastictrain.core.config import ChecksumAlgorithm
+from elastictrain.core.errors import (
     SnapshotCorrupt,
     StorageError,
 )
-from elastictrain.log import get_logger
-from elastictrain.snapshot import layout, signing
+from elastictrain.core.log import get_logger
+from elastictrain.snapshot import signing
 from elastictrain.snapshot.checksum import HashingWriter
 from elastictrain.snapshot.commitmark import commit_by_rename, commit_in_place, is_committed
 from elastictrain.snapshot.manifest import FORMAT_VERSION, Manifest, ObjectEntry

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from elastictrain.errors import StorageConflictError, StorageNotFoundError
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import StorageConflictError, StorageNotFoundError
 from elastictrain.storage.api import Store
 
 

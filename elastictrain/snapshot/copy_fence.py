@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from elastictrain.config import SnapshotConfig
-from elastictrain.errors import ConfigError
+from elastictrain.core.config import SnapshotConfig
+from elastictrain.core.errors import ConfigError
 from elastictrain.snapshot.save_schedule import SaveSchedule
 from elastictrain.snapshot.saver_interface import SnapshotSaver
 from elastictrain.snapshot.training_state import TrainingState

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from elastictrain.accounting.attempts import read_attempts
-from elastictrain.log import get_logger
+from elastictrain.core.log import get_logger
+from elastictrain.runlog.accounting.attempts import read_attempts
 
 log = get_logger("elastictrain.snapshot")
 

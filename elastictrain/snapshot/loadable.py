@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from elastictrain.errors import UnsafeStateError
+from elastictrain.core.errors import UnsafeStateError
 
 # Leaf types the weights-only unpickler rebuilds without any registration.
 _PRIMITIVES: frozenset[type] = frozenset({

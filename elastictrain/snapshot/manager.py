@@ -18,7 +18,7 @@ it to the others (snapshot/memory.py, snapshot/peer_restore.py).
 
 Snapshots are taken at step boundaries only, so every rank decides the same:
 step triggers are deterministic; time triggers, preemption notices
-(``elastictrain.preempt``) and a background persist that gave up are agreed
+(``elastictrain.worker.preempt``) and a background persist that gave up are agreed
 with one small all-reduce per step where one is needed (preemption on, or a
 time trigger); without it a failed persist is agreed at the next save, which
 gathers it with the RNG states. So ``SnapshotWriteFailed`` is raised on every
@@ -46,12 +46,9 @@ from typing import Any, NoReturn
 
 from torch import nn
 
-from elastictrain import preempt, runend, runtime, watchdog
-from elastictrain.config import SnapshotConfig, StorageConfig
-from elastictrain.data import ElasticSampler
-from elastictrain.dist import DistContext
-from elastictrain.errors import RunEndNotAgreed, SnapshotWriteFailed
-from elastictrain.log import bind_step, get_logger
+from elastictrain.core.config import SnapshotConfig, StorageConfig
+from elastictrain.core.errors import RunEndNotAgreed, SnapshotWriteFailed
+from elastictrain.core.log import bind_step, get_logger
 from elastictrain.snapshot import replica_check
 from elastictrain.snapshot.copy_fence import CopyFence
 from elastictrain.snapshot.digest import param_digest
@@ -70,6 +67,9 @@ from elastictrain.snapshot.saver_interface import LoadRequest, SaverSettings, Sn
 from elastictrain.snapshot.sharded.detect import has_dtensor_params
 from elastictrain.snapshot.training_state import TrainingState, unwrap
 from elastictrain.storage import Store
+from elastictrain.worker import preempt, runend, session, watchdog
+from elastictrain.worker.data import ElasticSampler
+from elastictrain.worker.dist import DistContext
 
 __all__ = ["ResumeInfo", "SnapshotManager", "unwrap"]
 
@@ -455,7 +455,7 @@ class SnapshotManager:
         The run finished: each node's memory snapshots are removed (only here: after a
         failure the restart needs them); the ranks agree that every one of them got here,
         so that a failure in teardown does not restart a finished run
-        (``elastictrain.runend``); and rank 0 logs ``run.finished`` (final step, epoch,
+        (``elastictrain.worker.runend``); and rank 0 logs ``run.finished`` (final step, epoch,
         digest and ``finished``'s fields), the clean end that goodput, status and the
         automatic interval read; not when called while an error propagates.
 
@@ -491,7 +491,7 @@ class SnapshotManager:
             weights = param_digest(unwrap(self.model))
             log.info("params.digest", param_digest=weights)
         if self.ctx.rank == 0:
-            runtime.log_finished(**{"final_step": self.step_count, "epoch": self.epoch,
+            session.log_finished(**{"final_step": self.step_count, "epoch": self.epoch,
                                     "param_digest": weights,
                                     "replicas_equal": equal,
                                     "snapshot_step": self._durable_step,

@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from elastictrain import preempt, runtime
-from elastictrain.config import SnapshotConfig, StorageConfig, load_settings, validated
-from elastictrain.dist import DistContext, find_context
-from elastictrain.env import WorkerEnv
+from elastictrain.core.config import SnapshotConfig, StorageConfig, load_settings, validated
+from elastictrain.core.env import WorkerEnv
 from elastictrain.storage import Store, open_store
+from elastictrain.worker import preempt, session
+from elastictrain.worker.dist import DistContext, find_context
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class ManagerSetup:
         ``log.events_dir`` says where (the rule: elastictrain.runtime), so status and
         goodput read what was passed.
         """
-        rt = runtime.current()
+        rt = session.current()
         settings = rt.settings if rt is not None else load_settings()
         base = (config or settings.snapshot).model_dump()
         snapshot_config = validated(SnapshotConfig, **{**base, **overrides})
@@ -58,7 +58,7 @@ class ManagerSetup:
             storage = _storage_config(storage, settings.storage)
         store = (open_store(storage, storage_options)
                  if isinstance(storage, StorageConfig) else storage)
-        runtime.events_beside(storage if isinstance(storage, StorageConfig) else
+        session.events_beside(storage if isinstance(storage, StorageConfig) else
                               settings.storage.model_copy(update={"url": store.url}))
         # Read after events_beside: it may have moved the directory.
         events_dir = rt.events_dir if rt is not None else settings.log.events_dir

@@ -8,8 +8,8 @@ from datetime import datetime, timezone
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from elastictrain.config import ChecksumAlgorithm
-from elastictrain.errors import SnapshotCorrupt
+from elastictrain.core.config import ChecksumAlgorithm
+from elastictrain.core.errors import SnapshotCorrupt
 
 FORMAT_VERSION = 1
 SHARDED_FORMAT_VERSION = 2  # objects written by several ranks (rank, items per object)

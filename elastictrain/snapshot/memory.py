@@ -31,13 +31,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastictrain.config import SnapshotConfig
-from elastictrain.errors import ConfigError
+from elastictrain.core import layout
+from elastictrain.core.config import SnapshotConfig
+from elastictrain.core.errors import ConfigError
+from elastictrain.core.localfiles import open_private, private_dir
+from elastictrain.core.log import get_logger
+from elastictrain.core.shm import LOCK, exclusive, hold, user_dirs, user_root
 from elastictrain.handoff.rescue_marks import sweep_marks
-from elastictrain.localfiles import open_private, private_dir
-from elastictrain.log import get_logger
-from elastictrain.shm import LOCK, exclusive, hold, user_dirs, user_root
-from elastictrain.snapshot import layout
 from elastictrain.snapshot.attempt import ATTEMPT_FILE
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.snapshot.rescue import BOUNDARY_DIR

@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from elastictrain.config import SnapshotConfig
-from elastictrain.dist import DistContext
-from elastictrain.errors import SnapshotWriteFailed
-from elastictrain.log import bind, get_logger
+from elastictrain.core.config import SnapshotConfig
+from elastictrain.core.errors import SnapshotWriteFailed
+from elastictrain.core.log import bind, get_logger
 from elastictrain.snapshot import attempt, memory, peer_transport, rescue
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.peer_restore import PeerCopies
@@ -26,6 +25,7 @@ from elastictrain.snapshot.record_links import RecordLinks, connect_record_links
 from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.storage import Store
+from elastictrain.worker.dist import DistContext
 
 if TYPE_CHECKING:  # imported where used: DCP costs a DDP worker's start-up a second
     from elastictrain.snapshot.sharded.memory_restore import ShardedMemory

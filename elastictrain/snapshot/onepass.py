@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from elastictrain.config import ChecksumAlgorithm
+from elastictrain.core.config import ChecksumAlgorithm
 from elastictrain.snapshot.checksum import Hasher, new_hasher
 from elastictrain.snapshot.tensorbytes import tensor_bytes
 from elastictrain.snapshot.views import StorageIndex, ViewRef, from_views, to_views

@@ -38,9 +38,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from elastictrain.errors import PeerNodeLost
-from elastictrain.localfiles import open_private
-from elastictrain.log import get_logger
+from elastictrain.core.errors import PeerNodeLost
+from elastictrain.core.localfiles import open_private
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.record_links import RecordLinks, read_exactly, read_into
 from elastictrain.snapshot.rescue import (
     SLOT_BYTES,

@@ -26,11 +26,10 @@ from typing import BinaryIO
 
 import torch
 
-from elastictrain.config import ChecksumAlgorithm
-from elastictrain.dist import DistContext
-from elastictrain.errors import SnapshotCorrupt, StorageError
-from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.config import ChecksumAlgorithm
+from elastictrain.core.errors import SnapshotCorrupt, StorageError
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.checksum import new_hasher
 from elastictrain.snapshot.commitmark import commit_by_rename, read_marker
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry
@@ -44,6 +43,7 @@ from elastictrain.snapshot.peer_transport import (
 )
 from elastictrain.snapshot.record_links import RecordLinks
 from elastictrain.storage.api import Store
+from elastictrain.worker.dist import DistContext
 
 log = get_logger("elastictrain.snapshot")
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as torch_dist
 
-from elastictrain.dist import DistContext
+from elastictrain.worker.dist import DistContext
 
 # Tags keep kinds of traffic apart on the one group: a restore's copy of a snapshot,
 # and a sharded model's parts (snapshot/sharded/memory_save.py). The rescue's boundary

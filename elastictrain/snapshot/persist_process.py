@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as torch_mp
 
-from elastictrain.errors import SnapshotWriteFailed
-from elastictrain.log import configure_forwarding, get_logger, log_forwarded
+from elastictrain.core.errors import SnapshotWriteFailed
+from elastictrain.core.log import configure_forwarding, get_logger, log_forwarded
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.pacing import Pace
 from elastictrain.snapshot.persister import (

@@ -32,8 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal, Protocol
 
-from elastictrain.errors import SnapshotWriteFailed
-from elastictrain.log import get_logger
+from elastictrain.core.errors import SnapshotWriteFailed
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.pacing import Pace

@@ -1,4 +1,4 @@
-"""The final snapshot on an agreed preemption notice (``elastictrain.preempt``), then
+"""The final snapshot on an agreed preemption notice (``elastictrain.worker.preempt``), then
 the exit of every rank: 75 if it committed, 76 if not."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-from elastictrain import preempt, watchdog
-from elastictrain.dist import DistContext
-from elastictrain.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
-from elastictrain.log import get_logger
+from elastictrain.core.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.saver_interface import SnapshotSaver
+from elastictrain.worker import preempt, watchdog
+from elastictrain.worker.dist import DistContext
 
 log = get_logger("elastictrain.snapshot")
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastictrain.localfiles import make_private_dirs, open_private
-from elastictrain.log import get_logger
+from elastictrain.core.localfiles import make_private_dirs, open_private
+from elastictrain.core.log import get_logger
 
 log = get_logger("elastictrain.snapshot")
 

@@ -26,15 +26,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from elastictrain.config import ChecksumAlgorithm
-from elastictrain.errors import (
+from elastictrain.core import layout
+from elastictrain.core.config import ChecksumAlgorithm
+from elastictrain.core.errors import (
     ObjectSizeMismatch,
     SnapshotCorrupt,
     SnapshotUnloadable,
     StorageNotFoundError,
 )
-from elastictrain.log import get_logger
-from elastictrain.snapshot import layout, signing
+from elastictrain.core.log import get_logger
+from elastictrain.snapshot import signing
 from elastictrain.snapshot.checksum import new_hasher
 from elastictrain.snapshot.commitmark import read_marker
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest, ObjectEntry

@@ -28,8 +28,8 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from elastictrain.dist import DistContext
-from elastictrain.log import get_logger
+from elastictrain.core.log import get_logger
+from elastictrain.worker.dist import DistContext
 
 log = get_logger("elastictrain.snapshot")
 

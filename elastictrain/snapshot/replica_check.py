@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from isal import isal_zlib
 
-from elastictrain.dist import DistContext
-from elastictrain.errors import ReplicasDiverged
-from elastictrain.log import get_logger
+from elastictrain.core.errors import ReplicasDiverged
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.tensorbytes import tensor_bytes
+from elastictrain.worker.dist import DistContext
 
 _MASK = (1 << 32) - 1
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
+from elastictrain.core.localfiles import open_private, private_dir
+from elastictrain.core.log import get_logger
 from elastictrain.handoff.rescue_marks import ARMED, MARKS_ENV, RESCUING
-from elastictrain.localfiles import open_private, private_dir
-from elastictrain.log import get_logger
 from elastictrain.snapshot.tensorbytes import tensor_bytes
 
 try:  # numpy is optional (as in rng.py)

@@ -18,10 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastictrain import watchdog
-from elastictrain.config import SnapshotConfig
-from elastictrain.dist import DistContext
-from elastictrain.log import get_logger
+from elastictrain.core.config import SnapshotConfig
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot import rescue
 from elastictrain.snapshot.node_memory import NodeMemory
 from elastictrain.snapshot.peer_records import RecordStream
@@ -29,6 +27,8 @@ from elastictrain.snapshot.rescue import BoundaryRecord, read_record, record_ste
 from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.snapshot.training_state import TrainingState
+from elastictrain.worker import watchdog
+from elastictrain.worker.dist import DistContext
 
 log = get_logger("elastictrain.snapshot")
 

@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from elastictrain import watchdog
-from elastictrain.dist import DistContext
+from elastictrain.core.localfiles import open_private
+from elastictrain.core.log import get_logger
 from elastictrain.handoff.rescue_marks import LISTENING, MARKS_ENV, READY, SAVE_REQUEST
-from elastictrain.localfiles import open_private
-from elastictrain.log import get_logger
+from elastictrain.worker import watchdog
+from elastictrain.worker.dist import DistContext
 
 log = get_logger("elastictrain.snapshot")
 

@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from elastictrain.dist import DistContext
-from elastictrain.errors import (
+from elastictrain.core import layout
+from elastictrain.core.errors import (
     ConfigError,
     ElasticTrainError,
     RestoreOverwrote,
@@ -58,8 +58,7 @@ from elastictrain.errors import (
     SnapshotUnloadable,
     StorageError,
 )
-from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.commitmark import is_committed
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.memory_choice import NO_STEP, Durable, Held, choose
@@ -68,6 +67,7 @@ from elastictrain.snapshot.peer_restore import PeerCopies
 from elastictrain.snapshot.reader import newest_first, read_manifest, verify_snapshot
 from elastictrain.snapshot.views import StorageIndex, as_bytes, from_views, to_views
 from elastictrain.storage.api import Store
+from elastictrain.worker.dist import DistContext
 
 log = get_logger("elastictrain.snapshot")
 

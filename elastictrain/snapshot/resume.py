@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from elastictrain.dist import DistContext
-from elastictrain.log import bind_step, get_logger
+from elastictrain.core.log import bind_step, get_logger
 from elastictrain.snapshot import replica_check
 from elastictrain.snapshot.restore import LoadedSnapshot
 from elastictrain.snapshot.training_state import TrainingState
+from elastictrain.worker.dist import DistContext
 
 log = get_logger("elastictrain.snapshot")
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import re
 import time
 
-from elastictrain.errors import StorageError
-from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import StorageError
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.commitmark import is_committed
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.sharded.commit import is_sharded_object

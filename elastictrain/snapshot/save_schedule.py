@@ -15,9 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from elastictrain import preempt
-from elastictrain.config import SnapshotConfig
-from elastictrain.dist import DistContext
+from elastictrain.core.config import SnapshotConfig
 from elastictrain.snapshot.interval import (
     FailureHistory,
     IntervalPolicy,
@@ -25,6 +23,8 @@ from elastictrain.snapshot.interval import (
     interval_steps,
 )
 from elastictrain.snapshot.restart_save import RestartRequest
+from elastictrain.worker import preempt
+from elastictrain.worker.dist import DistContext
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,8 @@ from typing import Any, cast
 import torch
 from structlog.contextvars import bound_contextvars
 
-from elastictrain import watchdog
-from elastictrain.errors import SnapshotWriteFailed
-from elastictrain.log import get_logger
+from elastictrain.core.errors import SnapshotWriteFailed
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.pacing import Pace
 from elastictrain.snapshot.persister import (
@@ -69,6 +68,7 @@ from elastictrain.snapshot.restore import LoadedSnapshot, load_newest
 from elastictrain.snapshot.saver_interface import LoadRequest, SaverSettings
 from elastictrain.snapshot.staging import StagingBuffers
 from elastictrain.storage.api import Store
+from elastictrain.worker import watchdog
 
 log = get_logger("elastictrain.snapshot")
 

@@ -13,10 +13,9 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from elastictrain.config import SnapshotConfig
+from elastictrain.core.config import SnapshotConfig
 
 if TYPE_CHECKING:
-    from elastictrain.dist import DistContext
     from elastictrain.snapshot.commit import SnapshotMeta
     from elastictrain.snapshot.onepass import InPlace
     from elastictrain.snapshot.peer_restore import PeerCopies
@@ -24,6 +23,7 @@ if TYPE_CHECKING:
     from elastictrain.snapshot.restore import LoadedSnapshot
     from elastictrain.snapshot.sharded.memory_restore import ShardedMemory
     from elastictrain.storage.api import Store
+    from elastictrain.worker.dist import DistContext
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from elastictrain.env import signing_key
-from elastictrain.errors import SnapshotUntrusted
-from elastictrain.log import get_logger
+from elastictrain.core.env import signing_key
+from elastictrain.core.errors import SnapshotUntrusted
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.manifest import Manifest
 
 log = get_logger("elastictrain.snapshot")

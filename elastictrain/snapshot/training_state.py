@@ -8,14 +8,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain.config import ChecksumAlgorithm
-from elastictrain.data import ElasticSampler, check_dataset_len
-from elastictrain.dist import DistContext
-from elastictrain.errors import ConfigError
+from elastictrain.core.config import ChecksumAlgorithm
+from elastictrain.core.errors import ConfigError
 from elastictrain.snapshot import replica_check
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.onepass import InPlace
 from elastictrain.snapshot.rng import reseed_for_new_world, restore_rng
+from elastictrain.worker.data import ElasticSampler, check_dataset_len
+from elastictrain.worker.dist import DistContext
 
 
 def unwrap(model: nn.Module) -> nn.Module:

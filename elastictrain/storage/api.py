@@ -2,7 +2,7 @@
 
 Paths are plain ``str`` relative to the store's root and joined with ``/``:
 a remote URI would be mangled by ``pathlib``. Implementations translate their
-backend's errors into :mod:`elastictrain.errors` and never put credentials in
+backend's errors into :mod:`elastictrain.core.errors` and never put credentials in
 a message.
 """
 
@@ -34,7 +34,7 @@ class Store(Protocol):
     def write_bytes(self, path: str, data: bytes, *, if_absent: bool = False) -> None:
         """Write a whole object durably, in one PUT on object stores.
 
-        With ``if_absent``, raise :class:`~elastictrain.errors.StorageConflictError`
+        With ``if_absent``, raise :class:`~elastictrain.core.errors.StorageConflictError`
         if it exists (atomically where ``supports_conditional_put``).
         """
         ...

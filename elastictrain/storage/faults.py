@@ -8,7 +8,7 @@ faults are configured. Each injected fault logs ``storage.fault_injected``.
 Faults, each independent:
 
 * ``read_error_p`` / ``write_error_p``: an operation fails with
-  :class:`~elastictrain.errors.StorageTransientError`, as a store does once its
+  :class:`~elastictrain.core.errors.StorageTransientError`, as a store does once its
   own retries are used up (reads: read, list, stat; writes: write, delete, rename);
 * ``latency_s``: every operation waits this long first;
 * ``crash_after_bytes``: the first ``crash_writes`` payload writes of each
@@ -28,10 +28,10 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, BinaryIO, cast
 
-from elastictrain.config import FaultsConfig
-from elastictrain.errors import StorageTransientError
-from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.config import FaultsConfig
+from elastictrain.core.errors import StorageTransientError
+from elastictrain.core.log import get_logger
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.storage")

@@ -4,7 +4,7 @@
 backend for its protocol (:mod:`.backends`): :mod:`.local` for local paths,
 :mod:`.s3` for S3, :mod:`.generic` for the rest. Every operation is retried by
 the store's :class:`~elastictrain.storage.retry.RetryPolicy` while its backend
-calls the fault transient, then raised as an :mod:`elastictrain.errors` storage
+calls the fault transient, then raised as an :mod:`elastictrain.core.errors` storage
 error with a fix, never with a credential.
 """
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import fsspec
 
-from elastictrain.errors import StorageError
+from elastictrain.core.errors import StorageError
 from elastictrain.storage.api import Store
 from elastictrain.storage.backends import backend_for
 from elastictrain.storage.faults import with_faults
@@ -25,7 +25,7 @@ from elastictrain.storage.retry import RetryPolicy
 from elastictrain.storage.urls import refuse_credentials_in_url
 
 if TYPE_CHECKING:
-    from elastictrain.config import StorageConfig
+    from elastictrain.core.config import StorageConfig
 
 DEFAULT_MULTIPART_THRESHOLD = 64 * 2**20
 DEFAULT_PART_SIZE = 16 * 2**20
@@ -166,7 +166,7 @@ def open_store(
     retry_backoff_s: float = 0.2,
 ) -> Store:
     """Open a Store for a URL (a local path, ``file://``, ``memory://``, ``s3://``…) or
-    for a :class:`~elastictrain.config.StorageConfig` (all of its settings apply;
+    for a :class:`~elastictrain.core.config.StorageConfig` (all of its settings apply;
     ``storage_options``, if given, update the config's; ``faults`` wraps the store in
     :class:`~elastictrain.storage.faults.FaultyStore`)."""
     if isinstance(target, str):

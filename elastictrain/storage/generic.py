@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, TypeVar
 
-from elastictrain.errors import (
+from elastictrain.core.errors import (
     ObjectSizeMismatch,
     StorageConflictError,
     StorageError,
@@ -35,7 +35,7 @@ from elastictrain.errors import (
     StoragePermissionError,
     StorageTransientError,
 )
-from elastictrain.log import get_logger
+from elastictrain.core.log import get_logger
 from elastictrain.storage.urls import redact_url
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def _is_dropped_connection(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """How a store moves bytes (from :class:`~elastictrain.config.StorageConfig`).
+    """How a store moves bytes (from :class:`~elastictrain.core.config.StorageConfig`).
 
     Attributes:
         part_size_bytes, upload_concurrency, multipart_threshold_bytes: uploads and

@@ -4,7 +4,7 @@ A whole object is written to a temporary name, fsynced and renamed, so it
 appears whole or not at all; a create-only write links the temporary file to
 its name, which fails if another writer got there first. Directories are
 committed by rename, and the directory entry is fsynced so the rename survives
-a crash. With ``private`` (the node-memory tier, :mod:`elastictrain.localfiles`)
+a crash. With ``private`` (the node-memory tier, :mod:`elastictrain.core.localfiles`)
 files are created ``0600`` and directories ``0700``.
 """
 
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from elastictrain.localfiles import make_private_dirs, private_opener
+from elastictrain.core.localfiles import make_private_dirs, private_opener
 from elastictrain.storage.generic import Backend
 
 

@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from elastictrain.config import load_settings
-from elastictrain.errors import ConfigError
+from elastictrain.core.config import load_settings
+from elastictrain.core.errors import ConfigError
 from elastictrain.storage.api import Store
 from elastictrain.storage.fsspec_store import open_store
 

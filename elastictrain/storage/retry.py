@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from elastictrain.log import get_logger
+from elastictrain.core.log import get_logger
 
 T = TypeVar("T")
 

@@ -29,7 +29,7 @@ from typing import BinaryIO, cast
 
 import fsspec.asyn
 
-from elastictrain.errors import StorageError, StorageNotFoundError
+from elastictrain.core.errors import StorageError, StorageNotFoundError
 from elastictrain.storage import s3_errors
 from elastictrain.storage.generic import Backend
 from elastictrain.storage.s3_multipart import MultipartWriter

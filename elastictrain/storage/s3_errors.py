@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from elastictrain.errors import StorageError, StorageNotFoundError, StoragePermissionError
+from elastictrain.core.errors import StorageError, StorageNotFoundError, StoragePermissionError
 from elastictrain.storage.generic import cause_chain
 
 THROTTLING_CODES = frozenset({

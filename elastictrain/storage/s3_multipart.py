@@ -52,8 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from elastictrain.errors import StorageError
-from elastictrain.log import get_logger
+from elastictrain.core.errors import StorageError
+from elastictrain.core.log import get_logger
 
 try:
     from isal.isal_zlib import crc32 as _crc32
@@ -90,7 +90,7 @@ class MultipartWriter(io.RawIOBase):
             one PUT (default: ``part_size``). Stores that need equal parts
             (s3fs ``fixed_upload_size``, e.g. Cloudflare R2) use ``part_size``.
         call: ``call(op, fn)`` runs ``fn`` with the store's retries and turns
-            failures into :class:`~elastictrain.errors.StorageError`.
+            failures into :class:`~elastictrain.core.errors.StorageError`.
     """
 
     def __init__(self, fs: Any, path: str, *, part_size: int, concurrency: int,

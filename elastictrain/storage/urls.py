@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
 
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@]+@")
 

@@ -103,7 +103,7 @@ class LiveView:
         footer: a hint under the area while the job runs (e.g. what Ctrl-C does).
         console: where to draw (default: stdout).
         rows: more (label, text) rows of the area (e.g. where the output goes).
-        launch: show only the events of this launch id (``elastictrain.events``).
+        launch: show only the events of this launch id (``elastictrain.runlog.events``).
     """
 
     def __init__(self, store: Store, root: str, title: str, total_steps: int | None = None,

@@ -16,10 +16,10 @@ from typing import IO, Any
 from rich.console import Console
 from rich.live import Live
 
-from elastictrain import ops
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
 from elastictrain.storage.api import Store
 from elastictrain.storage.locations import open_from_cli
+from elastictrain.view import ops
 from elastictrain.view.live import REFRESH_S, render, view_wanted
 from elastictrain.view.model import RunState
 from elastictrain.view.tail import EventTail

@@ -20,7 +20,7 @@ from elastictrain.chaos.runner import (
     standby_pid,
 )
 from elastictrain.chaos.schedule import FAULT_KINDS, make_schedule, parse_kinds
-from elastictrain.standby.client import Standby, StandbyUnavailable
+from elastictrain.launcher.standby.client import Standby, StandbyUnavailable
 from tests.helpers import pid_alive, wait_for
 
 

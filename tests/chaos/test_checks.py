@@ -13,7 +13,7 @@ import torch
 
 from elastictrain.chaos import checks
 from elastictrain.chaos.job import MARKER_VAR, processes_with_marker
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.reader import read_manifest
 from elastictrain.storage import open_store

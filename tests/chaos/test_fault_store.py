@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain.config import FaultsConfig, load_settings
-from elastictrain.errors import ConfigError, StorageTransientError
+from elastictrain.core.config import FaultsConfig, load_settings
+from elastictrain.core.errors import ConfigError, StorageTransientError
 from elastictrain.storage import Store, open_store
 from elastictrain.storage.faults import FaultyStore
 

@@ -27,8 +27,8 @@ from elastictrain.chaos.nodechecks import (
 )
 from elastictrain.chaos.nodes import halted
 from elastictrain.chaos.schedule import make_schedule, parse_kinds
-from elastictrain.data import ElasticSampler
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
+from elastictrain.worker.data import ElasticSampler
 from tests.helpers import wait_for
 
 LOCAL = Expectation(memory_every=3, durable_every=10)

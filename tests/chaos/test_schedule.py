@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastictrain.chaos.schedule import FAULT_KINDS, make_schedule, parse_kinds, trial_seed
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
 
 
 def test_same_seed_and_trial_give_the_same_schedule() -> None:

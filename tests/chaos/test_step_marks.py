@@ -18,7 +18,7 @@ from elastictrain.chaos.stepmarks import (
     unmarked_steps,
     widest_gap,
 )
-from elastictrain.errors import ElasticTrainError
+from elastictrain.core.errors import ElasticTrainError
 
 LOCAL = Expectation(memory_every=3, durable_every=10)
 A, B = NodeLife("a.0", 0, None), NodeLife("b.0", 0, 20)

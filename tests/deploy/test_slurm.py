@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.goodput import compute_goodput
+from elastictrain.runlog.goodput import compute_goodput
 from tests.helpers import (
     FAULTS_JOB_OPTIONS,
     REPO,
@@ -126,7 +126,7 @@ def _requeued(tmp_path: Path, job: str, env: dict[str, str], exit_code: int) -> 
     first = _events(tmp_path, job, "agent.finished")[0]  # files sort by launch time
     assert first["exit_code"] == exit_code, first
     # Every worker exited by itself with that code: none hung after its final snapshot
-    # and had to be killed by the launcher (elastictrain.dist.quiesce).
+    # and had to be killed by the launcher (elastictrain.worker.dist.quiesce).
     stopped = _events(tmp_path, job, "agent.workers_stopped")[0]
     assert set(stopped["exit_codes"].values()) == {exit_code}, stopped
 

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 import elastictrain as et
-from elastictrain import preempt
-from elastictrain.config import PreemptConfig
-from elastictrain.errors import SnapshotWriteFailed
+from elastictrain.core.config import PreemptConfig
+from elastictrain.core.errors import SnapshotWriteFailed
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.reader import verify_snapshot
 from elastictrain.snapshot.rng import capture_rng
 from elastictrain.storage import open_store
+from elastictrain.worker import preempt
 from tests.distributed.test_snapshot_collectives import _group, _join
 from tests.fault_stores import FailingStore
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from structlog.testing import capture_logs
 
-from elastictrain.errors import EXIT_FATAL, ReplicasDiverged
+from elastictrain.core.errors import EXIT_FATAL, ReplicasDiverged
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.training_state import TrainingState
 from tests.distributed.test_snapshot_collectives import _group, _join

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from elastictrain.dist import DistContext
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from elastictrain.snapshot.manager import SnapshotManager
+from elastictrain.worker.dist import DistContext
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.distributed
@@ -140,7 +140,7 @@ def test_both_restore_modes_load_the_newest_verified_snapshot_everywhere(tmp_pat
 
 
 def _object_collectives(rank: int, root: str, port: int) -> None:
-    from elastictrain import dist as et_dist
+    from elastictrain.worker import dist as et_dist
 
     ctx = _group(rank, port)
     # Objects of different sizes per rank (padding), a tensor inside, and a broadcast.

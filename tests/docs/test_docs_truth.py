@@ -1,6 +1,6 @@
-"""The docs say what the code does: the settings table against ``elastictrain.config``,
+"""The docs say what the code does: the settings table against ``elastictrain.core.config``,
 the event names against the events the code logs, the exit codes against
-``elastictrain.errors``, file and object names against the functions that make them,
+``elastictrain.core.errors``, file and object names against the functions that make them,
 every relative link and anchor resolves, and user pages tell no project history."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from elastictrain import errors, events
-from elastictrain.config import Settings
-from elastictrain.snapshot import layout
+from elastictrain.core import errors, layout
+from elastictrain.core.config import Settings
+from elastictrain.runlog import events
 from elastictrain.snapshot.sharded import commit as sharded_commit
 from tests.helpers import REPO
 
@@ -185,7 +185,7 @@ def test_setting_row_matches_the_code(key: str) -> None:
 
 
 def test_names_that_are_not_settings_are_listed() -> None:
-    from elastictrain.env import OUTSIDE_SETTINGS
+    from elastictrain.core.env import OUTSIDE_SETTINGS
 
     text = (DOCS / "configuration.md").read_text()
     for name in OUTSIDE_SETTINGS:

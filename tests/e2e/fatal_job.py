@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 import elastictrain as et
-from elastictrain import errors
+from elastictrain.core import errors
 
 
 def main() -> None:

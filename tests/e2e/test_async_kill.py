@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
 from tests.fault_stores import read_journal

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from tests.helpers import REPO, events, run_cli, run_demo_json, started, wait_for
 
 pytestmark = pytest.mark.distributed

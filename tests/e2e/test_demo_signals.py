@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.errors import EXIT_PREEMPTED
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import EXIT_PREEMPTED
 from tests.helpers import REPO, child_env, events, pid_alive, started, wait_for
 
 pytestmark = pytest.mark.distributed

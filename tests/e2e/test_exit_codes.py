@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.errors import EXIT_FATAL
+from elastictrain.core.errors import EXIT_FATAL
 from tests.e2e.test_preemption import Job, assert_preempted
 from tests.helpers import REPO, events, run_cli, started, wait_for
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
+from elastictrain.core.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
 from tests.e2e.test_preemption import LAUNCH_TIMEOUT, Job, assert_preempted_unsaved
 from tests.helpers import FAULTS_JOB_OPTIONS, TRAIN_JOB, wait_for
 

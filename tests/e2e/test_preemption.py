@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from elastictrain.errors import EXIT_HANG, EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import EXIT_HANG, EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
 from tests.helpers import REPO, events, run_cli, started, wait_for
 from tests.metadata import AWS_PATH, Metadata
 

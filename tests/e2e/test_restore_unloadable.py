@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.errors import EXIT_FATAL
+from elastictrain.core.errors import EXIT_FATAL
 from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
 from tests.helpers import REPO, TRAIN_JOB, events, started

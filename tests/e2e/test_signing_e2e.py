@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from elastictrain.snapshot.checksum import checksum_bytes
 from tests.helpers import events, run_cli
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.env import LAUNCH_ID_VAR, SHARE_STORE_FIX_VAR
+from elastictrain.core.env import LAUNCH_ID_VAR, SHARE_STORE_FIX_VAR
 from tests.helpers import child_env, events, kill_session, run_cli
 
 pytestmark = pytest.mark.distributed

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.errors import EXIT_PREEMPTED
+from elastictrain.core.errors import EXIT_PREEMPTED
 from tests.e2e.test_preemption import Job
 from tests.helpers import pid_alive, wait_for
 

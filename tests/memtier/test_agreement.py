@@ -13,13 +13,14 @@ import torch
 from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 
-from elastictrain.dist import DistContext
-from elastictrain.errors import ConfigError, StorageError
-from elastictrain.snapshot import layout, memory
+from elastictrain.core import layout
+from elastictrain.core.errors import ConfigError, StorageError
+from elastictrain.snapshot import memory
 from elastictrain.snapshot.memory_choice import Held
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.storage import open_store
+from elastictrain.worker.dist import DistContext
 from tests.fault_stores import FailingReads
 from tests.unit.test_manager import build, train
 
@@ -200,7 +201,7 @@ def test_remote_memory_dir_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_default_memory_dir_is_per_user_and_storage_in_shm(tmp_path: Path) -> None:
-    from elastictrain.config import SnapshotConfig
+    from elastictrain.core.config import SnapshotConfig
 
     config = SnapshotConfig(memory_every=1)
     path = memory.memory_dir(config, str(tmp_path / "a"))

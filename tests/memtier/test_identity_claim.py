@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
 from elastictrain.snapshot import memory
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 from tests.unit.test_manager import build, train

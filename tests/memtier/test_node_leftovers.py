@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.shm import LOCK
+from elastictrain.core.shm import LOCK
 from tests.helpers import kill_session
 from tests.memtier.nodejobs import Jobs, jobs, shm
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from tests.memtier.nodejobs import Jobs, jobs, shm, stats_under
 
 __all__ = ["jobs", "shm"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from tests.memtier.nodejobs import Jobs, jobs, shm
 
 pytestmark = pytest.mark.processes

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from elastictrain.snapshot.peer_restore import receive_copy, send_copy
 from elastictrain.snapshot.peer_transport import NodeMap
 from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.errors import PeerNodeLost
+from elastictrain.core.errors import PeerNodeLost
 from elastictrain.snapshot.peer_records import RecordStream
 from elastictrain.snapshot.record_links import RecordLinks
 from elastictrain.snapshot.rescue import (

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from elastictrain.env import SHM_VAR
-from elastictrain.localfiles import user_dir_name
+from elastictrain.core.env import SHM_VAR
+from elastictrain.core.localfiles import user_dir_name
 from tests.helpers import events, free_port, wait_for
 from tests.memtier.test_memtier_e2e import (
     PARK,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from elastictrain.snapshot.reader import read_manifest
 from elastictrain.snapshot.sharded.memory_node import (
     NO_STEP,

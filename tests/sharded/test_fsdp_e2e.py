@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from tests.helpers import REPO, free_port, pid_alive, started, wait_for
 
 pytestmark = pytest.mark.distributed

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.errors import EXIT_PREEMPTED_UNSAVED
+from elastictrain.core.errors import EXIT_PREEMPTED_UNSAVED
 from tests.e2e.test_preemption import Job, assert_preempted, assert_preempted_unsaved
 from tests.helpers import REPO, wait_for
 from tests.sharded.test_fsdp_e2e import samples_per_step

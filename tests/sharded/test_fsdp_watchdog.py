@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.errors import EXIT_HANG
+from elastictrain.core.errors import EXIT_HANG
 from tests.sharded.test_fsdp_preempt import FsdpJob
 
 pytestmark = pytest.mark.distributed

@@ -14,12 +14,12 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain import ops
-from elastictrain.errors import SnapshotCorrupt, StorageError
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import SnapshotCorrupt, StorageError
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest
 from elastictrain.snapshot.reader import read_manifest
 from elastictrain.storage import Store, open_store
+from elastictrain.view import ops
 from tests.fault_stores import _Wrapper
 from tests.unit.test_manager import build, train
 

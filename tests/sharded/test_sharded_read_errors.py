@@ -15,9 +15,9 @@ from typing import BinaryIO
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain import ops
-from elastictrain.errors import SnapshotCorrupt, StorageError, StorageTransientError
+from elastictrain.core.errors import SnapshotCorrupt, StorageError, StorageTransientError
 from elastictrain.storage import Store, open_store
+from elastictrain.view import ops
 from tests.fault_stores import _Wrapper
 from tests.unit.test_manager import build, train
 

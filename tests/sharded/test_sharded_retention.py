@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain import ops
-from elastictrain.errors import StorageError, StorageTransientError
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import StorageError, StorageTransientError
 from elastictrain.snapshot.reader import read_manifest
 from elastictrain.storage import Store, open_store
+from elastictrain.view import ops
 from tests.fault_stores import _Wrapper
 from tests.unit.test_manager import build, train
 

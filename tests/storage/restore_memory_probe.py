@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from elastictrain.dist import DistContext
 from elastictrain.snapshot.reader import read_manifest
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.storage import FsspecStore
+from elastictrain.worker.dist import DistContext
 from tests.s3server import FAKE_KEY, FAKE_SECRET
 
 

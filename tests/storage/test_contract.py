@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.errors import StorageConflictError, StorageNotFoundError
+from elastictrain.core.errors import StorageConflictError, StorageNotFoundError
 from elastictrain.storage import FsspecStore
 from tests.s3server import FAKE_KEY, FAKE_SECRET
 

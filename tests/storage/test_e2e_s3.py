@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from tests.helpers import events, run_cli, started, wait_for
 from tests.s3server import S3Bucket, assert_no_secret
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.errors import StorageError, StoragePermissionError
+from elastictrain.core.errors import StorageError, StoragePermissionError
 from elastictrain.storage import open_store, redact_url
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastictrain.errors import ObjectSizeMismatch, StorageError
+from elastictrain.core.errors import ObjectSizeMismatch, StorageError
 from elastictrain.storage import FsspecStore, open_store
 from tests.helpers import wait_for
 from tests.s3server import S3Bucket

@@ -17,8 +17,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.dist import DistContext
-from elastictrain.errors import (
+from elastictrain.core.errors import (
     SnapshotCorrupt,
     SnapshotUnloadable,
     StorageError,
@@ -28,6 +27,7 @@ from elastictrain.errors import (
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.snapshot.restore import load_newest, resolve_mode
 from elastictrain.storage import FsspecStore
+from elastictrain.worker.dist import DistContext
 from tests.helpers import REPO, child_env
 from tests.planted import plant_snapshot
 from tests.s3server import Request, S3Bucket

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from elastictrain.config import StorageConfig, load_settings
-from elastictrain.errors import ConfigError, StorageError
+from elastictrain.core.config import StorageConfig, load_settings
+from elastictrain.core.errors import ConfigError, StorageError
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.storage import FsspecStore, open_store
 from tests.helpers import run_cli

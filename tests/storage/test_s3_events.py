@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.events_read import parse_event_lines
+from elastictrain.runlog.events_read import parse_event_lines
 from tests.helpers import run_cli
 from tests.s3server import S3Bucket, assert_no_secret
 

@@ -16,14 +16,14 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from elastictrain import log as et_log
-from elastictrain.errors import (
+from elastictrain.core import log as et_log
+from elastictrain.core.errors import (
     EXIT_FATAL,
     StorageConflictError,
     StorageNotFoundError,
     StoragePermissionError,
 )
-from elastictrain.events_read import read_events
+from elastictrain.runlog.events_read import read_events
 from elastictrain.storage import FsspecStore
 from tests.s3server import FAKE_KEY, FAKE_SECRET, Request, S3Bucket, assert_no_secret
 

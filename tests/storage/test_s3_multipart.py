@@ -16,7 +16,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.errors import StorageError
+from elastictrain.core.errors import StorageError
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.reader import verify_snapshot
 from elastictrain.storage import FsspecStore

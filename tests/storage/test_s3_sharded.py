@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from elastictrain.snapshot.reader import read_manifest
 from tests.s3server import S3Bucket
 from tests.storage.test_s3_snapshots import s3_store

@@ -10,7 +10,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.reader import find_latest_verified, read_manifest

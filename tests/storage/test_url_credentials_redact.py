@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.errors import EXIT_USAGE, ConfigError
+from elastictrain.core.errors import EXIT_USAGE, ConfigError
 from elastictrain.storage import FsspecStore
 from tests.helpers import run_cli
 from tests.s3server import FAKE_KEY, FAKE_SECRET, S3Bucket, assert_no_secret

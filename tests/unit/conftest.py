@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastictrain import preempt
-from elastictrain.config import PreemptConfig
+from elastictrain.core.config import PreemptConfig
+from elastictrain.worker import preempt
 
 
 @pytest.fixture

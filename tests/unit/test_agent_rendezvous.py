@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 from torch.distributed import DistStoreError
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from elastictrain.agent import RENDEZVOUS_RETRIES, ElasticTrainAgent
+from elastictrain.launcher.agent import RENDEZVOUS_RETRIES, ElasticTrainAgent
 
 
 class _Group:

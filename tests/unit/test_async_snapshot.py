@@ -17,15 +17,15 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.dist import DistContext
-from elastictrain.errors import SnapshotCorrupt, SnapshotWriteFailed
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import SnapshotCorrupt, SnapshotWriteFailed
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.snapshot.rng import capture_rng, restore_rng
 from elastictrain.snapshot.staging import StagingBuffers
 from elastictrain.storage import open_store
+from elastictrain.worker.dist import DistContext
 from tests.fault_stores import FailingStore, GatedStore, read_journal
 from tests.helpers import REPO, child_env, events, kill_session, pid_alive, wait_for
 
@@ -303,7 +303,7 @@ def test_fused_load_detects_a_flipped_byte_anywhere(tmp_path: Path, where: str) 
 
 _WORKER = """
 import sys, torch
-from elastictrain import log
+from elastictrain.core import log
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.storage import open_store
 from tests.fault_stores import GatedStore

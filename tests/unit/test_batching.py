@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastictrain.batching import check_global_batch, step_shape, tail_samples
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
+from elastictrain.worker.batching import check_global_batch, step_shape, tail_samples
 
 
 def test_48_on_5_ranks_with_micro_batch_4() -> None:

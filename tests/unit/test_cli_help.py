@@ -13,10 +13,10 @@ import pytest
 
 from elastictrain.chaos.runner import ChaosOptions
 from elastictrain.cli import build_parser
-from elastictrain.config import LaunchDefaults
-from elastictrain.errors import EXIT_USAGE, ConfigError
-from elastictrain.helpformat import HelpFormatter
-from elastictrain.launch import torchrun_parser
+from elastictrain.core.config import LaunchDefaults
+from elastictrain.core.errors import EXIT_USAGE, ConfigError
+from elastictrain.core.helpformat import HelpFormatter
+from elastictrain.launcher.launch import torchrun_parser
 from tests.helpers import REPO, run_cli
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-READ_ONLY = ("elastictrain.cli", "elastictrain.ops", "elastictrain.view.status",
-             "elastictrain.goodput", "elastictrain.accounting.split")
+READ_ONLY = ("elastictrain.cli", "elastictrain.view.ops", "elastictrain.view.status",
+             "elastictrain.runlog.goodput", "elastictrain.runlog.accounting.split")
 
 
 @pytest.mark.processes

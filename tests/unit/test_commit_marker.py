@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
 from elastictrain.snapshot.commitmark import (
     commit_by_rename,
     commit_in_place,

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from elastictrain.errors import StorageError, StorageTransientError
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import StorageError, StorageTransientError
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.persister import SaveState, persist_with_retries
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, verify_snapshot

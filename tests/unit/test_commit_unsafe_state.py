@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import elastictrain as et
-from elastictrain.errors import EXIT_FATAL, UnsafeStateError
+from elastictrain.core.errors import EXIT_FATAL, UnsafeStateError
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 

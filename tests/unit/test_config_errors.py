@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.config import check_environment, load_settings
-from elastictrain.errors import ConfigError
+from elastictrain.core.config import check_environment, load_settings
+from elastictrain.core.errors import ConfigError
 from tests.helpers import run_cli
 
 SECRET = "s3cr3t-planted-value"

@@ -14,13 +14,13 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain import preempt, watchdog
-from elastictrain.config import FaultsConfig, WatchdogConfig
-from elastictrain.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED, ConfigError
+from elastictrain.core.config import FaultsConfig, WatchdogConfig
+from elastictrain.core.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED, ConfigError
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 from elastictrain.storage.faults import FaultyStore
+from elastictrain.worker import preempt, watchdog
 from tests.fault_stores import FailingStore, GatedStore, TricklingStore, read_journal
 from tests.helpers import wait_for
 

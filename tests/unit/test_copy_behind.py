@@ -15,8 +15,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.accounting.split import split_run
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
+from elastictrain.runlog.accounting.split import split_run
 from elastictrain.snapshot import saver as saver_module
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain.agent import AgentSettings, ElasticTrainAgent, WorkersFatal
-from elastictrain.failure import failure_lines
+from elastictrain.launcher.agent import AgentSettings, ElasticTrainAgent, WorkersFatal
 from elastictrain.launcher.policy import CrashLoop
+from elastictrain.runlog.failure import failure_lines
 
 
 def _agent(limit: int) -> ElasticTrainAgent:

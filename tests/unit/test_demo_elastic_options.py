@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from elastictrain.core.errors import ConfigError, ResumeMismatchError
 from elastictrain.demo.multinode import Park, parse_nnodes
 from elastictrain.demo.preflight import check_resumable, demo_dataset_len
 from elastictrain.demo.runner import DemoOptions
-from elastictrain.errors import ConfigError, ResumeMismatchError
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.storage import open_store
 

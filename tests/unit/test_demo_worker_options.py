@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastictrain.config import load_settings
+from elastictrain.core.config import load_settings
 from elastictrain.demo.worker import parse_args, settings_overrides
 
 

@@ -12,9 +12,9 @@ import torch
 from structlog.testing import capture_logs
 
 import elastictrain as et
-from elastictrain.dist import DistContext
-from elastictrain.errors import ConfigError, ResumeMismatchError
+from elastictrain.core.errors import ConfigError, ResumeMismatchError
 from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world
+from elastictrain.worker.dist import DistContext
 
 
 def ctx(rank: int, world: int) -> DistContext:

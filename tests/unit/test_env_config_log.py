@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import structlog
 
-from elastictrain import log as et_log
-from elastictrain.config import load_settings
-from elastictrain.env import SHARE_STORE_FIX_VAR, WorkerEnv, launcher_environ
-from elastictrain.errors import ConfigError
-from elastictrain.events_read import read_events
+from elastictrain.core import log as et_log
+from elastictrain.core.config import load_settings
+from elastictrain.core.env import SHARE_STORE_FIX_VAR, WorkerEnv, launcher_environ
+from elastictrain.core.errors import ConfigError
+from elastictrain.runlog.events_read import read_events
 
 
 def test_worker_env_reads_torchrun_contract() -> None:

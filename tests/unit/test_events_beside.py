@@ -1,4 +1,4 @@
-"""Events follow the storage the script passes to SnapshotManager (runtime.events_beside):
+"""Events follow the storage the script passes to SnapshotManager (session.events_beside):
 the file init() opened under storage.url moves there with what it holds, the empty
 default directory goes away; a configured log.events_dir stays; on object storage
 the file is spooled locally and uploaded under <storage>/events/<run id>/."""
@@ -13,27 +13,28 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain import events, runtime
-from elastictrain import log as et_log
-from elastictrain.config import StorageConfig, load_settings
-from elastictrain.events_read import parse_event_lines, read_events
-from elastictrain.localfiles import user_dir_name
+from elastictrain.core import log as et_log
+from elastictrain.core.config import StorageConfig, load_settings
+from elastictrain.core.localfiles import user_dir_name
+from elastictrain.runlog import events
+from elastictrain.runlog.events_read import parse_event_lines, read_events
 from elastictrain.storage import open_store
+from elastictrain.worker import session
 
 NAME = "attempt000-20250101T000000Z-abcd-rank0.jsonl"
 
 
-def _runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **log: str) -> runtime.Runtime:
+def _runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **log: str) -> session.Runtime:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("ELASTICTRAIN_LAUNCH_ID", raising=False)
     settings = load_settings(log=log) if log else load_settings()
     sink = events.open_sink(settings, "r1", NAME)
     et_log.configure("info", True, sink.path)
     et_log.get_logger().info("worker.start", pid=1)
-    rt = runtime.Runtime.__new__(runtime.Runtime)
+    rt = session.Runtime.__new__(session.Runtime)
     rt.settings, rt.events_dir, rt.run_id = settings, str(sink.path.parent), "r1"
     rt.events_file_name, rt.events_moved, rt.finished = NAME, False, False
-    monkeypatch.setattr(runtime, "_current", rt)
+    monkeypatch.setattr(session, "_current", rt)
     return rt
 
 
@@ -55,7 +56,7 @@ def test_the_file_moves_beside_the_snapshots(tmp_path: Path,
 def _moves_beside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rt = _runtime(tmp_path, monkeypatch)
     assert (tmp_path / "elastictrain-run" / "events" / "r1" / NAME).exists()
-    runtime.events_beside(StorageConfig(url=str(tmp_path / "ckpt")))
+    session.events_beside(StorageConfig(url=str(tmp_path / "ckpt")))
     et_log.get_logger().info("resume", from_step=None)
     moved = tmp_path / "ckpt" / "events" / "r1" / NAME
     assert rt.events_dir == str(moved.parent)
@@ -65,13 +66,13 @@ def _moves_beside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # under the umask a shell gives (0022), in directories it created.
     assert stat.S_IMODE(moved.stat().st_mode) == 0o600
     assert {stat.S_IMODE(d.stat().st_mode) for d in (moved.parent, moved.parent.parent)} == {0o700}
-    runtime.events_beside(StorageConfig(url=str(tmp_path / "other")))  # the first decides
+    session.events_beside(StorageConfig(url=str(tmp_path / "other")))  # the first decides
     assert not (tmp_path / "other").exists()
 
 
 def test_a_configured_events_dir_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rt = _runtime(tmp_path, monkeypatch, events_dir=str(tmp_path / "ev"))
-    runtime.events_beside(StorageConfig(url=str(tmp_path / "ckpt")))
+    session.events_beside(StorageConfig(url=str(tmp_path / "ckpt")))
     assert rt.events_dir == str(tmp_path / "ev") and (tmp_path / "ev" / NAME).exists()
     assert not (tmp_path / "ckpt").exists()
 
@@ -82,7 +83,7 @@ def test_object_storage_gets_the_file_uploaded(tmp_path: Path,
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the local spool
     url = "memory://events-beside-test"
-    runtime.events_beside(StorageConfig(url=url))
+    session.events_beside(StorageConfig(url=url))
     et_log.get_logger().info("resume", from_step=None)
     et_log.configure("info", True, None)  # closing the file uploads it
     uploaded = open_store(url).read_bytes(f"events/r1/{NAME}").decode()

@@ -15,12 +15,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from elastictrain import runtime
-from elastictrain.errors import (
+from elastictrain.core.errors import (
     ConfigError,
     ResumeMismatchError,
     StorageError,
     StoragePermissionError,
 )
+from elastictrain.worker import session
 
 
 @pytest.fixture
@@ -96,16 +97,16 @@ class _Ctx:
 
 
 def test_run_finished_only_for_a_clean_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    rt = runtime.Runtime.__new__(runtime.Runtime)
+    rt = session.Runtime.__new__(session.Runtime)
     rt.ctx, rt.finished = _Ctx(), False  # type: ignore[assignment]
-    monkeypatch.setattr(runtime, "_current", rt)
+    monkeypatch.setattr(session, "_current", rt)
     with capture_logs() as logs:
         try:
             raise RuntimeError("in the loop")
         except RuntimeError:
-            runtime.log_finished(final_step=3)  # from a finally: not an end
-        runtime.log_finished(final_step=5)
-        runtime.log_finished(final_step=6)  # once
+            session.log_finished(final_step=3)  # from a finally: not an end
+        session.log_finished(final_step=5)
+        session.log_finished(final_step=6)  # once
     assert [(e["event"], e["final_step"]) for e in logs] == [("run.finished", 5)]
 
 

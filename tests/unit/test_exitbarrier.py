@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed import DistStoreError, TCPStore
 
-from elastictrain import exitbarrier
-from elastictrain.agent import ElasticTrainAgent
-from elastictrain.exitbarrier import exit_barrier, job_finished, mark_job_finished
+from elastictrain.launcher import exitbarrier
+from elastictrain.launcher.agent import ElasticTrainAgent
+from elastictrain.launcher.exitbarrier import exit_barrier, job_finished, mark_job_finished
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_a_node_finding_the_rendezvous_closed_otherwise_fails_and_says_why(
 
 def test_the_launcher_summary_says_the_rendezvous_ended_it(
         store: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastictrain.launch import _launch_meaning, failure_summary
+    from elastictrain.launcher.launch import _launch_meaning, failure_summary
 
     agent = _agent_of(SimpleNamespace(_store=store, get_run_id=lambda: "job-a"))
     assert "restarts are used up" in _launch_meaning(1, agent)  # no rendezvous error

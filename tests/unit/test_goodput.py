@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.goodput import compute_goodput, format_report
+from elastictrain.runlog.goodput import compute_goodput, format_report
 
 
 def write(path: Path, events: list[dict[str, object]]) -> None:

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from elastictrain.accounting.plot import plot_split
-from elastictrain.accounting.split import CAUSES, format_split, split_run
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
+from elastictrain.runlog.accounting.plot import plot_split
+from elastictrain.runlog.accounting.split import CAUSES, format_split, split_run
 from tests.helpers import run_cli
 
 
@@ -155,7 +155,7 @@ def test_work_lost_before_an_attempt_that_died_in_start_up_is_counted(tmp_path: 
 
 @pytest.mark.processes
 def test_a_storage_root_stands_for_its_newest_run(tmp_path: Path) -> None:
-    from elastictrain.goodput import run_events_location
+    from elastictrain.runlog.goodput import run_events_location
 
     root = tmp_path / "ckpt"
     (root / "snapshots").mkdir(parents=True)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.processes
 # in a C++ store wait: its handler runs (or not) but nothing ends the wait.
 STUCK = '''
 import signal, subprocess, sys, time
-from elastictrain import gracewatch
+from elastictrain.launcher import gracewatch
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
                          start_new_session=True)
 signal.signal(signal.SIGTERM, lambda *_: None)

@@ -15,9 +15,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.config import load_settings
-from elastictrain.dist import DistContext
-from elastictrain.errors import ConfigError
+from elastictrain.core.config import load_settings
+from elastictrain.core.errors import ConfigError
 from elastictrain.snapshot.interval import (
     FailureHistory,
     IntervalPolicy,
@@ -27,6 +26,7 @@ from elastictrain.snapshot.interval import (
     young_daly_s,
 )
 from elastictrain.snapshot.manager import SnapshotManager
+from elastictrain.worker.dist import DistContext
 from tests.helpers import REPO
 
 

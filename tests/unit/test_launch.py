@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain import launch
-from elastictrain.config import STANDBY_PRELOAD, LaunchDefaults
-from elastictrain.errors import ConfigError
-from elastictrain.launch import standby_modules, torchrun_argv
+from elastictrain.core.config import STANDBY_PRELOAD, LaunchDefaults
+from elastictrain.core.errors import ConfigError
+from elastictrain.launcher import launch
+from elastictrain.launcher.launch import standby_modules, torchrun_argv
 from tests.helpers import run_cli
 
 DEFAULTS = LaunchDefaults()
@@ -85,7 +85,7 @@ def test_agent_hook_is_installed_only_while_running() -> None:
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from elastictrain.agent import installed
+    from elastictrain.launcher.agent import installed
 
     with installed() as built:
         assert launcher_api.LocalElasticAgent is not LocalElasticAgent

@@ -20,7 +20,7 @@ EVENTS = 2000
 
 CHILD = """
 import sys
-from elastictrain import log
+from elastictrain.core import log
 log.configure("info", json_output=True, stream=sys.stderr)
 log.bind(rank=int(sys.argv[1]))
 logger = log.get_logger("elastictrain")

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from elastictrain.errors import SnapshotCorrupt, StorageError
-from elastictrain.snapshot import layout, onepass
+from elastictrain.core import layout
+from elastictrain.core.errors import SnapshotCorrupt, StorageError
+from elastictrain.snapshot import onepass
 from elastictrain.snapshot.reader import verify_snapshot
 from elastictrain.storage import FsspecStore, open_store
 from tests.fault_stores import FailingReads

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain import preempt
-from elastictrain.config import SnapshotConfig
-from elastictrain.errors import EXIT_PREEMPTED
+from elastictrain.core.config import SnapshotConfig
+from elastictrain.core.errors import EXIT_PREEMPTED
 from elastictrain.snapshot.pacing import Pace, PacedWriter
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.storage import open_store
+from elastictrain.worker import preempt
 from tests.unit.test_manager import build, train
 
 

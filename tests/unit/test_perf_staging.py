@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastictrain.errors import UnsafeStateError
+from elastictrain.core.errors import UnsafeStateError
 from elastictrain.snapshot.staging import StagingBuffers
 from tests.unit.test_async_snapshot import ASYNC, make, train
 

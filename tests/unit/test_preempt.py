@@ -14,10 +14,10 @@ import torch
 from structlog.testing import capture_logs
 
 import elastictrain as et
-from elastictrain import preempt
-from elastictrain.config import PreemptConfig
-from elastictrain.errors import EXIT_PREEMPTED
+from elastictrain.core.config import PreemptConfig
+from elastictrain.core.errors import EXIT_PREEMPTED
 from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.worker import preempt
 from tests.helpers import wait_for
 from tests.metadata import AWS_PATH, AZURE_PATH, GCP_PATH, Metadata
 

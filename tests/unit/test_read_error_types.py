@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastictrain.errors import StorageError
+from elastictrain.core.errors import StorageError
 from elastictrain.snapshot.reader import verify_snapshot
 from elastictrain.storage import open_store
 from tests.planted import plant_snapshot

@@ -16,8 +16,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.errors import SnapshotCorrupt
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import SnapshotCorrupt
 from elastictrain.snapshot.reader import read_manifest, verify_snapshot
 from elastictrain.storage import FsspecStore, open_store
 from tests.planted import plant_snapshot

@@ -16,9 +16,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.agent import AgentSettings, ElasticTrainAgent
-from elastictrain.dist import DistContext
-from elastictrain.env import RESCUE_MARKS_VAR
+from elastictrain.core.env import RESCUE_MARKS_VAR
 from elastictrain.handoff.rescue_marks import (
     LISTENING,
     READY,
@@ -28,10 +26,12 @@ from elastictrain.handoff.rescue_marks import (
     ready_pids,
     request_save,
 )
+from elastictrain.launcher.agent import AgentSettings, ElasticTrainAgent
 from elastictrain.snapshot import restart_save
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.snapshot.restart_save import RestartRequest
+from elastictrain.worker.dist import DistContext
 from tests.helpers import wait_for
 
 

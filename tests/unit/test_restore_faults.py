@@ -23,8 +23,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.dist import DistContext
-from elastictrain.errors import (
+from elastictrain.core import layout
+from elastictrain.core.errors import (
     EXIT_FATAL,
     SnapshotCorrupt,
     SnapshotUnloadable,
@@ -32,10 +32,10 @@ from elastictrain.errors import (
     StoragePermissionError,
     StorageTransientError,
 )
-from elastictrain.snapshot import layout
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.restore import load_newest
 from elastictrain.storage import FsspecStore, open_store
+from elastictrain.worker.dist import DistContext
 from tests.planted import plant_snapshot
 
 SINGLE = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)

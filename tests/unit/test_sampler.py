@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from elastictrain.data import ElasticSampler, MicroBatchSampler, optimizer_steps
-from elastictrain.errors import ConfigError, ResumeMismatchError
+from elastictrain.core.errors import ConfigError, ResumeMismatchError
+from elastictrain.worker.data import ElasticSampler, MicroBatchSampler, optimizer_steps
 
 
 def ranks(n: int, world: int, batch: int = 4, **kw: object) -> list[ElasticSampler]:

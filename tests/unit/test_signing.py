@@ -15,8 +15,9 @@ import torch
 from structlog.testing import capture_logs
 
 import elastictrain as et
-from elastictrain.errors import ConfigError, SnapshotUntrusted
-from elastictrain.snapshot import layout, reader
+from elastictrain.core import layout
+from elastictrain.core.errors import ConfigError, SnapshotUntrusted
+from elastictrain.snapshot import reader
 from elastictrain.snapshot.checksum import checksum_bytes
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.storage import FsspecStore, open_store

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastictrain import ops
-from elastictrain.errors import EXIT_USAGE, ConfigError, SnapshotCorrupt
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import EXIT_USAGE, ConfigError, SnapshotCorrupt
 from elastictrain.storage import open_store
 from elastictrain.storage.locations import check_location
+from elastictrain.view import ops
 from tests.helpers import run_cli
 from tests.planted import plant_snapshot
 

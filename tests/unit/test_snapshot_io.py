@@ -9,8 +9,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.errors import SnapshotCorrupt
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import SnapshotCorrupt
 from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
 from elastictrain.snapshot.reader import (
     find_latest_verified,

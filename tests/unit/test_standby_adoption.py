@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.standby.client import Standby, StandbyUnavailable
+from elastictrain.launcher.standby.client import Standby, StandbyUnavailable
 from tests.helpers import pid_alive, wait_for
 
 pytestmark = pytest.mark.processes
@@ -115,7 +115,7 @@ def test_a_workers_code_after_its_standby_died_is_its_own(
 _RECYCLE = """
 import json, os, signal, sys, time
 sys.path.insert(0, {root!r})
-from elastictrain.standby.client import Standby
+from elastictrain.launcher.standby.client import Standby
 
 server = Standby(("json",), ready_timeout_s=60)
 server.start()

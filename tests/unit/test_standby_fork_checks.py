@@ -13,7 +13,7 @@ pytestmark = pytest.mark.processes
 
 CHECK = """\
 import os, sys, threading
-from elastictrain.standby.client import _why_not_fork
+from elastictrain.launcher.standby.client import _why_not_fork
 case = sys.argv[1]
 if case == "fits":
     print(_why_not_fork("x" * 10))

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.standby.client import (
+from elastictrain.launcher.standby.client import (
     Standby,
     StandbyProcess,
     StandbyUnavailable,
 )
-from elastictrain.standby.context import python_argv
+from elastictrain.launcher.standby.context import python_argv
 from tests.helpers import pid_alive, wait_for
 
 # Cheap modules, so each test's standby is ready in well under a second.
@@ -361,7 +361,7 @@ def test_a_notice_between_two_workers_of_a_group_stops_the_first(
     context never held rank 0, so it stops it itself before the exception goes on."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 
-    from elastictrain.standby.context import StandbyContext
+    from elastictrain.launcher.standby.context import StandbyContext
 
     job = script(tmp_path, SLEEPER, "sleeper.py")
     real_spawn = standby.spawn

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import elastictrain as et
-from elastictrain.errors import EXIT_FATAL, SnapshotUnloadable
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import EXIT_FATAL, SnapshotUnloadable
 from elastictrain.storage import open_store
 from tests.planted import plant_snapshot
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain import watchdog
-from elastictrain.config import WatchdogConfig
-from elastictrain.errors import EXIT_HANG
+from elastictrain.core.config import WatchdogConfig
+from elastictrain.core.errors import EXIT_HANG
+from elastictrain.worker import watchdog
 from tests.helpers import REPO, child_env, wait_for
 
 
@@ -90,8 +90,9 @@ def test_fires_with_every_threads_stack() -> None:
 
 CHILD = """
 import re, sys, threading
-from elastictrain import log, watchdog
-from elastictrain.config import WatchdogConfig
+from elastictrain.core import log
+from elastictrain.worker import watchdog
+from elastictrain.core.config import WatchdogConfig
 log.configure("info", True, {events!r})
 dog = watchdog.install(WatchdogConfig(timeout_s=0.5, check_interval_s=0.1, backstop=True))
 dog.beat(3)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.errors import EXIT_PREEMPTED
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import EXIT_PREEMPTED
 from tests.helpers import REPO, events, pid_alive, run_cli, wait_for
 from tests.view.terminal import Tmux
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.checksum import checksum_bytes
 from elastictrain.snapshot.commit import SnapshotMeta, build_manifest
 from elastictrain.snapshot.commitmark import commit_in_place

@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from elastictrain.config import ChecksumAlgorithm
-from elastictrain.errors import SnapshotCorrupt, StorageError
+from elastictrain.core.config import ChecksumAlgorithm
+from elastictrain.core.errors import SnapshotCorrupt, StorageError
 from elastictrain.snapshot.checksum import HashingWriter, checksum_bytes
 from elastictrain.snapshot.pacing import Pace, PacedWriter
 from elastictrain.snapshot.tensorbytes import tensor_bytes

@@ -16,8 +16,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from elastictrain.errors import SnapshotCorrupt, StorageError, StorageNotFoundError
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import SnapshotCorrupt, StorageError, StorageNotFoundError
 from elastictrain.snapshot.checksum import new_hasher
 from elastictrain.snapshot.commitmark import read_marker
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry

@@ -27,10 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain.dist import DistContext
-from elastictrain.errors import SnapshotCorrupt, SnapshotUnloadable, StorageError
-from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import SnapshotCorrupt, SnapshotUnloadable, StorageError
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.commitmark import commit_in_place, is_committed, read_marker
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.peer_restore import receive_object
@@ -48,6 +47,7 @@ from elastictrain.snapshot.sharded.memory_node import (
 )
 from elastictrain.snapshot.sharded.restore import load_newest_sharded
 from elastictrain.storage.api import Store
+from elastictrain.worker.dist import DistContext
 
 log = get_logger("elastictrain.snapshot")
 

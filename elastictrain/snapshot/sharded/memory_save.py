@@ -33,10 +33,9 @@ import torch.distributed as torch_dist
 from structlog.contextvars import bound_contextvars
 from torch import nn
 
-from elastictrain.dist import DistContext
-from elastictrain.errors import SnapshotWriteFailed, StorageError
-from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import SnapshotWriteFailed, StorageError
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.checksum import new_hasher
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.commitmark import commit_in_place
@@ -53,6 +52,7 @@ from elastictrain.snapshot.sharded.dcp_io import RankPart
 from elastictrain.snapshot.sharded.memory_node import part_of, write_held
 from elastictrain.snapshot.sharded.save import ShardedSaver
 from elastictrain.storage.api import Store
+from elastictrain.worker.dist import DistContext
 
 log = get_logger("elastictrain.snapshot")
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 import time
 
-from elastictrain.config import ChecksumAlgorithm
-from elastictrain.errors import SnapshotCorrupt, StorageNotFoundError
-from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.config import ChecksumAlgorithm
+from elastictrain.core.errors import SnapshotCorrupt, StorageNotFoundError
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.checksum import checksum_bytes, new_hasher
 from elastictrain.snapshot.manifest import Manifest, ObjectEntry
 from elastictrain.storage.api import Store

@@ -29,10 +29,9 @@ from torch import nn
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastictrain.dist import DistContext
-from elastictrain.errors import SnapshotCorrupt, SnapshotUnloadable, StorageError
-from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import SnapshotCorrupt, SnapshotUnloadable, StorageError
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest
 from elastictrain.snapshot.reader import list_snapshot_dirs, load_checked_bytes, read_manifest
 from elastictrain.snapshot.restore import LoadedSnapshot, scatter_rng
@@ -40,6 +39,7 @@ from elastictrain.snapshot.sharded.dcp_io import StoreReader, WeightsOnlyLoadPla
 from elastictrain.snapshot.sharded.reader import check_parts, object_of, read_object
 from elastictrain.snapshot.sharded.state import apply_state, current_state
 from elastictrain.storage.api import Store
+from elastictrain.worker.dist import DistContext
 
 log = get_logger("elastictrain.snapshot")
 

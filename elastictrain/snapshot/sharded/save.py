@@ -38,10 +38,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
-from elastictrain.dist import DistContext
-from elastictrain.errors import SnapshotCorrupt, SnapshotWriteFailed
-from elastictrain.log import get_logger
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import SnapshotCorrupt, SnapshotWriteFailed
+from elastictrain.core.log import get_logger
 from elastictrain.snapshot.commit import SnapshotMeta
 from elastictrain.snapshot.manifest import Manifest
 from elastictrain.snapshot.persister import SaveHandle, SaveState
@@ -59,6 +58,7 @@ from elastictrain.snapshot.sharded.dcp_io import (
 from elastictrain.snapshot.sharded.restore import load_newest_sharded
 from elastictrain.snapshot.sharded.state import current_state
 from elastictrain.storage.api import Store
+from elastictrain.worker.dist import DistContext
 
 log = get_logger("elastictrain.snapshot")
 

@@ -1,5 +1,5 @@
 """Where a process's event file lives, and how it reaches the run's storage (reading
-event files back: ``elastictrain.events_read``).
+event files back: ``elastictrain.runlog.events_read``).
 
 Every process of a run (each worker, each ``elastictrain run`` agent) appends its
 events to one JSON-lines file of its own under ``<storage>/events/<run id>/``:
@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastictrain.config import Settings
-from elastictrain.env import LAUNCH_ID_VAR, getenv
-from elastictrain.localfiles import user_dir_name
+from elastictrain.core.config import Settings
+from elastictrain.core.env import LAUNCH_ID_VAR, getenv
+from elastictrain.core.localfiles import user_dir_name
 from elastictrain.storage import Store, open_store
 
 EVENTS_DIR = "events"
@@ -151,7 +151,7 @@ class Uploader:
         self._upload(path)
 
     def _upload(self, path: Path) -> None:
-        from elastictrain.errors import StorageError
+        from elastictrain.core.errors import StorageError
 
         files = sorted(path.parent.glob("*.jsonl")) if self.whole_dir else [path]
         for file in files:

@@ -30,7 +30,7 @@ The arithmetic of one optimizer step that trains ``n`` samples job-wide
 
 *Reachable*: every micro-batch must hold at least one sample, ``n // W >= A``,
 which holds exactly when ``n >= W`` and (``m >= 2`` or ``W`` divides ``n``).
-An unreachable ``global_batch_size`` is a :class:`~elastictrain.errors.ConfigError`
+An unreachable ``global_batch_size`` is a :class:`~elastictrain.core.errors.ConfigError`
 naming the global batch, the world size and the per-rank batch.
 
 Example, ``G = 48`` on ``W = 5`` ranks with ``m = 4``: shares 10, 10, 10, 9, 9;
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,9 @@ from types import FrameType
 from typing import Any
 from urllib.parse import urlsplit
 
-from elastictrain.config import PreemptConfig
-from elastictrain.errors import EXIT_PREEMPTED
-from elastictrain.log import get_logger
+from elastictrain.core.config import PreemptConfig
+from elastictrain.core.errors import EXIT_PREEMPTED
+from elastictrain.core.log import get_logger
 
 log = get_logger("elastictrain.preempt")
 
@@ -63,8 +63,8 @@ class PreemptedExit(SystemExit):
 
     A ``SystemExit`` so that ``except Exception`` in a training loop does not
     swallow it while ``finally`` blocks (``elastictrain.shutdown()``) still run;
-    the process exits with :data:`~elastictrain.errors.EXIT_PREEMPTED` when the
-    final snapshot committed, :data:`~elastictrain.errors.EXIT_PREEMPTED_UNSAVED`
+    the process exits with :data:`~elastictrain.core.errors.EXIT_PREEMPTED` when the
+    final snapshot committed, :data:`~elastictrain.core.errors.EXIT_PREEMPTED_UNSAVED`
     when it did not.
     """
 

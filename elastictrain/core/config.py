@@ -4,7 +4,7 @@ Precedence, lowest first: defaults < TOML file (``ELASTICTRAIN_CONFIG`` or an
 explicit path) < ``ELASTICTRAIN_*`` environment variables (nested with
 ``__``, e.g. ``ELASTICTRAIN_SNAPSHOT__KEEP=5``) < explicit arguments.
 Validation happens where a model is built; a failure becomes a
-:class:`~elastictrain.errors.ConfigError` naming the field, the value and a fix.
+:class:`~elastictrain.core.errors.ConfigError` naming the field, the value and a fix.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from elastictrain.env import (
+from elastictrain.core.env import (
     CONFIG_FILE_VAR,
     ENV_PREFIX,
     OUTSIDE_SETTINGS,
     elastictrain_environ,
     getenv,
 )
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     from tomllib import TOMLDecodeError
@@ -199,7 +199,7 @@ class DistConfig(_Model):
 
 
 class PreemptConfig(_Model):
-    """Spot preemption notices (``elastictrain.preempt``): where they come from and
+    """Spot preemption notices (``elastictrain.worker.preempt``): where they come from and
     how long the final snapshot may take."""
 
     enabled: bool = True
@@ -213,7 +213,7 @@ class PreemptConfig(_Model):
 
 
 class WatchdogConfig(_Model):
-    """Hang detection (``elastictrain.watchdog``): no step progress for ``timeout_s``
+    """Hang detection (``elastictrain.worker.watchdog``): no step progress for ``timeout_s``
     (``startup_timeout_s`` before the first step) dumps stacks and exits."""
 
     enabled: bool = True

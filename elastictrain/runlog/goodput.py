@@ -15,7 +15,7 @@ and splits the wall time into:
   detection, process start, imports, rendezvous, snapshot load).
 
 An attempt is one rank-0 event file: one torchrun restart of one launch
-(``elastictrain.events`` names them), so a requeue or relaunch of the same run
+(``elastictrain.runlog.events`` names them), so a requeue or relaunch of the same run
 counts as attempts of its own.
 
 Step times are measured per attempt between its ``resume`` event and its last
@@ -30,12 +30,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elastictrain.events import EVENTS_DIR
-from elastictrain.events_read import read_event_files
+from elastictrain.runlog.events import EVENTS_DIR
+from elastictrain.runlog.events_read import read_event_files
 from elastictrain.storage import Store
 
 if TYPE_CHECKING:
-    from elastictrain.accounting.split import Split
+    from elastictrain.runlog.accounting.split import Split
 
 
 @dataclass(frozen=True)

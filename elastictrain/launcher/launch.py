@@ -10,8 +10,8 @@ A thin layer over ``torch.distributed.run``, never a fork of it:
    for workers above torchrun's 30 s (torchrun's own ``--shutdown-timeout``),
    and SIGUSR1 among the signals the launcher forwards. The launcher's
    environment carries ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
-   (:func:`elastictrain.env.launcher_environ`).
-2. **The agent.** :class:`~elastictrain.agent.ElasticTrainAgent` subclasses
+   (:func:`elastictrain.core.env.launcher_environ`).
+2. **The agent.** :class:`~elastictrain.launcher.agent.ElasticTrainAgent` subclasses
    torchrun's ``LocalElasticAgent`` and is the agent torchrun's ``launch_agent``
    builds in this process. It writes agent events to
    ``<events dir>/agent-<launch>-<host>-<pid>.jsonl`` beside the workers' logs, does not
@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NoReturn
 
-from elastictrain.config import LaunchDefaults, Settings
-from elastictrain.env import END_DIR_VAR, launcher_environ
-from elastictrain.errors import (
+from elastictrain.core.config import LaunchDefaults, Settings
+from elastictrain.core.env import END_DIR_VAR, launcher_environ
+from elastictrain.core.errors import (
     EXIT_FATAL,
     EXIT_OK,
     EXIT_PREEMPTED,
@@ -59,7 +59,7 @@ from elastictrain.errors import (
 )
 
 if TYPE_CHECKING:  # the agent imports torch's launcher: only when a run starts
-    from elastictrain.agent import ElasticTrainAgent
+    from elastictrain.launcher.agent import ElasticTrainAgent
 
 # Kept importable for callers of the walking skeleton; the value lives in config.
 DEFAULT_RDZV_CONF = LaunchDefaults().rdzv_conf
@@ -123,7 +123,7 @@ def start_torchrun(spec: LaunchSpec, stdout: IO[str] | int | None = None,
     if spec.events_dir:
         env[EVENTS_DIR_VAR] = spec.events_dir
     return subprocess.Popen(
-        [sys.executable, "-m", "elastictrain.launch", *spec.argv()],
+        [sys.executable, "-m", "elastictrain.launcher.launch", *spec.argv()],
         env=launcher_environ(env),
         stdout=stdout,
         stderr=subprocess.STDOUT if stdout is not None else None,
@@ -238,8 +238,8 @@ def run_help() -> str:
     effect, else the built-in ones) and exit codes, then torchrun's other options."""
     from torch.distributed.run import get_args_parser
 
-    from elastictrain.config import load_settings
-    from elastictrain.helpformat import HelpFormatter
+    from elastictrain.core.config import load_settings
+    from elastictrain.core.helpformat import HelpFormatter
 
     try:
         settings = load_settings()
@@ -441,9 +441,9 @@ def run_torchrun(argv: Sequence[str], launch: LaunchDefaults,
     )
     from torch.distributed.run import main as torchrun_main
 
-    from elastictrain import gracewatch
-    from elastictrain.agent import AgentSettings, WorkersFatal, installed, on_grace_expired
     from elastictrain.handoff import end_marks
+    from elastictrain.launcher import gracewatch
+    from elastictrain.launcher.agent import AgentSettings, WorkersFatal, installed, on_grace_expired
     from elastictrain.launcher.policy import outcome_exit_code
 
     gc.freeze()  # as in a worker (runtime.init): the imports leave the collector's view
@@ -488,9 +488,9 @@ def _after_closing(code: int, agent: ElasticTrainAgent | None) -> int:
 
 def _configure_agent_log(settings: Settings, run_id: str) -> None:
     """Agent events go to ``<events dir>/agent-<launch>-<host>-<pid>.jsonl`` beside the
-    workers' (``elastictrain.events``)."""
-    from elastictrain import events
-    from elastictrain import log as et_log
+    workers' (``elastictrain.runlog.events``)."""
+    from elastictrain.core import log as et_log
+    from elastictrain.runlog import events
 
     host = socket.gethostname()
     launch = events.launch_id()
@@ -511,8 +511,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Raises:
         ConfigError: bad settings or an unusable combination of options.
     """
-    from elastictrain.config import load_settings
-    from elastictrain.events import LAUNCH_ID_VAR, new_launch_id, run_events_dir
+    from elastictrain.core.config import load_settings
+    from elastictrain.runlog.events import LAUNCH_ID_VAR, new_launch_id, run_events_dir
     from elastictrain.view.live import view_wanted
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -530,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings.launch.standby_preload = standby_modules(settings.launch.standby_preload,
                                                       args.training_script_args)
     # One launch id for this launcher and its workers: a requeue or relaunch of the
-    # same run is a new launch in the event log (elastictrain.events).
+    # same run is a new launch in the event log (elastictrain.runlog.events).
     launch = new_launch_id()
     environ = launcher_environ({LAUNCH_ID_VAR: launch})
     if settings.launch.standby:  # before this process changes its environment
@@ -562,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def standby_modules(preload: list[str], script_args: Sequence[str]) -> list[str]:
     """``launch.standby_preload``, plus the client of each object store whose URL the
     script's arguments name (``s3://bucket/ckpt``, ``--storage=s3://…``)."""
-    from elastictrain.config import STORAGE_CLIENTS
+    from elastictrain.core.config import STORAGE_CLIENTS
 
     schemes = {m.group(1).lower() for arg in script_args
                for m in re.finditer(r"(?<![\w+.-])([A-Za-z][\w+.-]*)://", arg)}
@@ -581,7 +581,7 @@ def _fork_standby(args: argparse.Namespace, launch: LaunchDefaults,
     ``SystemExit``."""
     import torch.distributed.run  # noqa: F401  # the agent's; imported here for both
 
-    from elastictrain.standby.client import fork_from_launcher
+    from elastictrain.launcher.standby.client import fork_from_launcher
 
     if args.no_python or args.run_path:
         return  # not a command the standby runs (standby.context.python_argv)
@@ -606,9 +606,9 @@ def _usage_error(exc: ConfigError) -> int:
 
 def failure_summary(agent: ElasticTrainAgent | None) -> list[str]:
     """Lines naming the first failing worker's error of the last failed attempt, its
-    log and a fix, and the crash loop if that stopped the run (``elastictrain.failure``);
+    log and a fix, and the crash loop if that stopped the run (``elastictrain.runlog.failure``);
     none when no worker reported an error (killed by a signal, preempted)."""
-    from elastictrain.failure import failure_lines
+    from elastictrain.runlog.failure import failure_lines
 
     if agent is None:
         return []
@@ -622,7 +622,7 @@ def _run(full: list[str], args: argparse.Namespace, settings: Settings, run_id: 
          ) -> tuple[int, ElasticTrainAgent | None]:
     """Run torchrun with the agent's events around it; return the exit code and the
     agent torchrun built."""
-    from elastictrain.log import get_logger
+    from elastictrain.core.log import get_logger
 
     _configure_agent_log(settings, run_id)
     log = get_logger("elastictrain.agent")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from elastictrain.accounting.split import CAUSES, Split
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
+from elastictrain.runlog.accounting.split import CAUSES, Split
 
 COLORS = {"productive": "#2e7d32", "lost_work": "#e53935", "snapshot_blocking": "#1e88e5",
           "restore": "#8e24aa", "restart": "#9e9e9e", "preempt_drain": "#fb8c00",

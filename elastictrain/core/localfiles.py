@@ -14,7 +14,7 @@ import os
 import stat
 from pathlib import Path
 
-from elastictrain.errors import ConfigError
+from elastictrain.core.errors import ConfigError
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from elastictrain.config import DistConfig
-from elastictrain.env import SHARE_STORE_FIX_VAR, WorkerEnv
-from elastictrain.errors import EXIT_HANG, ConfigError
-from elastictrain.log import get_logger
+from elastictrain.core.config import DistConfig
+from elastictrain.core.env import SHARE_STORE_FIX_VAR, WorkerEnv
+from elastictrain.core.errors import EXIT_HANG, ConfigError
+from elastictrain.core.log import get_logger
 
 log = get_logger("elastictrain.dist")
 

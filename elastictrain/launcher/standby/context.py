@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
 
-from elastictrain.standby.client import (
+from elastictrain.launcher.standby.client import (
     Standby,
     StandbyProcess,
     StandbyUnavailable,

@@ -42,7 +42,7 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError as exc:
-        from elastictrain.errors import ConfigError
+        from elastictrain.core.errors import ConfigError
 
         raise ConfigError(
             f"environment variable {name}={raw!r} is not an integer; "
@@ -156,7 +156,7 @@ def signing_key() -> bytes | None:
     if not raw:
         return None
     if len(raw) < _MIN_SIGNING_KEY_CHARS:
-        from elastictrain.errors import ConfigError
+        from elastictrain.core.errors import ConfigError
 
         raise ConfigError(
             f"{SIGNING_KEY_VAR} is {len(raw)} characters, fewer than "

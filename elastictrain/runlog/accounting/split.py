@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastictrain.accounting.attempts import Event, read_agent_events, read_attempts
+from elastictrain.runlog.accounting.attempts import Event, read_agent_events, read_attempts
 
 CAUSES = ("productive", "lost_work", "snapshot_blocking", "restore", "restart",
           "preempt_drain", "hang")

@@ -1,4 +1,4 @@
-"""The agent's handle on its standby process (:mod:`elastictrain.standby.server`).
+"""The agent's handle on its standby process (:mod:`elastictrain.launcher.standby.server`).
 
 :class:`Standby` starts the standby, waits for its imports, and asks it for workers;
 each worker is a :class:`StandbyProcess`, which answers ``pid``, ``poll()`` and
@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from elastictrain.errors import ElasticTrainError
-from elastictrain.proctree import stat_fields
+from elastictrain.core.errors import ElasticTrainError
+from elastictrain.launcher.proctree import stat_fields
 
 EXIT_UNKNOWN = 255  # the standby reaped a worker, then died before reporting its code
 SPAWN_TIMEOUT_S = 30.0
@@ -56,7 +56,7 @@ import os, signal, sys
 for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
     signal.signal(getattr(signal, name), signal.SIG_IGN)
 os.environ["SPT_NOENV"] = "1"
-from elastictrain.standby.server import run
+from elastictrain.launcher.standby.server import run
 run(sys.argv[1:])
 #""" + " " * 4096
 
@@ -505,7 +505,7 @@ def _become_standby(sock: socket.socket, modules: Sequence[str],
                     environ: dict[str, str]) -> NoReturn:
     """The forked child: made what a new standby process (``BOOT``) is, then its loop."""
     os.environ["SPT_NOENV"] = "1"  # as BOOT sets it, before setproctitle is imported
-    from elastictrain.standby import server
+    from elastictrain.launcher.standby import server
 
     server.take_title()  # setproctitle finds the command line's memory on its first call
     os.environ.clear()  # then the launcher's environment, under which a new standby

@@ -14,9 +14,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from elastictrain.errors import ConfigError, SnapshotCorrupt, StorageNotFoundError
-from elastictrain.shm import user_root
-from elastictrain.snapshot import layout
+from elastictrain.core import layout
+from elastictrain.core.errors import ConfigError, SnapshotCorrupt, StorageNotFoundError
+from elastictrain.core.shm import user_root
 from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest
 from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.snapshot.retention import prune

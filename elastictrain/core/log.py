@@ -3,7 +3,7 @@
 Every event carries run_id, rank, world_size, restart_count and step, bound
 once through structlog's contextvars (step is re-bound as training advances).
 Events can also be appended to a JSON-lines file per worker (the run's event
-log); reading it back is ``elastictrain.events_read``'s job.
+log); reading it back is ``elastictrain.runlog.events_read``'s job.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from typing import IO, Any, Protocol
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
-from elastictrain.localfiles import make_private_dirs, private_opener
+from elastictrain.core.localfiles import make_private_dirs, private_opener
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
 
 
 class Uploader(Protocol):
-    """Copies an event file to the run's storage (``elastictrain.events.Uploader``)."""
+    """Copies an event file to the run's storage (``elastictrain.runlog.events.Uploader``)."""
 
     def maybe_upload(self, path: Path) -> None: ...
 
@@ -138,7 +138,7 @@ def configure(
         json_output: JSON lines when True, console rendering when False;
             None picks JSON unless ``stream`` is a TTY.
         events_file: if given, every event is also appended there as JSON.
-        upload: copies ``events_file`` to object storage (``elastictrain.events``).
+        upload: copies ``events_file`` to object storage (``elastictrain.runlog.events``).
         stream: where rendered events go (default stderr, so stdout stays
             free for command output such as ``--json``).
     """

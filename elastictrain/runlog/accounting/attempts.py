@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from elastictrain.events_read import read_events
+from elastictrain.runlog.events_read import read_events
 
 Event = dict[str, Any]
 

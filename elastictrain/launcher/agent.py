@@ -44,7 +44,7 @@ What it adds, each by overriding one of the agent's documented steps
   signalled (a second SIGTERM would abort torchrun's graceful wait and orphan
   workers mid-snapshot), and the workers' exit codes recorded afterwards;
 * **the exit barrier waits for live nodes only** (``_exit_barrier``,
-  :mod:`elastictrain.exitbarrier`): a node lost after the run's agreed end does not hold
+  :mod:`elastictrain.launcher.exitbarrier`): a node lost after the run's agreed end does not hold
   the survivors for torchrun's 300 s; ``agent.exit_barrier_short`` says how many agents
   were gone;
 * **a finished run takes no one in** (``_nodes_waiting``): torchrun restarts a healthy
@@ -55,7 +55,7 @@ What it adds, each by overriding one of the agent's documented steps
   (``agent.join_after_end_ignored``, ``agent.rendezvous_lost_after_end``);
 * **workers forked from a standby** (``launch.standby``): a process started with the
   agent imports torch once, and every worker group, first and restarted, is forked
-  from it (``_start_workers``; :mod:`elastictrain.standby`); ``agent.standby_ready``
+  from it (``_start_workers``; :mod:`elastictrain.launcher.standby`); ``agent.standby_ready``
   says what it imported, ``agent.attempt_started`` how each group started.
 
 torchrun's ``launch_agent`` builds ``LocalElasticAgent`` by name; :func:`installed`
@@ -86,18 +86,11 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
 )
 
-from elastictrain.config import LaunchDefaults
-from elastictrain.errors import (
+from elastictrain.core.config import LaunchDefaults
+from elastictrain.core.errors import (
     EXIT_OK,
 )
-from elastictrain.exitbarrier import (
-    exit_barrier,
-    job_finished,
-    mark_job_finished,
-    rendezvous_participants,
-    stay_for_waiting_nodes,
-)
-from elastictrain.failure import ERROR_FIELDS, fix_line
+from elastictrain.core.log import bind, get_logger
 from elastictrain.handoff import end_marks
 from elastictrain.handoff.rescue_marks import (
     armed_pids,
@@ -108,6 +101,13 @@ from elastictrain.handoff.rescue_marks import (
     rescuing_pids,
 )
 from elastictrain.launcher import torch_hooks
+from elastictrain.launcher.exitbarrier import (
+    exit_barrier,
+    job_finished,
+    mark_job_finished,
+    rendezvous_participants,
+    stay_for_waiting_nodes,
+)
 from elastictrain.launcher.policy import (
     AfterEnd,
     CrashLoop,
@@ -125,10 +125,10 @@ from elastictrain.launcher.policy import (
     signalled_exit_code,
     survivors_to_stop,
 )
-from elastictrain.log import bind, get_logger
-from elastictrain.proctree import tree_cpu_ticks
-from elastictrain.standby.client import Standby
-from elastictrain.standby.context import start_processes_with
+from elastictrain.launcher.proctree import tree_cpu_ticks
+from elastictrain.launcher.standby.client import Standby
+from elastictrain.launcher.standby.context import start_processes_with
+from elastictrain.runlog.failure import ERROR_FIELDS, fix_line
 
 log = get_logger("elastictrain.agent")
 

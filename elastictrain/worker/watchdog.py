@@ -3,7 +3,7 @@
 A rank stuck in a collective (a peer that never joins, a wedged NCCL
 communicator, a deadlocked data loader) otherwise waits for the collective
 timeout, often 10-30 minutes, while torchrun's agent sees a live process. The
-watchdog turns "no progress" into an exit (:data:`~elastictrain.errors.EXIT_HANG`),
+watchdog turns "no progress" into an exit (:data:`~elastictrain.core.errors.EXIT_HANG`),
 so torchrun restarts the group and training resumes from the newest snapshot.
 
 Lifecycle::
@@ -21,7 +21,7 @@ Waiting for a persist (back-pressure, ``wait``, ``close``, the final snapshot of
 a preemption) is not a busy section but
 :func:`wait_moving`: bytes written count as progress, so a slow upload is not
 a hang and a stalled one is. Wrap long work between steps (evaluation) in
-``with elastictrain.watchdog.busy("eval"):``.
+``with elastictrain.worker.watchdog.busy("eval"):``.
 
 A ``faulthandler`` backstop, re-armed from the training thread, exits even when
 a thread holds the GIL forever. Why a thread in the worker and not
@@ -41,9 +41,9 @@ from collections.abc import Callable
 from contextlib import ContextDecorator
 from typing import Any
 
-from elastictrain.config import WatchdogConfig
-from elastictrain.errors import EXIT_HANG
-from elastictrain.log import get_logger
+from elastictrain.core.config import WatchdogConfig
+from elastictrain.core.errors import EXIT_HANG
+from elastictrain.core.log import get_logger
 
 log = get_logger("elastictrain.watchdog")
 

@@ -13,7 +13,7 @@ Steps. Each optimizer step takes the next ``n`` positions and deals them
 round-robin over the current ``W`` ranks (the ``i``-th to rank ``i mod W``):
 ``n = batch_size x W`` with the per-rank batch policy, ``n =
 global_batch_size`` with the global one (gradient accumulation; the arithmetic
-is in :mod:`elastictrain.batching`). ``advance()`` moves the cursor by exactly
+is in :mod:`elastictrain.worker.batching`). ``advance()`` moves the cursor by exactly
 ``n``. With the per-rank policy rank ``r`` simply takes positions ``r, r + W,
 r + 2W, ...``, so the sampler is a drop-in ``sampler=`` for a ``DataLoader``
 with ``batch_size=batch_size``. With a global batch, pass
@@ -44,14 +44,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from elastictrain.batching import (
+from elastictrain.core.errors import ResumeMismatchError
+from elastictrain.worker.batching import (
     StepShape,
     check_global_batch,
     global_batch,
     step_shape,
     tail_samples,
 )
-from elastictrain.errors import ResumeMismatchError
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Micro:
         index: position in the step, ``0 .. count - 1``.
         count: micro-batches in this step (the same on every rank).
         indices: the dataset indices this rank trains in it.
-        loss_scale: factor on the micro-batch's mean loss (see :mod:`elastictrain.batching`).
+        loss_scale: factor on the micro-batch's mean loss (see :mod:`elastictrain.worker.batching`).
     """
 
     index: int

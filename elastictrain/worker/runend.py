@@ -22,11 +22,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastictrain import watchdog
-from elastictrain.dist import DistContext
-from elastictrain.env import END_DIR_VAR
+from elastictrain.core.env import END_DIR_VAR
+from elastictrain.core.log import get_logger
 from elastictrain.handoff import end_marks
-from elastictrain.log import get_logger
+from elastictrain.worker import watchdog
+from elastictrain.worker.dist import DistContext
 
 # How long ranks that reached close() wait for the others: a rank still training or
 # evaluating longer than this before its own close() means no agreed end, no mark.

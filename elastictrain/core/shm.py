@@ -11,9 +11,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from elastictrain.env import SHM_VAR
-from elastictrain.errors import ConfigError
-from elastictrain.localfiles import check_private_dir, open_private, private_dir, user_dir_name
+from elastictrain.core.env import SHM_VAR
+from elastictrain.core.errors import ConfigError
+from elastictrain.core.localfiles import check_private_dir, open_private, private_dir, user_dir_name
 
 LOCK = "LOCK"
 

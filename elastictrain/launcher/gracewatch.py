@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from elastictrain.log import get_logger
+from elastictrain.core.log import get_logger
 
 log = get_logger("elastictrain.agent")
 

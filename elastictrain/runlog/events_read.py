@@ -1,5 +1,5 @@
 """Reading a run's event files back: JSON lines, one event a line, as written by
-``elastictrain.log`` (where they live: ``elastictrain.events``). A torn line (its
+``elastictrain.core.log`` (where they live: ``elastictrain.runlog.events``). A torn line (its
 writer killed mid-line) is skipped."""
 
 from __future__ import annotations

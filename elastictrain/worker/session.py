@@ -1,0 +1,121 @@
+"""The worker's process-wide state after ``elastictrain.init()`` (``elastictrain/runtime.py``):
+its settings, environment and process group, where its events go, and whether the run's
+end was logged. What a ``SnapshotManager`` built without ``ctx``/``config`` finds; the
+manager moves the event file beside its snapshots (``events_beside``) and logs the end
+(``log_finished``) here, without importing ``init``'s module."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastictrain.core import log as et_log
+from elastictrain.core.config import Settings, StorageConfig
+from elastictrain.core.env import LAUNCH_ID_VAR, WorkerEnv, getenv
+from elastictrain.runlog import events
+from elastictrain.worker.dist import DistContext
+
+
+@dataclass
+class Runtime:
+    """What a worker needs after ``init``: its settings, environment and process group."""
+
+    settings: Settings
+    env: WorkerEnv
+    ctx: DistContext
+    events_dir: str | None
+    run_id: str = ""
+    events_file_name: str = ""
+    events_moved: bool = False  # events_beside already chose the storage
+    finished: bool = False  # run.finished was logged
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def device(self) -> Any:
+        return self.ctx.device
+
+
+_current: Runtime | None = None  # what init() returned in this process (set_current)
+
+
+def default_events_dir(settings: Settings) -> str | None:
+    """The local root of event files (``elastictrain.runlog.events``: beside the snapshots for
+    local storage, a spool directory uploaded to the storage for object storage)."""
+    return events.events_root(settings)
+
+
+def events_beside(storage: StorageConfig) -> None:
+    """Move this worker's event file beside the snapshots at ``storage`` (the module
+    docstring's rule; ``SnapshotManager`` calls it): the first manager decides, and
+    a configured ``log.events_dir`` is left alone."""
+    rt = _current
+    if rt is None or rt.events_moved or rt.settings.log.events_dir:
+        return
+    rt.events_moved = True
+    moved = rt.settings.model_copy(update={"storage": storage})
+    sink = events.open_sink(moved, rt.run_id, rt.events_file_name)
+    old_dir = Path(rt.events_dir) if rt.events_dir else None
+    if rt.events_dir is not None and sink.path.parent == old_dir:
+        return
+    # Under elastictrain run (it sets the launch id) the launcher's live view and agent
+    # watch the old directory: a link there keeps the worker's events in their sight.
+    launched = bool(getenv(LAUNCH_ID_VAR))
+    et_log.move_events_file(sink.path, sink.upload, leave_link=launched)
+    rt.events_dir = str(sink.path.parent)
+    if old_dir is not None and not launched:
+        _remove_empty(old_dir, levels=3)  # <run id>/, events/, the default storage root
+
+
+def _remove_empty(directory: Path, levels: int) -> None:
+    """Remove ``directory`` and up to ``levels - 1`` parents while they are empty (what
+    ``init`` created for the events before they moved)."""
+    for _ in range(levels):
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (another rank's file, snapshots) or gone
+            return
+        directory = directory.parent
+
+
+def log_finished(**fields: Any) -> None:
+    """Log ``run.finished`` once (rank 0): the script ended cleanly. Not while an error
+    propagates (a ``finally`` around the loop): that is no clean end."""
+    rt = _current
+    if sys.exc_info()[1] is not None or (rt is not None and rt.finished):
+        return
+    if rt is not None:
+        rt.finished = True
+        if rt.rank != 0:
+            return
+    fields.setdefault("final_step", structlog_step())
+    et_log.get_logger("elastictrain").info("run.finished", **fields)
+
+
+def structlog_step() -> int | None:
+    """The step bound to this process's events (the manager re-binds it every step)."""
+    import structlog
+
+    step = structlog.contextvars.get_contextvars().get("step")
+    return step if isinstance(step, int) else None
+
+
+def current() -> Runtime | None:
+    """What ``init`` returned in this process (None before ``init`` or after ``shutdown``)."""
+    return _current
+
+
+
+
+def set_current(runtime: Runtime | None) -> None:
+    """What ``init`` returned (None after ``shutdown``)."""
+    global _current
+    _current = runtime
