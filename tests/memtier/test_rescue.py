@@ -16,12 +16,12 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from elastictrain import runtime
 from elastictrain.core import layout
 from elastictrain.snapshot import rescue
 from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.snapshot.rng import restore_rng
 from elastictrain.storage import open_store
-from elastictrain.worker import runtime
 from tests.unit.test_manager import build, train
 
 ATTEMPT = (1, 0, -1)  # world size, restart count, resumed-from step
