@@ -66,7 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # elastictrain from this checkout, like the workers
 
 from elastictrain.chaos.nodes import NodeJob  # noqa: E402
-from elastictrain.launcher.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun  # noqa: E402
+from elastictrain.launcher.spawn import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun  # noqa: E402
 from elastictrain.runlog.events_read import read_events  # noqa: E402
 
 WORKER = "elastictrain.demo.worker"

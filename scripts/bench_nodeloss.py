@@ -60,7 +60,7 @@ from elastictrain.chaos.dataonce import read_records  # noqa: E402
 from elastictrain.chaos.job import events_of  # noqa: E402
 from elastictrain.chaos.nodes import NodeJob  # noqa: E402
 from elastictrain.core.config import SnapshotConfig  # noqa: E402
-from elastictrain.launcher.launch import DEFAULT_RDZV_CONF, LaunchSpec  # noqa: E402
+from elastictrain.launcher.spawn import DEFAULT_RDZV_CONF, LaunchSpec  # noqa: E402
 
 DURABLE_EVERY, MEMORY_EVERY, LOSE_AT, END_AT = 10, 4, 27, 30
 MODES = ("durable-local", "durable-s3", "shrink", "peer")

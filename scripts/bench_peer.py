@@ -67,7 +67,7 @@ from benchlib import (
     write_json,
 )
 
-from elastictrain.launcher.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
+from elastictrain.launcher.spawn import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
 
 RUN_TIMEOUT_S = 900
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from elastictrain.chaos.schedule import StorageFaults
-from elastictrain.launcher.launch import LaunchSpec, start_torchrun
 from elastictrain.launcher.proctree import stat_fields
+from elastictrain.launcher.spawn import LaunchSpec, start_torchrun
 from elastictrain.runlog.events_read import read_events
 
 MARKER_VAR = "ETCHAOS_RUN"

@@ -56,7 +56,7 @@ from elastictrain.chaos.stepmarks import (
 from elastictrain.core.config import load_settings
 from elastictrain.core.errors import ConfigError, ElasticTrainError
 from elastictrain.core.shm import user_root_in
-from elastictrain.launcher.launch import DEFAULT_RDZV_CONF, LaunchSpec
+from elastictrain.launcher.spawn import DEFAULT_RDZV_CONF, LaunchSpec
 from elastictrain.storage import open_store
 from elastictrain.view.tail import EventTail
 

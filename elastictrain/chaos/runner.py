@@ -31,7 +31,7 @@ from elastictrain.chaos.schedule import (
 )
 from elastictrain.core.config import load_settings
 from elastictrain.core.errors import ConfigError, ElasticTrainError
-from elastictrain.launcher.launch import LaunchSpec
+from elastictrain.launcher.spawn import LaunchSpec
 from elastictrain.storage import open_store
 
 STORAGE_PLACEHOLDER = "{storage}"

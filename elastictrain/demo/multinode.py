@@ -44,7 +44,7 @@ from typing import IO, Any
 from elastictrain.core.errors import ConfigError, ElasticTrainError
 from elastictrain.core.log import get_logger
 from elastictrain.demo.job import RunningJob
-from elastictrain.launcher.launch import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
+from elastictrain.launcher.spawn import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
 from elastictrain.runlog.events_read import read_events
 from elastictrain.worker import preempt
 

@@ -22,7 +22,7 @@ from elastictrain.core.errors import EXIT_PREEMPTED, ConfigError
 from elastictrain.demo.job import RunningJob
 from elastictrain.demo.multinode import NodesPlan, membership_timings, parse_nnodes, run_nodes
 from elastictrain.demo.preflight import check_resumable, validate_elastic
-from elastictrain.launcher.launch import LaunchSpec, start_torchrun
+from elastictrain.launcher.spawn import LaunchSpec, start_torchrun
 from elastictrain.runlog.events_read import read_events
 from elastictrain.runlog.failure import failure_lines
 from elastictrain.storage import open_store

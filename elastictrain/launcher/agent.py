@@ -1,66 +1,11 @@
 """ElasticTrainAgent: torchrun's ``LocalElasticAgent`` with events and an exit-code policy.
 
-What it adds, each by overriding one of the agent's documented steps
-(``_rendezvous``, ``_initialize_workers``, ``_monitor_workers``,
-``_restart_workers``, ``_stop_workers``, ``_shutdown``):
-
-* **events** in the run's event log, beside the workers':
-  ``agent.attempt_started`` (restart count, ranks, pids), ``agent.worker_failed``
-  (exit code or signal, and what the code means), ``agent.restart`` (reason:
-  failure or membership change), ``agent.membership_changed`` (old/new world
-  size), ``agent.signal_forwarded`` / ``agent.workers_stopped`` (a notice to the
-  launcher and how the workers ended), ``agent.preempted``, ``agent.fatal``;
-* **Ctrl-C is a notice**: SIGINT to the launcher reaches the workers as SIGTERM, so
-  they take a final snapshot and the launcher exits 75 (``elastictrain demo`` relies
-  on the same path);
-* **no restart** of a group whose workers exited 75 (preempted after a final
-  snapshot: the node is going away) or 78 (fatal: a restart cannot fix it);
-* **the first failing worker's error**, from torchrun's per-worker error file that
-  the worker's excepthook fills (``runtime.record_failure``), on
-  ``agent.worker_failed`` (``first: true``) and in the launcher's summary;
-* **a crash loop stops the run**: ``launch.crash_loop_failures`` attempts in a row
-  whose first failure is the same error at the same place and step end the run with
-  78 (``agent.crash_loop``) instead of burning the remaining restarts;
-* **SIGKILL, not SIGTERM,** to stop the remaining workers for a restart (after a
-  failure or on a membership change). Our workers read SIGTERM as a preemption
-  notice: they would not die on it but try to save and exit 75 (which another
-  node's agent could take for a real preemption), or, blocked in a collective
-  with a dead peer, not run the handler at all until torchrun's 30 s grace ends.
-  A group being restarted has nothing worth saving, and even a clean Python
-  exit after ``import torch`` takes seconds (docs/preemption.md), which every
-  recovery would pay. Survivors of a preemption (a peer exited 75) are left to finish;
-* **a snapshot before a membership change**: when a node joins (torchrun restarts a
-  healthy group at the new size), the agent first asks its workers for a snapshot of
-  the step they are at (``snapshot/restart_save.py``) and stops them once each is ready
-  (saved, or closing), or after ``launch.rescue_timeout_s`` (``agent.saved_before_restart``);
-* **a rescue finishes first**: a survivor writing the last step to node memory
-  (``snapshot/rescue.py``) is killed only once it is done, or after
-  ``launch.rescue_timeout_s`` (``agent.rescue_waited``, ``agent.rescue_timeout``);
-* **a worker stuck in its exit is ended**: once a peer exited 0, a worker whose
-  process tree uses no CPU for ``exit_timeout_s`` (stopped, or deadlocked in a
-  destructor) is SIGKILLed instead of waited for without bound; one that had agreed
-  the run's end (``runend``) finished, anything else is a failure that restarts;
-* **repeated notices ignored** while workers save after the launcher was
-  signalled (a second SIGTERM would abort torchrun's graceful wait and orphan
-  workers mid-snapshot), and the workers' exit codes recorded afterwards;
-* **the exit barrier waits for live nodes only** (``_exit_barrier``,
-  :mod:`elastictrain.launcher.exitbarrier`): a node lost after the run's agreed end does not hold
-  the survivors for torchrun's 300 s; ``agent.exit_barrier_short`` says how many agents
-  were gone;
-* **a finished run takes no one in** (``_nodes_waiting``): torchrun restarts a healthy
-  group when a node waits in the rendezvous; once this node's workers agreed the run's
-  end, a node arriving then is not taken in (it reads the finished job as the others
-  leave) and a rendezvous store that is gone (its host ended or was lost after the end)
-  does not end a script still working after ``close()``
-  (``agent.join_after_end_ignored``, ``agent.rendezvous_lost_after_end``);
-* **workers forked from a standby** (``launch.standby``): a process started with the
-  agent imports torch once, and every worker group, first and restarted, is forked
-  from it (``_start_workers``; :mod:`elastictrain.launcher.standby`); ``agent.standby_ready``
-  says what it imported, ``agent.attempt_started`` how each group started.
-
-torchrun's ``launch_agent`` builds ``LocalElasticAgent`` by name; :func:`installed`
-points that name at this class in the launcher process for the duration of
-the run (torchrun has no hook for the agent class).
+It overrides the agent's documented steps (``_rendezvous``, ``_initialize_workers``,
+``_monitor_workers``, ``_restart_workers``, ``_stop_workers``, ``_shutdown``) to log
+``agent.*`` events, forward notices, stop failed groups with SIGKILL, wait for rescues
+and saves, end workers stuck in their exit and start workers from a standby; what it
+does on a failure is decided by ``policy.py`` and carried out here. The whole list, with
+the reasons: docs/architecture.md, "What the launcher's agent adds to torchrun's".
 """
 
 from __future__ import annotations
@@ -71,7 +16,6 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +30,6 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
 )
 
-from elastictrain.core.config import LaunchDefaults
 from elastictrain.core.errors import (
     EXIT_OK,
 )
@@ -101,6 +44,7 @@ from elastictrain.handoff.rescue_marks import (
     rescuing_pids,
 )
 from elastictrain.launcher import torch_hooks
+from elastictrain.launcher.agent_settings import AgentSettings
 from elastictrain.launcher.exitbarrier import (
     exit_barrier,
     job_finished,
@@ -122,7 +66,6 @@ from elastictrain.launcher.policy import (
     rescue_wait_over,
     restart_reason,
     save_wait_over,
-    signalled_exit_code,
     survivors_to_stop,
 )
 from elastictrain.launcher.proctree import tree_cpu_ticks
@@ -149,30 +92,6 @@ class WorkersPreempted(SignalException):
 
 class WorkersFatal(Exception):
     """A worker exited 78 (fatal): do not restart."""
-
-
-@dataclass(frozen=True)
-class AgentSettings:
-    """What the launcher tells its agent (from ``launch.*`` and the run's directories)."""
-
-    exit_timeout_s: float = 60.0  # launch.exit_timeout_s
-    standby_preload: tuple[str, ...] | None = None  # None: no standby (launch.standby)
-    rescue_dir: Path | None = None  # where survivors mark a rescue (rescue_marks.py)
-    rescue_timeout_s: float = 30.0
-    rescue_start_timeout_s: float = 5.0
-    end_dir: Path | None = None  # where workers mark the run's agreed end (runend.py)
-    shutdown_timeout_s: float | None = None  # the notice grace; None: torchrun's
-    crash_loop_failures: int = 2  # launch.crash_loop_failures
-
-    @classmethod
-    def of(cls, launch: LaunchDefaults, rescue_dir: Path | None, end_dir: Path | None,
-           shutdown_timeout_s: float | None) -> AgentSettings:
-        return cls(exit_timeout_s=launch.exit_timeout_s,
-                   standby_preload=tuple(launch.standby_preload) if launch.standby else None,
-                   rescue_dir=rescue_dir, rescue_timeout_s=launch.rescue_timeout_s,
-                   rescue_start_timeout_s=launch.rescue_start_timeout_s, end_dir=end_dir,
-                   shutdown_timeout_s=shutdown_timeout_s,
-                   crash_loop_failures=launch.crash_loop_failures)
 
 
 class ElasticTrainAgent(LocalElasticAgent):
@@ -653,21 +572,6 @@ class ElasticTrainAgent(LocalElasticAgent):
         return {h.proc.pid: h.proc.poll() for h in self._handlers().values()}
 
 
-def on_grace_expired(agent: ElasticTrainAgent | None, signum: int) -> tuple[list[int], int]:
-    """For ``gracewatch``: the process groups to SIGKILL (the current workers, each in
-    its own session, and the standby) and the launcher's exit code: 75/76 when the
-    workers settled their final snapshot, else that of a launcher killed by ``signum``."""
-    if agent is None:
-        return [], 128 + signum
-    workers = agent._workers()
-    groups = workers.running
-    if agent.standby is not None and agent.standby.pid is not None:
-        groups.append(agent.standby.pid)
-    if agent.finished:  # stuck in the exit barrier, waiting for the other nodes
-        return groups, EXIT_OK
-    return groups, signalled_exit_code(workers, agent.outcome, signum)
-
-
 @contextmanager
 def _ignoring(signals: Sequence[signal.Signals]) -> Iterator[None]:
     previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
@@ -676,31 +580,3 @@ def _ignoring(signals: Sequence[signal.Signals]) -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-class Built:
-    """The agent torchrun built in this launcher (None until the first rendezvous),
-    handed to the launcher by :func:`installed`, for its exit code and summary."""
-
-    def __init__(self) -> None:
-        self.agent: ElasticTrainAgent | None = None
-
-
-@contextmanager
-def installed(settings: AgentSettings | None = None) -> Iterator[Built]:
-    """Make torchrun's ``launch_agent`` build :class:`ElasticTrainAgent` with
-    ``settings`` (this process, for the duration of the run); the agent it built is
-    then in the :class:`Built` yielded."""
-    settings = settings or AgentSettings()
-    built = Built()
-
-    def build(*args: Any, **kwargs: Any) -> ElasticTrainAgent:
-        built.agent = ElasticTrainAgent(settings, *args, **kwargs)
-        return built.agent
-
-    try:
-        with torch_hooks.agent_built_by(build):
-            yield built
-    finally:
-        if built.agent is not None:
-            built.agent.close_standby()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.cli import build_parser
-from elastictrain.launcher.launch import torchrun_parser
+from elastictrain.launcher.run_help import torchrun_parser
 from tests.helpers import REPO, run_cli
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.launcher.launch import DEFAULT_RDZV_CONF
+from elastictrain.launcher.spawn import DEFAULT_RDZV_CONF
 from tests.helpers import REPO, child_env, events, free_port, run_cli
 
 pytestmark = pytest.mark.distributed

@@ -16,7 +16,7 @@ from elastictrain.cli import build_parser
 from elastictrain.core.config import LaunchDefaults
 from elastictrain.core.errors import EXIT_USAGE, ConfigError
 from elastictrain.core.helpformat import HelpFormatter
-from elastictrain.launcher.launch import torchrun_parser
+from elastictrain.launcher.run_help import torchrun_parser
 from tests.helpers import REPO, run_cli
 
 

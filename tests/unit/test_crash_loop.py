@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain.launcher.agent import AgentSettings, ElasticTrainAgent, WorkersFatal
+from elastictrain.launcher.agent import ElasticTrainAgent, WorkersFatal
+from elastictrain.launcher.agent_settings import AgentSettings
 from elastictrain.launcher.policy import CrashLoop
 from elastictrain.runlog.failure import failure_lines
 

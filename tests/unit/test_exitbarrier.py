@@ -89,10 +89,10 @@ def test_a_node_finding_the_rendezvous_closed_otherwise_fails_and_says_why(
 
 def test_the_launcher_summary_says_the_rendezvous_ended_it(
         store: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastictrain.launcher.launch import _launch_meaning, failure_summary
+    from elastictrain.launcher.exits import failure_summary, launch_meaning
 
     agent = _agent_of(SimpleNamespace(_store=store, get_run_id=lambda: "job-a"))
-    assert "restarts are used up" in _launch_meaning(1, agent)  # no rendezvous error
+    assert "restarts are used up" in launch_meaning(1, agent)  # no rendezvous error
     assert agent.joined_closed_rendezvous() == 1
-    assert _launch_meaning(1, agent) == "failed in the rendezvous, not in the workers"
+    assert launch_meaning(1, agent) == "failed in the rendezvous, not in the workers"
     assert failure_summary(agent) == [agent.rendezvous_error]

@@ -10,8 +10,9 @@ import pytest
 
 from elastictrain.core.config import STANDBY_PRELOAD, LaunchDefaults
 from elastictrain.core.errors import ConfigError
-from elastictrain.launcher import launch
-from elastictrain.launcher.launch import standby_modules, torchrun_argv
+from elastictrain.launcher import run_args
+from elastictrain.launcher.launch import standby_modules
+from elastictrain.launcher.run_args import torchrun_argv
 from tests.helpers import run_cli
 
 DEFAULTS = LaunchDefaults()
@@ -85,7 +86,7 @@ def test_agent_hook_is_installed_only_while_running() -> None:
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from elastictrain.launcher.agent import installed
+    from elastictrain.launcher.install import installed
 
     with installed() as built:
         assert launcher_api.LocalElasticAgent is not LocalElasticAgent
@@ -97,13 +98,13 @@ def test_a_torch_without_shutdown_timeout_gets_the_grace_from_the_agent(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """torch 2.11's torchrun has no --shutdown-timeout: elastictrain must not pass it
     (torchrun would refuse the command line), and its agent applies the grace itself."""
-    monkeypatch.setattr(launch, "torchrun_knows", lambda option: False)
+    monkeypatch.setattr(run_args, "torchrun_knows", lambda option: False)
     assert "--shutdown-timeout" not in added(["train.py"])
     bare = argparse.Namespace()
-    assert launch.shutdown_timeout_s(bare, DEFAULTS, {}) == DEFAULTS.shutdown_timeout_s
-    assert launch.shutdown_timeout_s(bare, DEFAULTS,
+    assert run_args.shutdown_timeout_s(bare, DEFAULTS, {}) == DEFAULTS.shutdown_timeout_s
+    assert run_args.shutdown_timeout_s(bare, DEFAULTS,
                                      {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"}) == 45
-    assert launch.shutdown_timeout_s(argparse.Namespace(shutdown_timeout=7), DEFAULTS,
+    assert run_args.shutdown_timeout_s(argparse.Namespace(shutdown_timeout=7), DEFAULTS,
                                      {}) == 7
 
 

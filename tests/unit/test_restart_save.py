@@ -26,7 +26,8 @@ from elastictrain.handoff.rescue_marks import (
     ready_pids,
     request_save,
 )
-from elastictrain.launcher.agent import AgentSettings, ElasticTrainAgent
+from elastictrain.launcher.agent import ElasticTrainAgent
+from elastictrain.launcher.agent_settings import AgentSettings
 from elastictrain.snapshot import restart_save
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.reader import list_snapshot_dirs

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from elastictrain.launcher.launch import exit_meaning, take_no_view
+from elastictrain.launcher.exits import exit_meaning
+from elastictrain.launcher.run_args import take_no_view
 from elastictrain.storage import open_store
 from elastictrain.view.live import LiveView, render
 from elastictrain.view.model import RunState
