@@ -46,7 +46,7 @@ from elastictrain.core.config import Settings, load_settings
 from elastictrain.core.env import WorkerEnv
 from elastictrain.core.errors import EXIT_FATAL, ElasticTrainError
 from elastictrain.runlog import events
-from elastictrain.snapshot import rescue
+from elastictrain.snapshot.memory import rescue
 from elastictrain.worker import preempt, session, watchdog
 from elastictrain.worker.dist import destroy_process_group, init_process_group
 from elastictrain.worker.session import Runtime, structlog_step

@@ -136,9 +136,9 @@ import os, sys, time, json
 from pathlib import Path
 import torch, torch.distributed as dist
 from elastictrain.worker.dist import DistContext
-from elastictrain.snapshot.peer_restore import send_copy, receive_copy
-from elastictrain.snapshot.peer_transport import GlooTransport
-from elastictrain.snapshot.reader import verify_snapshot
+from elastictrain.snapshot.memory.peer_restore import send_copy, receive_copy
+from elastictrain.snapshot.memory.peer_transport import GlooTransport
+from elastictrain.snapshot.format.reader import verify_snapshot
 from elastictrain.storage.fsspec_store import FsspecStore
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -170,9 +170,9 @@ import json, os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
 from elastictrain.worker.dist import DistContext
-from elastictrain.snapshot.peer_records import RecordStream
-from elastictrain.snapshot.record_links import connect_record_links
-from elastictrain.snapshot.rescue import BoundaryRecord, same_states
+from elastictrain.snapshot.memory.peer_records import RecordStream
+from elastictrain.snapshot.memory.record_links import connect_record_links
+from elastictrain.snapshot.memory.rescue import BoundaryRecord, same_states
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -332,7 +332,7 @@ def bench_sharded(args: argparse.Namespace, report: dict[str, Any]) -> None:
 def bench_copy(args: argparse.Namespace, report: dict[str, Any]) -> None:
     import torch
 
-    from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
+    from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
     from elastictrain.storage.fsspec_store import FsspecStore
     copies, locals_ = [], []
     with tempfile.TemporaryDirectory(prefix="bench-peer-copy-", dir="/dev/shm") as tmp:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from elastictrain.snapshot.replica_check import state_digest
+from elastictrain.snapshot.state.replica_check import state_digest
 
 
 def build(size_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

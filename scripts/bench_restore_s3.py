@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_s3 import free_port, moto_server
 from benchlib import fmt, load_average, ratio_spread, spread, write_json
 
-from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
 from elastictrain.storage import FsspecStore
 from elastictrain.storage.api import Store
 
@@ -120,8 +120,8 @@ def worker(endpoint: str, mode: str, rank: int, port: int) -> None:
     """One rank: restore the newest snapshot; print bytes read, peak growth and time."""
     import torch.distributed as dist
 
-    from elastictrain.snapshot.reader import read_manifest
-    from elastictrain.snapshot.restore import load_newest
+    from elastictrain.snapshot.durable.restore import load_newest
+    from elastictrain.snapshot.format.reader import read_manifest
     from elastictrain.worker.dist import DistContext
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

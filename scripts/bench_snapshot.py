@@ -96,9 +96,9 @@ from benchlib import (
 from elastictrain.core import layout
 from elastictrain.core import log as et_log
 from elastictrain.core.config import SnapshotConfig
+from elastictrain.snapshot.durable.restore import resolve_mode
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.restore import resolve_mode
-from elastictrain.snapshot.staging import StagingBuffers
+from elastictrain.snapshot.state.staging import StagingBuffers
 from elastictrain.storage import open_store
 
 TARGETS = {"blocking_ratio_vs_sync": ("<=", 0.02),

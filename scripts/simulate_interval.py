@@ -25,7 +25,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from elastictrain.core import log
-from elastictrain.snapshot.interval import FailureHistory, IntervalPolicy
+from elastictrain.snapshot.schedule.interval import FailureHistory, IntervalPolicy
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from elastictrain.core import layout
-from elastictrain.snapshot.checksum import checksum_bytes
-from elastictrain.snapshot.manifest import Manifest, ObjectEntry
+from elastictrain.snapshot.format.checksum import checksum_bytes
+from elastictrain.snapshot.format.manifest import Manifest, ObjectEntry
 from elastictrain.storage.api import Store
 
 

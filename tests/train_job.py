@@ -70,7 +70,7 @@ from torch.nn.parallel import DistributedDataParallel
 import elastictrain as et
 from elastictrain.core.log import get_logger
 from elastictrain.launcher.spawn import EVENTS_DIR_VAR
-from elastictrain.snapshot.digest import param_digest
+from elastictrain.snapshot.format.digest import param_digest
 from elastictrain.storage import Store, open_store
 from tests.fault_stores import GatedStore, SwitchedStore, TricklingStore
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.core.errors import EXIT_PREEMPTED, ElasticTrainError
-from elastictrain.snapshot.reader import verify_snapshot
+from elastictrain.snapshot.format.reader import verify_snapshot
 from elastictrain.storage import Store
 from elastictrain.view import ops
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from elastictrain.core import layout
 from elastictrain.core.env import SHM_VAR
 from elastictrain.core.shm import user_root_in
-from elastictrain.snapshot import memory
+from elastictrain.snapshot.memory import memory
 
 TMPFS_SIZE = "64m"
 NEIGHBOUR_STEPS = 200

@@ -11,8 +11,8 @@ from elastictrain.core.errors import ConfigError, ResumeMismatchError
 from elastictrain.demo.corpus import demo_corpus
 from elastictrain.demo.model import GPTConfig
 from elastictrain.demo.multinode import parse_nnodes
-from elastictrain.snapshot.manifest import Manifest
-from elastictrain.snapshot.reader import newest_first
+from elastictrain.snapshot.format.manifest import Manifest
+from elastictrain.snapshot.format.reader import newest_first
 from elastictrain.storage import Store
 from elastictrain.worker.batching import check_global_batch
 

@@ -52,9 +52,9 @@ from structlog.contextvars import bound_contextvars
 
 from elastictrain.core.errors import SnapshotWriteFailed
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.commit import SnapshotMeta
-from elastictrain.snapshot.pacing import Pace
-from elastictrain.snapshot.persister import (
+from elastictrain.snapshot.durable.commit import SnapshotMeta
+from elastictrain.snapshot.durable.pacing import Pace
+from elastictrain.snapshot.durable.persister import (
     Background,
     CommitGate,
     CountingStore,
@@ -64,9 +64,9 @@ from elastictrain.snapshot.persister import (
     SaveState,
     SyncPersister,
 )
-from elastictrain.snapshot.restore import LoadedSnapshot, load_newest
+from elastictrain.snapshot.durable.restore import LoadedSnapshot, load_newest
 from elastictrain.snapshot.saver_interface import LoadRequest, SaverSettings
-from elastictrain.snapshot.staging import StagingBuffers
+from elastictrain.snapshot.state.staging import StagingBuffers
 from elastictrain.storage.api import Store
 from elastictrain.worker import watchdog
 
@@ -303,11 +303,11 @@ class Saver(InFlightSave):
         if self.kind == "sync":
             return SyncPersister(store, self._keep, self._policy)
         if self.kind == "thread":
-            from elastictrain.snapshot.persist_thread import ThreadPersister
+            from elastictrain.snapshot.durable.persist_thread import ThreadPersister
 
             log.info("snapshot.persister_started", kind="thread")
             return ThreadPersister(store, self._keep, self._policy, self._background)
-        from elastictrain.snapshot.persist_process import ProcessPersister
+        from elastictrain.snapshot.durable.persist_process import ProcessPersister
 
         return ProcessPersister(store, self._keep, self._policy, self._background)
 

@@ -2,7 +2,7 @@
 
 :class:`RetryPolicy` is how often, and after how long a wait, an operation that
 failed is tried again: a storage request here, a whole snapshot persist in
-:mod:`elastictrain.snapshot.persister`.
+:mod:`elastictrain.snapshot.durable.persister`.
 
 On S3, three layers retry, each for what only it can see: botocore retries one
 HTTP request (its retry mode and ``AWS_MAX_ATTEMPTS`` apply), s3fs retries

@@ -17,9 +17,9 @@ from typing import Any
 from elastictrain.core import layout
 from elastictrain.core.errors import ConfigError, SnapshotCorrupt, StorageNotFoundError
 from elastictrain.core.shm import user_root
-from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, verify_snapshot
-from elastictrain.snapshot.retention import prune
+from elastictrain.snapshot.durable.retention import prune
+from elastictrain.snapshot.format.manifest import SHARDED_FORMAT_VERSION, Manifest
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.snapshot.sharded.reader import parts_by_rank
 from elastictrain.storage import Store
 
@@ -184,7 +184,7 @@ def memory_rows() -> list[dict[str, Any]]:
     directories under ``/dev/shm/elastictrain-<uid>``): its run and storage, steps held,
     bytes, and whether a live process holds it (else how long it has been idle: the
     sweep's measure)."""
-    from elastictrain.snapshot import memory  # here: the other commands need no torch
+    from elastictrain.snapshot.memory import memory  # here: the other commands need no torch
 
     return [{"path": str(h.path), "run_id": h.run_id, "storage": h.storage,
              "steps": ",".join(str(s) for s in h.steps) or "-", "size_bytes": h.size_bytes,

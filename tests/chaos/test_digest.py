@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from structlog.testing import capture_logs
 
-from elastictrain.snapshot.digest import param_digest
+from elastictrain.snapshot.format.digest import param_digest
 from elastictrain.snapshot.manager import SnapshotManager
 
 

@@ -15,9 +15,9 @@ import torch.distributed as dist
 import elastictrain as et
 from elastictrain.core.config import PreemptConfig
 from elastictrain.core.errors import SnapshotWriteFailed
+from elastictrain.snapshot.format.reader import verify_snapshot
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.reader import verify_snapshot
-from elastictrain.snapshot.rng import capture_rng
+from elastictrain.snapshot.state.rng import capture_rng
 from elastictrain.storage import open_store
 from elastictrain.worker import preempt
 from tests.distributed.test_snapshot_collectives import _group, _join

@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 
 from elastictrain.core.errors import EXIT_FATAL, ReplicasDiverged
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.training_state import TrainingState
+from elastictrain.snapshot.state.training_state import TrainingState
 from tests.distributed.test_snapshot_collectives import _group, _join
 
 pytestmark = pytest.mark.distributed

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from structlog.testing import capture_logs
 
 from elastictrain.core import layout
-from elastictrain.snapshot.restore import load_newest
+from elastictrain.snapshot.durable.restore import load_newest
 from elastictrain.storage import Store, open_store
 from tests.distributed.test_snapshot_collectives import _group, _join
 from tests.fault_stores import FailingReads

@@ -406,7 +406,7 @@ REPO_PATH = re.compile(r"(?<![\w/.-])((?:elastictrain|tests|scripts|examples|dep
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_repository_paths_named_in_text_exist(page: Path) -> None:
-    """A path such as `tests/unit/test_x.py` or `elastictrain/snapshot/rescue.py` in a
+    """A path such as `tests/unit/test_x.py` or `elastictrain/snapshot/memory/rescue.py` in a
     page's text names a file or directory that exists (a glob matches one)."""
     for name in REPO_PATH.findall(page.read_text()):
         path = name.split("::")[0]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.core import layout
-from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
 from tests.fault_stores import read_journal
 from tests.helpers import REPO, TRAIN_JOB, events, pid_alive, started, wait_for

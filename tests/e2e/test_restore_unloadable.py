@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.core.errors import EXIT_FATAL
-from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
 from tests.helpers import REPO, TRAIN_JOB, events, started
 from tests.planted import plant_snapshot

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from elastictrain.core import layout
-from elastictrain.snapshot.checksum import checksum_bytes
+from elastictrain.snapshot.format.checksum import checksum_bytes
 from tests.helpers import events, run_cli
 
 pytestmark = pytest.mark.distributed

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.snapshot.interval import failure_history
+from elastictrain.snapshot.schedule.interval import failure_history
 from tests.helpers import REPO, events, run_cli, started, wait_for
 
 pytestmark = pytest.mark.distributed

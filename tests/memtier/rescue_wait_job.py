@@ -12,7 +12,7 @@ import sys
 import torch
 
 import elastictrain as et
-from elastictrain.snapshot import rescue
+from elastictrain.snapshot.memory import rescue
 
 
 def main() -> None:

@@ -15,10 +15,10 @@ from structlog.testing import capture_logs
 
 from elastictrain.core import layout
 from elastictrain.core.errors import ConfigError, StorageError
-from elastictrain.snapshot import memory
-from elastictrain.snapshot.memory_choice import Held
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
-from elastictrain.snapshot.restore import load_newest
+from elastictrain.snapshot.durable.restore import load_newest
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest
+from elastictrain.snapshot.memory import memory
+from elastictrain.snapshot.memory.memory_choice import Held
 from elastictrain.storage import open_store
 from elastictrain.worker.dist import DistContext
 from tests.fault_stores import FailingReads
@@ -214,7 +214,7 @@ class _FailingCopies:
     """Peers that chose this node's step 4 for a node lacking it, whose copy failed."""
 
     def agree(self, held: Held, can_receive: bool, durable: Any) -> Any:
-        from elastictrain.snapshot.memory_choice import Choice
+        from elastictrain.snapshot.memory.memory_choice import Choice
         return Choice(held.step, None, {1: 0})
 
     def fetch(self, choice: Any, store: Any) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 from tests.helpers import events, wait_for
 from tests.memtier.test_memtier_e2e import (

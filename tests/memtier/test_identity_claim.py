@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.core.errors import ConfigError
-from elastictrain.snapshot import memory
+from elastictrain.snapshot.memory import memory
 
 
 def _claimed_meanwhile(monkeypatch: pytest.MonkeyPatch, path: Path, storage: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.handoff.rescue_marks import launch_marks
-from elastictrain.snapshot import memory
+from elastictrain.snapshot.memory import memory
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import torch
 from structlog.testing import capture_logs
 
 from elastictrain.core import layout
-from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 from tests.unit.test_manager import build, train
 from tests.unit.test_restore_in_place import flip_a_parameter_byte

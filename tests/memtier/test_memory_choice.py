@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastictrain.snapshot.memory_choice import NO_STEP, Choice, Durable, Held, choose
+from elastictrain.snapshot.memory.memory_choice import NO_STEP, Choice, Durable, Held, choose
 
 NONE = Held()
 
@@ -75,7 +75,7 @@ def test_without_copies_every_node_must_hold_the_same_snapshot() -> None:
 
 
 def test_manifest_identity_ignores_when_a_copy_was_written() -> None:
-    from elastictrain.snapshot.manifest import Manifest, ObjectEntry
+    from elastictrain.snapshot.format.manifest import Manifest, ObjectEntry
 
     def manifest(created: str, checksum: str = "ab", attempt: int | None = 2) -> Manifest:
         return Manifest(run_id="r", step=3, epoch=0, world_size=2, created_at=created,

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from elastictrain.launcher.spawn import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
-from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 from tests.helpers import REPO, TRAIN_JOB, events, kill_session, pid_alive, wait_for
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 from elastictrain.view.model import RunState
 from tests.unit.test_manager import build, train

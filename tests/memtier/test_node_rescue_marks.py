@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.handoff.rescue_marks import rescuing_pids
-from elastictrain.snapshot import rescue
+from elastictrain.snapshot.memory import rescue
 from tests.helpers import REPO, child_env, kill_session
 
 pytestmark = pytest.mark.processes

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 from tests.helpers import events, free_port, pid_alive, wait_for
 from tests.memtier.test_memtier_e2e import (

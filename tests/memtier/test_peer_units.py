@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from elastictrain.core import layout
-from elastictrain.snapshot.peer_restore import receive_copy, send_copy
-from elastictrain.snapshot.peer_transport import NodeMap
-from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, verify_snapshot
+from elastictrain.snapshot.memory.peer_restore import receive_copy, send_copy
+from elastictrain.snapshot.memory.peer_transport import NodeMap
 from elastictrain.storage import open_store
 from tests.unit.test_manager import build, train
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from elastictrain.core.errors import PeerNodeLost
-from elastictrain.snapshot.peer_records import RecordStream
-from elastictrain.snapshot.record_links import RecordLinks
-from elastictrain.snapshot.rescue import (
+from elastictrain.snapshot.memory.peer_records import RecordStream
+from elastictrain.snapshot.memory.record_links import RecordLinks
+from elastictrain.snapshot.memory.rescue import (
     BoundaryRecord,
     read_record,
     same_states,
@@ -164,7 +164,7 @@ class _SentRecords:
         self.pre_step = True
 
     def publish(self, record: bytes, pre_step: bool = False) -> None:
-        from elastictrain.snapshot.rescue import record_step
+        from elastictrain.snapshot.memory.rescue import record_step
         self.published.append((record_step(record) or -1, pre_step))
 
     def stop_pre_step(self) -> None:
@@ -181,7 +181,7 @@ def test_a_loop_drawing_random_numbers_after_its_optimizer_step_sends_at_the_bou
 
     from structlog.testing import capture_logs
 
-    from elastictrain.snapshot.rescuer import Rescuer
+    from elastictrain.snapshot.memory.rescuer import Rescuer
 
     record = BoundaryRecord(tmp_path, 0, ATTEMPT, lambda: [])
     rescuer = Rescuer.__new__(Rescuer)
@@ -216,8 +216,8 @@ def test_another_nodes_pre_step_record_is_used_only_where_this_ranks_own_matched
     record of step 4 held its boundary's states (else it skips: never a wrong RNG)."""
     from types import SimpleNamespace
 
-    from elastictrain.snapshot import rescuer as rescuer_module
-    from elastictrain.snapshot.rescuer import Rescuer
+    from elastictrain.snapshot.memory import rescuer as rescuer_module
+    from elastictrain.snapshot.memory.rescuer import Rescuer
 
     monkeypatch.setattr(rescuer_module, "PEER_RECORD_WAIT_S", 0.05)
     BoundaryRecord(tmp_path, 0, ATTEMPT, lambda: []).record(4)

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from elastictrain.snapshot import record_links
-from elastictrain.snapshot.record_links import _HELLO, _MAGIC, _accept
+from elastictrain.snapshot.memory import record_links
+from elastictrain.snapshot.memory.record_links import _HELLO, _MAGIC, _accept
 
 TOKEN = b"t" * 16
 

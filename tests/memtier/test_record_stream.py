@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from elastictrain.snapshot import peer_records, record_links, rescue
-from elastictrain.snapshot.peer_records import _ENVELOPE, RecordStream
-from elastictrain.snapshot.record_links import (
+from elastictrain.snapshot.memory import peer_records, record_links, rescue
+from elastictrain.snapshot.memory.peer_records import _ENVELOPE, RecordStream
+from elastictrain.snapshot.memory.record_links import (
     _HELLO,
     _MAGIC,
     RecordLinks,
@@ -27,7 +27,7 @@ from elastictrain.snapshot.record_links import (
     connect_record_links,
     read_exactly,
 )
-from elastictrain.snapshot.rescue import SLOT_BYTES, BoundaryRecord, read_record
+from elastictrain.snapshot.memory.rescue import SLOT_BYTES, BoundaryRecord, read_record
 from tests.helpers import wait_for
 
 ATTEMPT = (2, 0, -1)

@@ -18,9 +18,9 @@ from structlog.testing import capture_logs
 
 from elastictrain import runtime
 from elastictrain.core import layout
-from elastictrain.snapshot import rescue
-from elastictrain.snapshot.reader import list_snapshot_dirs
-from elastictrain.snapshot.rng import restore_rng
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
+from elastictrain.snapshot.memory import rescue
+from elastictrain.snapshot.state.rng import restore_rng
 from elastictrain.storage import open_store
 from tests.unit.test_manager import build, train
 
@@ -215,7 +215,7 @@ def test_a_memory_save_of_the_failed_step_commits_before_the_process_ends(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The rescue is skipped when the step's own memory snapshot was taken; that
     snapshot is still persisting, and the process must not end before it commits."""
-    from elastictrain.snapshot.rescuer import Rescuer
+    from elastictrain.snapshot.memory.rescuer import Rescuer
     from elastictrain.storage.fsspec_store import FsspecStore
 
     rescue_began = threading.Event()

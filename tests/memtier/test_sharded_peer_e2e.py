@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.sharded.memory_node import complete, read_held
 from elastictrain.storage import open_store
 from tests.helpers import events, wait_for

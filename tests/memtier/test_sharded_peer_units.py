@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.core import layout
-from elastictrain.snapshot.reader import read_manifest
+from elastictrain.snapshot.format.reader import read_manifest
 from elastictrain.snapshot.sharded.memory_node import (
     NO_STEP,
     Choice,

@@ -16,8 +16,8 @@ from structlog.testing import capture_logs
 
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotCorrupt, StorageError
-from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest
-from elastictrain.snapshot.reader import read_manifest
+from elastictrain.snapshot.format.manifest import SHARDED_FORMAT_VERSION, Manifest
+from elastictrain.snapshot.format.reader import read_manifest
 from elastictrain.storage import Store, open_store
 from elastictrain.view import ops
 from tests.fault_stores import _Wrapper

@@ -15,8 +15,8 @@ from structlog.testing import capture_logs
 
 from elastictrain.core.config import PreemptConfig
 from elastictrain.core.errors import EXIT_PREEMPTED, StorageError
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 from elastictrain.worker import preempt
 from tests.fault_stores import _Wrapper

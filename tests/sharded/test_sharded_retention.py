@@ -14,7 +14,7 @@ import pytest
 
 from elastictrain.core import layout
 from elastictrain.core.errors import StorageError, StorageTransientError
-from elastictrain.snapshot.reader import read_manifest
+from elastictrain.snapshot.format.reader import read_manifest
 from elastictrain.storage import Store, open_store
 from elastictrain.view import ops
 from tests.fault_stores import _Wrapper

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from elastictrain.core import layout
+from elastictrain.snapshot.format.reader import read_manifest
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.reader import read_manifest
 from elastictrain.storage import open_store
 from elastictrain.worker.dist import DistContext
 from tests.distributed.test_snapshot_collectives import _group, _join

@@ -17,7 +17,7 @@ import tracemalloc
 
 import torch
 
-from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot, serialize_payload
+from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot, serialize_payload
 from elastictrain.storage import FsspecStore
 from tests.s3server import FAKE_KEY, FAKE_SECRET
 

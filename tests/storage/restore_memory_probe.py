@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from elastictrain.snapshot.reader import read_manifest
-from elastictrain.snapshot.restore import load_newest
+from elastictrain.snapshot.durable.restore import load_newest
+from elastictrain.snapshot.format.reader import read_manifest
 from elastictrain.storage import FsspecStore
 from elastictrain.worker.dist import DistContext
 from tests.s3server import FAKE_KEY, FAKE_SECRET

@@ -24,8 +24,8 @@ from elastictrain.core.errors import (
     StoragePermissionError,
     StorageTransientError,
 )
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, verify_snapshot
-from elastictrain.snapshot.restore import load_newest, resolve_mode
+from elastictrain.snapshot.durable.restore import load_newest, resolve_mode
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.storage import FsspecStore
 from elastictrain.worker.dist import DistContext
 from tests.helpers import REPO, child_env

@@ -17,8 +17,8 @@ import torch
 from structlog.testing import capture_logs
 
 from elastictrain.core.errors import StorageError
-from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
-from elastictrain.snapshot.reader import verify_snapshot
+from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.format.reader import verify_snapshot
 from elastictrain.storage import FsspecStore
 from tests.helpers import REPO, child_env
 from tests.s3server import S3Bucket

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from elastictrain.core import layout
-from elastictrain.snapshot.reader import read_manifest
+from elastictrain.snapshot.format.reader import read_manifest
 from tests.s3server import S3Bucket
 from tests.storage.test_s3_snapshots import s3_store
 from tests.unit.test_manager import build, train

@@ -11,10 +11,10 @@ import torch
 from structlog.testing import capture_logs
 
 from elastictrain.core import layout
-from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
-from elastictrain.snapshot.manifest import Manifest
-from elastictrain.snapshot.reader import find_latest_verified, read_manifest
-from elastictrain.snapshot.retention import prune
+from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.retention import prune
+from elastictrain.snapshot.format.manifest import Manifest
+from elastictrain.snapshot.format.reader import find_latest_verified, read_manifest
 from elastictrain.storage import FsspecStore
 from tests.helpers import wait_for
 from tests.s3server import S3Bucket

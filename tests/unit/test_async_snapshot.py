@@ -19,11 +19,11 @@ from structlog.testing import capture_logs
 
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotCorrupt, SnapshotWriteFailed
-from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
-from elastictrain.snapshot.rng import capture_rng, restore_rng
-from elastictrain.snapshot.staging import StagingBuffers
+from elastictrain.snapshot.state.rng import capture_rng, restore_rng
+from elastictrain.snapshot.state.staging import StagingBuffers
 from elastictrain.storage import open_store
 from elastictrain.worker.dist import DistContext
 from tests.fault_stores import FailingStore, GatedStore, read_journal

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.core import layout
-from elastictrain.snapshot.commitmark import (
+from elastictrain.snapshot.format.commitmark import (
     commit_by_rename,
     commit_in_place,
     is_committed,

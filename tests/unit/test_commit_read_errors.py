@@ -15,10 +15,10 @@ import torch
 
 from elastictrain.core import layout
 from elastictrain.core.errors import StorageError, StorageTransientError
-from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
-from elastictrain.snapshot.persister import SaveState, persist_with_retries
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest, verify_snapshot
-from elastictrain.snapshot.retention import prune
+from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.persister import SaveState, persist_with_retries
+from elastictrain.snapshot.durable.retention import prune
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.storage import FsspecStore, Store, open_store
 from elastictrain.storage.retry import RetryPolicy
 from tests.fault_stores import FailingReads

@@ -14,7 +14,7 @@ import torch
 
 import elastictrain as et
 from elastictrain.core.errors import EXIT_FATAL, UnsafeStateError
-from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 
 

@@ -16,8 +16,8 @@ from structlog.testing import capture_logs
 
 from elastictrain.core.config import FaultsConfig, WatchdogConfig
 from elastictrain.core.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED, ConfigError
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 from elastictrain.storage.faults import FaultyStore
 from elastictrain.worker import preempt, watchdog

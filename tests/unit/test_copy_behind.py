@@ -18,8 +18,8 @@ from structlog.testing import capture_logs
 from elastictrain.core.errors import ConfigError
 from elastictrain.runlog.accounting.split import split_run
 from elastictrain.snapshot import saver as saver_module
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
 
 PERSISTERS = ["thread", "process"]
@@ -215,7 +215,7 @@ def test_goodput_counts_the_copy_wait_as_snapshot_blocking(tmp_path: Path) -> No
 def test_the_final_digest_covers_a_model_with_zero_dim_buffers() -> None:
     """BatchNorm's num_batches_tracked is a 0-d long tensor: close() logged the digest
     by viewing each tensor as bytes, which a 0-d tensor cannot do (found here)."""
-    from elastictrain.snapshot.digest import param_digest
+    from elastictrain.snapshot.format.digest import param_digest
 
     model = torch.nn.BatchNorm1d(4)
     before = param_digest(model)

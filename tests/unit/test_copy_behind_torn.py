@@ -19,8 +19,8 @@ import torch
 from structlog.testing import capture_logs
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
 
 pytestmark = pytest.mark.processes

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 import elastictrain as et
 from elastictrain.core.errors import ConfigError, ResumeMismatchError
-from elastictrain.snapshot.rng import capture_rng, reseed_for_new_world
+from elastictrain.snapshot.state.rng import capture_rng, reseed_for_new_world
 from elastictrain.worker.dist import DistContext
 
 

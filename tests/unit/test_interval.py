@@ -17,7 +17,8 @@ from structlog.testing import capture_logs
 
 from elastictrain.core.config import load_settings
 from elastictrain.core.errors import ConfigError
-from elastictrain.snapshot.interval import (
+from elastictrain.snapshot.manager import SnapshotManager
+from elastictrain.snapshot.schedule.interval import (
     FailureHistory,
     IntervalPolicy,
     estimate_mtbf_s,
@@ -25,7 +26,6 @@ from elastictrain.snapshot.interval import (
     interval_steps,
     young_daly_s,
 )
-from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.worker.dist import DistContext
 from tests.helpers import REPO
 

@@ -11,7 +11,7 @@ import torch
 from structlog.testing import capture_logs
 
 import elastictrain as et
-from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
 
 
 def build(url: str, **kw: Any) -> tuple[torch.nn.Module, Any, Any, et.ElasticSampler,

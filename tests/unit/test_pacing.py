@@ -16,8 +16,8 @@ from structlog.testing import capture_logs
 
 from elastictrain.core.config import SnapshotConfig
 from elastictrain.core.errors import EXIT_PREEMPTED
-from elastictrain.snapshot.pacing import Pace, PacedWriter
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
+from elastictrain.snapshot.durable.pacing import Pace, PacedWriter
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.storage import open_store
 from elastictrain.worker import preempt

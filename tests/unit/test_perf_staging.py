@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from elastictrain.core.errors import UnsafeStateError
-from elastictrain.snapshot.staging import StagingBuffers
+from elastictrain.snapshot.state.staging import StagingBuffers
 from tests.unit.test_async_snapshot import ASYNC, make, train
 
 

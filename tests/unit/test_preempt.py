@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 import elastictrain as et
 from elastictrain.core.config import PreemptConfig
 from elastictrain.core.errors import EXIT_PREEMPTED
-from elastictrain.snapshot.reader import list_snapshot_dirs
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
 from elastictrain.worker import preempt
 from tests.helpers import wait_for
 from tests.metadata import AWS_PATH, AZURE_PATH, GCP_PATH, Metadata

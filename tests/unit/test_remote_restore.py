@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotCorrupt
-from elastictrain.snapshot.reader import read_manifest, verify_snapshot
+from elastictrain.snapshot.format.reader import read_manifest, verify_snapshot
 from elastictrain.storage import FsspecStore, open_store
 from tests.planted import plant_snapshot
 

@@ -32,8 +32,8 @@ from elastictrain.core.errors import (
     StoragePermissionError,
     StorageTransientError,
 )
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
-from elastictrain.snapshot.restore import load_newest
+from elastictrain.snapshot.durable.restore import load_newest
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest
 from elastictrain.storage import FsspecStore, open_store
 from elastictrain.worker.dist import DistContext
 from tests.planted import plant_snapshot

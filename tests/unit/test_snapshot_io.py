@@ -11,15 +11,15 @@ from structlog.testing import capture_logs
 
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotCorrupt
-from elastictrain.snapshot.commit import SnapshotMeta, persist_snapshot
-from elastictrain.snapshot.reader import (
+from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.retention import prune
+from elastictrain.snapshot.format.reader import (
     find_latest_verified,
     list_snapshot_dirs,
     read_manifest,
     verify_snapshot,
 )
-from elastictrain.snapshot.retention import prune
-from elastictrain.snapshot.staging import StagingBuffers
+from elastictrain.snapshot.state.staging import StagingBuffers
 from elastictrain.storage import open_store
 
 

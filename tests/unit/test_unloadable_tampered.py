@@ -104,6 +104,6 @@ def test_an_unknown_plain_class_still_gets_the_allowlist_advice(tmp_path: Path) 
     ("torch.nn.Linear", False),
 ])
 def test_runs_code(name: str, runs: bool) -> None:
-    from elastictrain.snapshot.loadable import runs_code  # here: the others run without it
+    from elastictrain.snapshot.format.loadable import runs_code  # here: the others run without it
 
     assert runs_code(name) is runs

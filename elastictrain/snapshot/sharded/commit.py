@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from elastictrain.core import layout
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.checksum import checksum_bytes
-from elastictrain.snapshot.commit import SnapshotMeta, build_manifest
-from elastictrain.snapshot.commitmark import commit_in_place
-from elastictrain.snapshot.manifest import (
+from elastictrain.snapshot.durable.commit import SnapshotMeta, build_manifest
+from elastictrain.snapshot.format.checksum import checksum_bytes
+from elastictrain.snapshot.format.commitmark import commit_in_place
+from elastictrain.snapshot.format.manifest import (
     SHARDED_FORMAT_VERSION,
     ItemEntry,
     Manifest,

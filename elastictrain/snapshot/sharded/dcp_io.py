@@ -45,9 +45,9 @@ from torch.futures import Future
 
 from elastictrain.core.config import ChecksumAlgorithm
 from elastictrain.core.errors import SnapshotCorrupt, StorageError
-from elastictrain.snapshot.checksum import HashingWriter, checksum_bytes
-from elastictrain.snapshot.pacing import Pace, PacedWriter
-from elastictrain.snapshot.tensorbytes import tensor_bytes
+from elastictrain.snapshot.durable.pacing import Pace, PacedWriter
+from elastictrain.snapshot.format.checksum import HashingWriter, checksum_bytes
+from elastictrain.snapshot.format.tensorbytes import tensor_bytes
 from elastictrain.storage.api import Store
 
 

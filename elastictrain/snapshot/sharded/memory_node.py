@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotCorrupt, StorageError, StorageNotFoundError
-from elastictrain.snapshot.checksum import new_hasher
-from elastictrain.snapshot.commitmark import read_marker
-from elastictrain.snapshot.manifest import Manifest, ObjectEntry
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
+from elastictrain.snapshot.format.checksum import new_hasher
+from elastictrain.snapshot.format.commitmark import read_marker
+from elastictrain.snapshot.format.manifest import Manifest, ObjectEntry
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest
 from elastictrain.storage.api import Store
 
 HELD = "HELD.json"  # the objects of the step present on this node (before the manifest)

@@ -30,12 +30,17 @@ from torch import nn
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotCorrupt, SnapshotUnloadable, StorageError
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.commitmark import commit_in_place, is_committed, read_marker
-from elastictrain.snapshot.manifest import Manifest
-from elastictrain.snapshot.peer_restore import receive_object
-from elastictrain.snapshot.peer_transport import NodeMap, PeerTransport, recv_json, send_json
-from elastictrain.snapshot.reader import list_snapshot_dirs
-from elastictrain.snapshot.restore import LoadedSnapshot
+from elastictrain.snapshot.durable.restore import LoadedSnapshot
+from elastictrain.snapshot.format.commitmark import commit_in_place, is_committed, read_marker
+from elastictrain.snapshot.format.manifest import Manifest
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
+from elastictrain.snapshot.memory.peer_restore import receive_object
+from elastictrain.snapshot.memory.peer_transport import (
+    NodeMap,
+    PeerTransport,
+    recv_json,
+    send_json,
+)
 from elastictrain.snapshot.sharded.commit import is_sharded_object
 from elastictrain.snapshot.sharded.memory_node import (
     NO_STEP,

@@ -36,13 +36,13 @@ from torch import nn
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotWriteFailed, StorageError
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.checksum import new_hasher
-from elastictrain.snapshot.commit import SnapshotMeta
-from elastictrain.snapshot.commitmark import commit_in_place
-from elastictrain.snapshot.manifest import Manifest, ObjectEntry
-from elastictrain.snapshot.peer_transport import NodeMap
-from elastictrain.snapshot.persister import SaveHandle, SaveState
-from elastictrain.snapshot.retention import prune
+from elastictrain.snapshot.durable.commit import SnapshotMeta
+from elastictrain.snapshot.durable.persister import SaveHandle, SaveState
+from elastictrain.snapshot.durable.retention import prune
+from elastictrain.snapshot.format.checksum import new_hasher
+from elastictrain.snapshot.format.commitmark import commit_in_place
+from elastictrain.snapshot.format.manifest import Manifest, ObjectEntry
+from elastictrain.snapshot.memory.peer_transport import NodeMap
 from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.snapshot.sharded.commit import (
     is_sharded_object,

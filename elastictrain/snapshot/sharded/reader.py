@@ -11,8 +11,8 @@ from elastictrain.core import layout
 from elastictrain.core.config import ChecksumAlgorithm
 from elastictrain.core.errors import SnapshotCorrupt, StorageNotFoundError
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.checksum import checksum_bytes, new_hasher
-from elastictrain.snapshot.manifest import Manifest, ObjectEntry
+from elastictrain.snapshot.format.checksum import checksum_bytes, new_hasher
+from elastictrain.snapshot.format.manifest import Manifest, ObjectEntry
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")

@@ -32,9 +32,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotCorrupt, SnapshotUnloadable, StorageError
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest
-from elastictrain.snapshot.reader import list_snapshot_dirs, load_checked_bytes, read_manifest
-from elastictrain.snapshot.restore import LoadedSnapshot, scatter_rng
+from elastictrain.snapshot.durable.restore import LoadedSnapshot, scatter_rng
+from elastictrain.snapshot.format.manifest import SHARDED_FORMAT_VERSION, Manifest
+from elastictrain.snapshot.format.reader import (
+    list_snapshot_dirs,
+    load_checked_bytes,
+    read_manifest,
+)
 from elastictrain.snapshot.sharded.dcp_io import StoreReader, WeightsOnlyLoadPlanner, parse_metadata
 from elastictrain.snapshot.sharded.reader import check_parts, object_of, read_object
 from elastictrain.snapshot.sharded.state import apply_state, current_state

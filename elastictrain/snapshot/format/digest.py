@@ -7,7 +7,7 @@ import hashlib
 import torch
 from torch import nn
 
-from elastictrain.snapshot.tensorbytes import tensor_bytes
+from elastictrain.snapshot.format.tensorbytes import tensor_bytes
 
 
 def param_digest(model: nn.Module) -> str:

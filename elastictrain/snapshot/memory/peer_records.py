@@ -41,8 +41,8 @@ from pathlib import Path
 from elastictrain.core.errors import PeerNodeLost
 from elastictrain.core.localfiles import open_private
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.record_links import RecordLinks, read_exactly, read_into
-from elastictrain.snapshot.rescue import (
+from elastictrain.snapshot.memory.record_links import RecordLinks, read_exactly, read_into
+from elastictrain.snapshot.memory.rescue import (
     SLOT_BYTES,
     record_length,
     record_step,

@@ -15,8 +15,8 @@ import queue
 import threading
 from typing import Any
 
-from elastictrain.snapshot.commit import SnapshotMeta
-from elastictrain.snapshot.persister import (
+from elastictrain.snapshot.durable.commit import SnapshotMeta
+from elastictrain.snapshot.durable.persister import (
     DEFAULT_BACKGROUND,
     Background,
     CommitGate,

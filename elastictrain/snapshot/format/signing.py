@@ -18,7 +18,7 @@ import hmac
 from elastictrain.core.env import signing_key
 from elastictrain.core.errors import SnapshotUntrusted
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.manifest import Manifest
+from elastictrain.snapshot.format.manifest import Manifest
 
 log = get_logger("elastictrain.snapshot")
 

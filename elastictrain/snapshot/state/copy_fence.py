@@ -8,9 +8,9 @@ from typing import Any
 
 from elastictrain.core.config import SnapshotConfig
 from elastictrain.core.errors import ConfigError
-from elastictrain.snapshot.save_schedule import SaveSchedule
 from elastictrain.snapshot.saver_interface import SnapshotSaver
-from elastictrain.snapshot.training_state import TrainingState
+from elastictrain.snapshot.schedule.save_schedule import SaveSchedule
+from elastictrain.snapshot.state.training_state import TrainingState
 
 
 class CopyFence:

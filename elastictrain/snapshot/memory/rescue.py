@@ -34,7 +34,7 @@ import torch
 from elastictrain.core.localfiles import open_private, private_dir
 from elastictrain.core.log import get_logger
 from elastictrain.handoff.rescue_marks import ARMED, MARKS_ENV, RESCUING
-from elastictrain.snapshot.tensorbytes import tensor_bytes
+from elastictrain.snapshot.format.tensorbytes import tensor_bytes
 
 try:  # numpy is optional (as in rng.py)
     import numpy as np
@@ -224,7 +224,7 @@ class _NumpyState:
 
 
 def _rng_state(payload: bytes) -> dict[str, Any]:
-    """``_rng_bytes`` as :func:`elastictrain.snapshot.rng.capture_rng` returns it."""
+    """``_rng_bytes`` as :func:`elastictrain.snapshot.state.rng.capture_rng` returns it."""
     parts: list[bytes] = []
     offset = 0
     while offset < len(payload):

@@ -35,15 +35,15 @@ from elastictrain.core.errors import (
     StorageNotFoundError,
 )
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot import signing
-from elastictrain.snapshot.checksum import new_hasher
-from elastictrain.snapshot.commitmark import read_marker
-from elastictrain.snapshot.manifest import SHARDED_FORMAT_VERSION, Manifest, ObjectEntry
+from elastictrain.snapshot.format import signing
+from elastictrain.snapshot.format.checksum import new_hasher
+from elastictrain.snapshot.format.commitmark import read_marker
+from elastictrain.snapshot.format.manifest import SHARDED_FORMAT_VERSION, Manifest, ObjectEntry
 from elastictrain.snapshot.sharded.reader import verify_sharded
 from elastictrain.storage.api import Store
 
 if TYPE_CHECKING:
-    from elastictrain.snapshot.onepass import InPlace
+    from elastictrain.snapshot.durable.onepass import InPlace
 
 log = get_logger("elastictrain.snapshot")
 
@@ -241,7 +241,7 @@ def _load_one_pass(store: Store, path: str, local: str, entry: ObjectEntry,
     """A local payload (at ``local`` on this machine) read once, straight into the
     restored tensors, its checksum computed on the way (snapshot/onepass.py); None
     (the caller streams) when its layout is not recognised."""
-    from elastictrain.snapshot import onepass  # torch: not for the CLI's listings
+    from elastictrain.snapshot.durable import onepass  # torch: not for the CLI's listings
 
     layout_plan = onepass.plan(local)
     if layout_plan is None:
@@ -368,7 +368,7 @@ def _unloadable(where: str, exc: Exception) -> SnapshotUnloadable:
             f"({type(exc).__name__}: {first_line}); the run stops (older snapshots of this "
             "script fail the same way); fix: save only tensors, numbers, strings and "
             "containers of them, and resume from a fresh --storage")
-    from elastictrain.snapshot.loadable import runs_code  # torch: not for CLI listings
+    from elastictrain.snapshot.format.loadable import runs_code  # torch: not for CLI listings
 
     name = found.group(1)
     if runs_code(name):  # no writer of elastictrain's puts a callable there: never allowlist

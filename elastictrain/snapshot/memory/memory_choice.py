@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastictrain.snapshot.manifest import Manifest
+from elastictrain.snapshot.format.manifest import Manifest
 
 NO_STEP = -1  # a node holding no committed memory snapshot
 NO_ATTEMPT = -1  # a snapshot taken before attempts were recorded (or none)

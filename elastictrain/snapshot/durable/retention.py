@@ -21,8 +21,8 @@ import time
 from elastictrain.core import layout
 from elastictrain.core.errors import StorageError
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.commitmark import is_committed
-from elastictrain.snapshot.reader import list_snapshot_dirs, read_manifest
+from elastictrain.snapshot.format.commitmark import is_committed
+from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.sharded.commit import is_sharded_object
 from elastictrain.storage.api import Store
 

@@ -20,13 +20,18 @@ from typing import Any
 
 from elastictrain.core.config import SnapshotConfig
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot import rescue
-from elastictrain.snapshot.node_memory import NodeMemory
-from elastictrain.snapshot.peer_records import RecordStream
-from elastictrain.snapshot.rescue import BoundaryRecord, read_record, record_step, same_states
+from elastictrain.snapshot.memory import rescue
+from elastictrain.snapshot.memory.node_memory import NodeMemory
+from elastictrain.snapshot.memory.peer_records import RecordStream
+from elastictrain.snapshot.memory.rescue import (
+    BoundaryRecord,
+    read_record,
+    record_step,
+    same_states,
+)
 from elastictrain.snapshot.saver import Saver
 from elastictrain.snapshot.saver_interface import SaverSettings
-from elastictrain.snapshot.training_state import TrainingState
+from elastictrain.snapshot.state.training_state import TrainingState
 from elastictrain.worker import watchdog
 from elastictrain.worker.dist import DistContext
 

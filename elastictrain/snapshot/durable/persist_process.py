@@ -40,9 +40,9 @@ import torch.multiprocessing as torch_mp
 
 from elastictrain.core.errors import SnapshotWriteFailed
 from elastictrain.core.log import configure_forwarding, get_logger, log_forwarded
-from elastictrain.snapshot.commit import SnapshotMeta
-from elastictrain.snapshot.pacing import Pace
-from elastictrain.snapshot.persister import (
+from elastictrain.snapshot.durable.commit import SnapshotMeta
+from elastictrain.snapshot.durable.pacing import Pace
+from elastictrain.snapshot.durable.persister import (
     DEFAULT_BACKGROUND,
     Background,
     CommitGate,
@@ -54,7 +54,7 @@ from elastictrain.snapshot.persister import (
     persist_with_retries,
     prune_after,
 )
-from elastictrain.snapshot.views import as_bytes, from_views, to_views
+from elastictrain.snapshot.state.views import as_bytes, from_views, to_views
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")

@@ -33,12 +33,12 @@ from elastictrain.core.errors import (
     StorageError,
 )
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot import signing
-from elastictrain.snapshot.checksum import HashingWriter
-from elastictrain.snapshot.commitmark import commit_by_rename, commit_in_place, is_committed
-from elastictrain.snapshot.manifest import FORMAT_VERSION, Manifest, ObjectEntry
-from elastictrain.snapshot.pacing import Pace, PacedWriter
-from elastictrain.snapshot.reader import read_manifest, verify_snapshot
+from elastictrain.snapshot.durable.pacing import Pace, PacedWriter
+from elastictrain.snapshot.format import signing
+from elastictrain.snapshot.format.checksum import HashingWriter
+from elastictrain.snapshot.format.commitmark import commit_by_rename, commit_in_place, is_committed
+from elastictrain.snapshot.format.manifest import FORMAT_VERSION, Manifest, ObjectEntry
+from elastictrain.snapshot.format.reader import read_manifest, verify_snapshot
 from elastictrain.storage.api import Store
 from elastictrain.version import __version__
 
@@ -90,7 +90,7 @@ def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm,
 
 def _cpu_storages(payload: Any) -> list[Any]:
     """The payload's CPU tensor storages, as byte arrays sharing their memory."""
-    from elastictrain.snapshot.views import StorageIndex, as_bytes, to_views
+    from elastictrain.snapshot.state.views import StorageIndex, as_bytes, to_views
 
     index = StorageIndex()
     to_views(payload, index)

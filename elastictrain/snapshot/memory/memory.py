@@ -38,9 +38,9 @@ from elastictrain.core.localfiles import open_private, private_dir
 from elastictrain.core.log import get_logger
 from elastictrain.core.shm import LOCK, exclusive, hold, user_dirs, user_root
 from elastictrain.handoff.rescue_marks import sweep_marks
-from elastictrain.snapshot.attempt import ATTEMPT_FILE
-from elastictrain.snapshot.reader import list_snapshot_dirs
-from elastictrain.snapshot.rescue import BOUNDARY_DIR
+from elastictrain.snapshot.format.reader import list_snapshot_dirs
+from elastictrain.snapshot.memory.rescue import BOUNDARY_DIR
+from elastictrain.snapshot.state.attempt import ATTEMPT_FILE
 from elastictrain.storage import Store
 from elastictrain.storage.fsspec_store import FsspecStore
 

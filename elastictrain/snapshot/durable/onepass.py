@@ -40,9 +40,9 @@ from typing import Any, BinaryIO
 import torch
 
 from elastictrain.core.config import ChecksumAlgorithm
-from elastictrain.snapshot.checksum import Hasher, new_hasher
-from elastictrain.snapshot.tensorbytes import tensor_bytes
-from elastictrain.snapshot.views import StorageIndex, ViewRef, from_views, to_views
+from elastictrain.snapshot.format.checksum import Hasher, new_hasher
+from elastictrain.snapshot.format.tensorbytes import tensor_bytes
+from elastictrain.snapshot.state.views import StorageIndex, ViewRef, from_views, to_views
 
 _CHUNK = 64 << 20  # bytes per read and hash: large reads, a hash while the chunk is cached
 _SCRATCH = 8 << 20  # bytes of the buffer that takes everything between storages

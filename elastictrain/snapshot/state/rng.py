@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from elastictrain.snapshot.tensorbytes import tensor_bytes
+from elastictrain.snapshot.format.tensorbytes import tensor_bytes
 
 try:  # numpy is optional
     import numpy as np

@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass
 
 from elastictrain.core.log import bind_step, get_logger
-from elastictrain.snapshot import replica_check
-from elastictrain.snapshot.restore import LoadedSnapshot
-from elastictrain.snapshot.training_state import TrainingState
+from elastictrain.snapshot.durable.restore import LoadedSnapshot
+from elastictrain.snapshot.state import replica_check
+from elastictrain.snapshot.state.training_state import TrainingState
 from elastictrain.worker.dist import DistContext
 
 log = get_logger("elastictrain.snapshot")

@@ -22,7 +22,7 @@ from isal import isal_zlib
 
 from elastictrain.core.errors import ReplicasDiverged
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.tensorbytes import tensor_bytes
+from elastictrain.snapshot.format.tensorbytes import tensor_bytes
 from elastictrain.worker.dist import DistContext
 
 _MASK = (1 << 32) - 1

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from elastictrain.core.errors import UnsafeStateError
-from elastictrain.snapshot.loadable import check_key, check_leaf, registered_types
+from elastictrain.snapshot.format.loadable import check_key, check_leaf, registered_types
 
 _ALIGN = 64  # bytes; keeps every view aligned for vectorised copies and dtype views
 

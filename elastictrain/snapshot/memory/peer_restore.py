@@ -30,18 +30,18 @@ from elastictrain.core import layout
 from elastictrain.core.config import ChecksumAlgorithm
 from elastictrain.core.errors import SnapshotCorrupt, StorageError
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.checksum import new_hasher
-from elastictrain.snapshot.commitmark import commit_by_rename, read_marker
-from elastictrain.snapshot.manifest import Manifest, ObjectEntry
-from elastictrain.snapshot.memory_choice import Choice, Durable, Held, choose
-from elastictrain.snapshot.peer_transport import (
+from elastictrain.snapshot.format.checksum import new_hasher
+from elastictrain.snapshot.format.commitmark import commit_by_rename, read_marker
+from elastictrain.snapshot.format.manifest import Manifest, ObjectEntry
+from elastictrain.snapshot.memory.memory_choice import Choice, Durable, Held, choose
+from elastictrain.snapshot.memory.peer_transport import (
     TAG_COPY,
     NodeMap,
     PeerTransport,
     recv_json,
     send_json,
 )
-from elastictrain.snapshot.record_links import RecordLinks
+from elastictrain.snapshot.memory.record_links import RecordLinks
 from elastictrain.storage.api import Store
 from elastictrain.worker.dist import DistContext
 
