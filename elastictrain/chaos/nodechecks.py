@@ -150,8 +150,11 @@ def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLif
         # (a silent one ends in the watchdog's kill, which rescues nothing).
         since_last = [loss for loss in losses if previous < loss.ts < ts]
         after_loss = bool(since_last)
+        # And only where another node's workers were in the group to rescue it: a job
+        # running on the lost node alone (the other node still waiting to join) keeps
+        # only what it committed.
         rescue_pending = after_loss and expect.cross_node_rescue and not any(
-            loss.silent for loss in since_last)
+            loss.silent or group_nodes_at(events, loss.ts) == 1 for loss in since_last)
         if trained:
             lost = max(trained) - start
             in_flight = max((int(e["snapshot_step"]) for e in events
@@ -175,6 +178,17 @@ def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLif
                 return f"{where} lost {lost} steps (from step {start}; allowed {allowed})"
         previous = ts
     return None
+
+
+def group_nodes_at(events: Sequence[dict[str, Any]], ts: float) -> int | None:
+    """How many nodes the worker group running at ``ts`` had (its newest
+    ``agent.attempt_started`` before then), or None where no group had started."""
+    started = [e for e in events
+               if e.get("event") == "agent.attempt_started" and float(e["ts"]) < ts]
+    if not started:
+        return None
+    newest = max(started, key=lambda e: float(e["ts"]))
+    return int(newest.get("group_world_size") or 1)
 
 
 def saved_for_restart(events: Sequence[dict[str, Any]], since: float, until: float) -> bool:

@@ -130,6 +130,17 @@ def test_lost_steps_are_bounded_by_the_tier_and_by_the_rescue() -> None:
     assert check_node_resumes(resume, [A, B], trained(15, 2), PEER, Loss(20, True)) is None
 
 
+def test_a_node_lost_while_it_ran_the_job_alone_has_no_survivor_to_rescue_it() -> None:
+    """The other node's agent was still waiting to join (the group had one node): the
+    loss keeps only what was committed, within the tier's interval."""
+    alone = [ev("agent.attempt_started", 1, "b.0", group_world_size=1), *BEFORE,
+             ev("resume", 22, "a.0", from_step=12, tier="memory")]
+    assert check_node_resumes(alone, [A, B], trained(15, 2), PEER, Loss(20, False)) is None
+    together = [ev("agent.attempt_started", 1, "b.0", group_world_size=2), *alone[1:]]
+    assert "allowed 1" in str(
+        check_node_resumes(together, [A, B], trained(15, 2), PEER, Loss(20, False)))
+
+
 def test_a_join_the_group_saved_for_may_lose_no_step() -> None:
     """A node joins (no loss): the group saved step 15, the step it stood at, before it
     re-formed, so the resume must start there; where it was not stopped in time (it trained
