@@ -141,7 +141,9 @@ class ExitWatch:
             return []
         found = []
         for pid in workers.running:
-            tick = ticks.get(pid)
+            if pid not in ticks:  # gone between the poll and the read: not stuck
+                continue
+            tick = ticks[pid]
             before = self.seen.get(pid)
             if before is None or before[0] != tick:
                 self.seen[pid] = (tick, now)

@@ -143,6 +143,7 @@ def test_a_worker_stuck_in_its_exit_is_found_by_cpu_time_not_wall_time() -> None
     assert watch.stuck(finishing, {2: 150}, now=59) == []  # it works: the clock restarts
     assert watch.stuck(finishing, {2: 150}, now=118) == []
     assert watch.stuck(finishing, {2: 150}, now=119) == [2]  # 60 s without CPU
+    assert watch.stuck(finishing, {}, now=500) == []  # its tree could not be read
     running = Workers({1: RUNNING, 2: RUNNING})  # nobody exited 0: none is watched
     assert ExitWatch(timeout_s=0).stuck(running, {1: 1, 2: 1}, now=0) == []
 
