@@ -267,6 +267,11 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._set_aside_torn_error_files()
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and result.failures:
+            # A worker may exit between the check above and torchrun's own look: past
+            # the agreed end, that exit still ends no run.
+            after_end = self._failed_after_the_end(worker_group)
+            if after_end is not None:
+                return after_end
             self._on_failures(result.failures)
         self._finished = result.state == WorkerState.SUCCEEDED
         return result
@@ -414,11 +419,12 @@ class ElasticTrainAgent(LocalElasticAgent):
         if job_finished(self._worker_group.spec.rdzv_handler):
             log.info("agent.job_already_finished")
             return EXIT_OK
-        fix = ("start the whole job again (a new --rdzv-id if the rendezvous backend keeps "
-               "state, as etcd does)")
+        fix = ("check the other nodes' launchers: a job that finished has nothing left to "
+               "do; one that failed or was stopped starts again as a whole (a new --rdzv-id "
+               "if the rendezvous backend keeps state, as etcd does)")
         self.rendezvous_error = (
-            "the job's rendezvous is closed: its other agents ended (the job failed or was "
-            f"stopped) before this node could join; fix: {fix}")
+            "the job's rendezvous is closed: its other agents ended (the job finished, "
+            f"failed or was stopped) before this node could join; fix: {fix}")
         log.error("agent.rendezvous_closed", fix=fix)
         return 1
 
@@ -444,7 +450,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         """Once a worker failed, SIGKILL the rest before torchrun's poll would SIGTERM them
         (see the module docstring); a 75 means the others are finishing a final save."""
         workers = self._workers()
-        failed, live = workers.failed, workers.running
+        # One past the agreed end failed no run (policy.after_the_end).
+        failed, live = workers.failed_before_the_end, workers.running
         if failed and not self._detected:
             self._detected = True  # the moment the agent saw it: recovery's "detection"
             log.warning("agent.failure_detected", exit_codes=sorted(set(failed.values())),

@@ -65,6 +65,12 @@ class Workers:
     def failed(self) -> dict[int, int]:
         return {pid: code for pid, code in self.codes.items() if code not in (None, 0)}
 
+    @property
+    def failed_before_the_end(self) -> dict[int, int]:
+        """The failed workers that had not marked the run's agreed end: a failure of the
+        run (one past the end fails no run: ``after_the_end``)."""
+        return {pid: code for pid, code in self.failed.items() if pid not in self.ended}
+
     def finished(self) -> bool:
         """Every worker ended the run: exit 0, or past the agreed end (a notice while the
         agent waits for the other nodes, or while a script works on after ``close()``, is
@@ -96,8 +102,9 @@ def after_the_end(workers: Workers) -> AfterEnd | None:
 def survivors_to_stop(workers: Workers) -> list[int]:
     """The running workers to SIGKILL once one failed, before torchrun's poll would
     SIGTERM them (they read SIGTERM as a preemption notice); none after a 75/76 (the
-    others are finishing a final save)."""
-    failed = workers.failed
+    others are finishing a final save), or after one past the run's agreed end (its
+    peers here are left to finish)."""
+    failed = workers.failed_before_the_end
     if not failed or preempted_outcome(failed.values()) is not None:
         return []
     return workers.running

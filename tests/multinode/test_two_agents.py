@@ -81,6 +81,7 @@ class Cluster:
         self.port = free_port()
         self.storage = tmp_path / "storage"
         self.nodes: list[Node] = []
+        self.started = 0
         self.rdzv_id = f"two-{self.port}"
 
     def command(self, extra: list[str]) -> list[str]:
@@ -92,7 +93,9 @@ class Cluster:
                 *self.script_args]
 
     def start(self, extra: list[str] | None = None, env: dict[str, str] | None = None) -> Node:
-        log = self.tmp_path / f"node{len(self.nodes)}.log"
+        # Numbered by start, not by place in ``nodes``: a lost node is removed from it.
+        self.started += 1
+        log = self.tmp_path / f"node{self.started - 1}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 self.command(extra or []), stdout=out, stderr=subprocess.STDOUT,
@@ -237,7 +240,7 @@ import os, sys, time, torch
 import elastictrain as et
 storage, mode, flag = sys.argv[1:4]
 rt = et.init()
-model = torch.nn.Linear(4, 1)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 snap = et.SnapshotManager(storage, model=model, optimizer=opt, ctx=rt.ctx, every_steps=5)
 snap.restore()
@@ -389,17 +392,24 @@ def test_a_node_lost_after_the_agreed_end_holds_no_survivor(
     torchrun's 300 s barrier; a replacement started for B exits 0 (the job it came to
     join finished), and nothing runs the finished job again."""
     job, flag = after_the_end(cluster, tmp_path, "late-here")
-    first = job.start()
-    lost = job.start(env={"ET_TEST_LATE": "1"})
+    # B's keep-alive expires 20 s after its loss (not the default 6 s), so that the
+    # replacement, which takes seconds to start on a busy machine, arrives while A is in
+    # the barrier; one that arrives after A left finds no rendezvous (exit 1, its message
+    # says the job may have finished).
+    conf = DEFAULT_RDZV_CONF.replace("keep_alive_max_attempt=3", "keep_alive_max_attempt=10")
+    assert conf != DEFAULT_RDZV_CONF
+    extra = [f"--rdzv-conf={conf}"]
+    first = job.start(extra)
+    lost = job.start(extra, env={"ET_TEST_LATE": "1"})
     wait_until(flag.exists, 180, "node B's script after the end")
     assert int(flag.read_text()) in descendants(lost.proc.pid)
     kill_tree(lost.proc.pid)
     lost.proc.wait(timeout=30)
     job.nodes.remove(lost)
     lost_at = time.monotonic()
-    replacement = job.start()
+    replacement = job.start(extra)
     assert first.proc.wait(timeout=120) == 0, first.text()[-3000:]
-    # B's keep-alive expires after 6 s; the barrier reads the rendezvous every second.
+    # B's keep-alive expires after 20 s; the barrier reads the rendezvous every second.
     assert time.monotonic() - lost_at < 60
     short = job_events(job, "agent.exit_barrier_short")
     assert [(e["arrived"], e["live"], e["group_world_size"]) for e in short] == [(1, 1, 2)]
