@@ -332,7 +332,8 @@ def bench_sharded(args: argparse.Namespace, report: dict[str, Any]) -> None:
 def bench_copy(args: argparse.Namespace, report: dict[str, Any]) -> None:
     import torch
 
-    from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+    from elastictrain.snapshot.durable.commit import persist_snapshot
+    from elastictrain.snapshot.format.manifest import SnapshotMeta
     from elastictrain.storage.fsspec_store import FsspecStore
     copies, locals_ = [], []
     with tempfile.TemporaryDirectory(prefix="bench-peer-copy-", dir="/dev/shm") as tmp:

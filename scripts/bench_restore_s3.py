@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_s3 import free_port, moto_server
 from benchlib import fmt, load_average, ratio_spread, spread, write_json
 
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import persist_snapshot
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.storage import FsspecStore
 from elastictrain.storage.api import Store
 

@@ -74,8 +74,9 @@ from elastictrain.core import layout
 from elastictrain.core import log as et_log
 from elastictrain.core.config import StorageConfig
 from elastictrain.core.errors import StorageNotFoundError
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot, serialize_payload
+from elastictrain.snapshot.durable.commit import persist_snapshot, serialize_payload
 from elastictrain.snapshot.durable.retention import prune
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.format.reader import newest_first, verify_snapshot
 from elastictrain.storage import open_store
 

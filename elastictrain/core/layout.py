@@ -18,6 +18,10 @@ PARTIAL_PREFIX = ".partial-"
 
 _STEP_DIR = re.compile(r"^step_(\d{12})$")
 _PAYLOAD_NAME = re.compile(r"^state(-[0-9a-f]{1,32})?\.pt$")
+# The names snapshot/sharded/commit.py and dcp_io.StoreWriter give a sharded snapshot's
+# objects.
+_SHARDED_OBJECT_NAME = re.compile(
+    r"^(rank\d{5}-[0-9a-f]{1,32}\.distcp|dcp-[0-9a-f]{1,32}\.metadata|train-[0-9a-f]{1,32}\.pt)$")
 
 
 def step_dir(step: int) -> str:
@@ -52,3 +56,9 @@ def payload_name(token: str | None = None) -> str:
 def is_payload(name: str) -> bool:
     """Whether ``name`` is a payload object name (and safe to join to a path)."""
     return _PAYLOAD_NAME.match(name) is not None
+
+
+def is_sharded_object(name: str) -> bool:
+    """Whether ``name`` is a sharded snapshot's object: a rank's part, the DCP metadata or
+    the training state (retention deletes those no committed manifest names)."""
+    return _SHARDED_OBJECT_NAME.match(name) is not None

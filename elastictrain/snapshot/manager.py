@@ -49,21 +49,21 @@ from torch import nn
 from elastictrain.core.config import SnapshotConfig, StorageConfig
 from elastictrain.core.errors import RunEndNotAgreed, SnapshotWriteFailed
 from elastictrain.core.log import bind_step, get_logger
+from elastictrain.snapshot.copy_fence import CopyFence
 from elastictrain.snapshot.durable.persister import SaveHandle
+from elastictrain.snapshot.durable.resume import MemoryOutcome, ResumeInfo, apply_and_report
+from elastictrain.snapshot.durable.saver import Saver
+from elastictrain.snapshot.durable.saver_interface import LoadRequest, SaverSettings, SnapshotSaver
 from elastictrain.snapshot.format.digest import param_digest
 from elastictrain.snapshot.manager_setup import ManagerSetup
 from elastictrain.snapshot.memory.node_memory import NodeMemory
 from elastictrain.snapshot.memory.rescuer import Rescuer
-from elastictrain.snapshot.memory.restart_save import RestartRequest, save_before_restart
 from elastictrain.snapshot.preempt_exit import pending_stop, save_and_exit
-from elastictrain.snapshot.saver import Saver
-from elastictrain.snapshot.saver_interface import LoadRequest, SaverSettings, SnapshotSaver
 from elastictrain.snapshot.schedule.progress import ProgressFile, ProgressReport
+from elastictrain.snapshot.schedule.restart_save import RestartRequest, save_before_restart
 from elastictrain.snapshot.schedule.save_schedule import SaveSchedule
 from elastictrain.snapshot.sharded.detect import has_dtensor_params
 from elastictrain.snapshot.state import replica_check
-from elastictrain.snapshot.state.copy_fence import CopyFence
-from elastictrain.snapshot.state.resume import MemoryOutcome, ResumeInfo, apply_and_report
 from elastictrain.snapshot.state.rng import capture_rng
 from elastictrain.snapshot.state.training_state import TrainingState, unwrap
 from elastictrain.storage import Store

@@ -9,7 +9,7 @@ from typing import NoReturn
 
 from elastictrain.core.errors import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.saver_interface import SnapshotSaver
+from elastictrain.snapshot.durable.saver_interface import SnapshotSaver
 from elastictrain.worker import preempt, watchdog
 from elastictrain.worker.dist import DistContext
 

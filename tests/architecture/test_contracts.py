@@ -76,8 +76,7 @@ def test_no_module_is_over_600_lines() -> None:
 # rides on the memory and durable tiers; every tier stands on the state it saves, its
 # schedule and the format.
 SNAPSHOT_LAYERS: list[grimp.Layer | str] = [
-    grimp.Layer("manager", "manager_setup", "saver", "saver_interface", "preempt_exit",
-                independent=False),
+    grimp.Layer("manager", "manager_setup", "copy_fence", "preempt_exit", independent=False),
     "sharded",
     "memory",
     "durable",
@@ -86,29 +85,18 @@ SNAPSHOT_LAYERS: list[grimp.Layer | str] = [
     "format",
 ]
 # Imports across snapshot's tiers that still run upward: each is to be removed (the
-# restore composed by the manager, the savers' interface below the tiers); the test
+# restore composed by the manager, which hands each tier what it reads); the test
 # fails when one is added, and when one is gone (strike it here).
 SNAPSHOT_UPWARD_LEFT = {
     ("durable.restore", "memory.memory_choice"),  # the restore is to be the manager's
     ("durable.restore", "memory.peer_restore"),
-    ("durable.retention", "sharded.commit"),
+    ("durable.saver_interface", "memory.peer_restore"),  # the load request names the tiers
+    ("durable.saver_interface", "sharded.memory_restore"),
     ("format.reader", "durable.onepass"),
     ("format.reader", "sharded.reader"),
-    ("memory.node_memory", "saver"),
-    ("memory.node_memory", "saver_interface"),
+    ("format.reader", "state.views"),  # the reader that verifies and loads is a tier's
     ("memory.node_memory", "sharded.memory_restore"),
     ("memory.node_memory", "sharded.memory_save"),
-    ("memory.rescuer", "saver"),
-    ("memory.rescuer", "saver_interface"),
-    ("schedule.save_schedule", "memory.restart_save"),
-    ("sharded.memory_save", "saver_interface"),
-    ("sharded.save", "saver"),
-    ("sharded.save", "saver_interface"),
-    ("state.copy_fence", "saver_interface"),
-    ("state.copy_fence", "schedule.save_schedule"),
-    ("state.resume", "durable.restore"),
-    ("state.training_state", "durable.commit"),
-    ("state.training_state", "durable.onepass"),
 }
 
 

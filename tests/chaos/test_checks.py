@@ -14,7 +14,8 @@ import torch
 from elastictrain.chaos import checks
 from elastictrain.chaos.job import MARKER_VAR, processes_with_marker
 from elastictrain.core import layout
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import persist_snapshot
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.format.reader import read_manifest
 from elastictrain.storage import open_store
 from tests.helpers import child_env, kill_session, pid_alive, wait_for

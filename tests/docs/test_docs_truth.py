@@ -22,7 +22,6 @@ from pydantic_core import PydanticUndefined
 from elastictrain.core import errors, layout
 from elastictrain.core.config import Settings
 from elastictrain.runlog import events
-from elastictrain.snapshot.sharded import commit as sharded_commit
 from tests.helpers import REPO
 
 DOCS = REPO / "docs"
@@ -363,7 +362,7 @@ def test_event_file_names_are_the_codes() -> None:
 def test_snapshot_object_names_are_the_codes() -> None:
     names_ok = [
         lambda n: layout.is_payload(n) or n == layout.MANIFEST,
-        sharded_commit.is_sharded_object,
+        layout.is_sharded_object,
     ]
     step = re.compile(r"\bstep_\d+")
     seen = 0

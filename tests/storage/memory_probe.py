@@ -17,7 +17,8 @@ import tracemalloc
 
 import torch
 
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot, serialize_payload
+from elastictrain.snapshot.durable.commit import persist_snapshot, serialize_payload
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.storage import FsspecStore
 from tests.s3server import FAKE_KEY, FAKE_SECRET
 

@@ -12,7 +12,8 @@ import pytest
 
 from elastictrain.core.config import StorageConfig, load_settings
 from elastictrain.core.errors import ConfigError, StorageError
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import persist_snapshot
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.storage import FsspecStore, open_store
 from tests.helpers import run_cli
 from tests.s3server import FAKE_KEY, FAKE_SECRET, S3Bucket, assert_no_secret

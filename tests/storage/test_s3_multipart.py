@@ -17,7 +17,8 @@ import torch
 from structlog.testing import capture_logs
 
 from elastictrain.core.errors import StorageError
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import persist_snapshot
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.format.reader import verify_snapshot
 from elastictrain.storage import FsspecStore
 from tests.helpers import REPO, child_env

@@ -11,9 +11,9 @@ import torch
 from structlog.testing import capture_logs
 
 from elastictrain.core import layout
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import persist_snapshot
 from elastictrain.snapshot.durable.retention import prune
-from elastictrain.snapshot.format.manifest import Manifest
+from elastictrain.snapshot.format.manifest import Manifest, SnapshotMeta
 from elastictrain.snapshot.format.reader import find_latest_verified, read_manifest
 from elastictrain.storage import FsspecStore
 from tests.helpers import wait_for

@@ -19,7 +19,8 @@ from structlog.testing import capture_logs
 
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotCorrupt, SnapshotWriteFailed
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import persist_snapshot
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.format.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.state.rng import capture_rng, restore_rng

@@ -15,9 +15,10 @@ import torch
 
 from elastictrain.core import layout
 from elastictrain.core.errors import StorageError, StorageTransientError
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import persist_snapshot
 from elastictrain.snapshot.durable.persister import SaveState, persist_with_retries
 from elastictrain.snapshot.durable.retention import prune
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.storage import FsspecStore, Store, open_store
 from elastictrain.storage.retry import RetryPolicy

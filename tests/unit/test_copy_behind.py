@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 
 from elastictrain.core.errors import ConfigError
 from elastictrain.runlog.accounting.split import split_run
-from elastictrain.snapshot import saver as saver_module
+from elastictrain.snapshot.durable import saver as saver_module
 from elastictrain.snapshot.format.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.storage import open_store

@@ -11,7 +11,8 @@ from elastictrain.core.errors import ConfigError, ResumeMismatchError
 from elastictrain.demo.multinode import Park, parse_nnodes
 from elastictrain.demo.preflight import check_resumable, demo_dataset_len
 from elastictrain.demo.runner import DemoOptions
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import persist_snapshot
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.storage import open_store
 
 

@@ -17,8 +17,8 @@ from structlog.testing import capture_logs
 from elastictrain.core.config import SnapshotConfig
 from elastictrain.core.errors import EXIT_PREEMPTED
 from elastictrain.snapshot.durable.pacing import Pace, PacedWriter
+from elastictrain.snapshot.durable.saver_interface import SaverSettings
 from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest
-from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.storage import open_store
 from elastictrain.worker import preempt
 from tests.unit.test_manager import build, train

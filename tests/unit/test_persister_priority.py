@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastictrain.snapshot.durable.commit import SnapshotMeta
 from elastictrain.snapshot.durable.persist_thread import ThreadPersister
 from elastictrain.snapshot.durable.persister import Background, lower_priority
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.storage import open_store
 from elastictrain.storage.retry import RetryPolicy
 

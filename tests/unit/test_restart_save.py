@@ -30,8 +30,8 @@ from elastictrain.launcher.agent import ElasticTrainAgent
 from elastictrain.launcher.agent_settings import AgentSettings
 from elastictrain.snapshot.format.reader import list_snapshot_dirs
 from elastictrain.snapshot.manager import SnapshotManager
-from elastictrain.snapshot.memory import restart_save
-from elastictrain.snapshot.memory.restart_save import RestartRequest
+from elastictrain.snapshot.schedule import restart_save
+from elastictrain.snapshot.schedule.restart_save import RestartRequest
 from elastictrain.worker.dist import DistContext
 from tests.helpers import wait_for
 

@@ -17,9 +17,10 @@ from structlog.testing import capture_logs
 import elastictrain as et
 from elastictrain.core import layout
 from elastictrain.core.errors import ConfigError, SnapshotUntrusted
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import persist_snapshot
 from elastictrain.snapshot.format import reader
 from elastictrain.snapshot.format.checksum import checksum_bytes
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.storage import FsspecStore, open_store
 
 KEY = "k3y-" + "0123456789abcdef" * 2  # distinctive: looked for in every output

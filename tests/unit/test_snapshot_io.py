@@ -11,8 +11,9 @@ from structlog.testing import capture_logs
 
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotCorrupt
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import persist_snapshot
 from elastictrain.snapshot.durable.retention import prune
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.format.reader import (
     find_latest_verified,
     list_snapshot_dirs,

@@ -23,7 +23,6 @@ import io
 import sys
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from elastictrain.core import layout
@@ -37,7 +36,12 @@ from elastictrain.snapshot.durable.pacing import Pace, PacedWriter
 from elastictrain.snapshot.format import signing
 from elastictrain.snapshot.format.checksum import HashingWriter
 from elastictrain.snapshot.format.commitmark import commit_by_rename, commit_in_place, is_committed
-from elastictrain.snapshot.format.manifest import FORMAT_VERSION, Manifest, ObjectEntry
+from elastictrain.snapshot.format.manifest import (
+    FORMAT_VERSION,
+    Manifest,
+    ObjectEntry,
+    SnapshotMeta,
+)
 from elastictrain.snapshot.format.reader import read_manifest, verify_snapshot
 from elastictrain.storage.api import Store
 from elastictrain.version import __version__
@@ -45,18 +49,6 @@ from elastictrain.version import __version__
 log = get_logger("elastictrain.snapshot")
 
 
-@dataclass(frozen=True)
-class SnapshotMeta:
-    """Everything the manifest records besides the objects."""
-
-    run_id: str
-    step: int
-    epoch: int
-    world_size: int
-    checksum_algorithm: ChecksumAlgorithm
-    dataset_len: int | None = None
-    global_batch_size: int | None = None
-    attempt: int | None = None  # the job's attempt that takes it (snapshot/attempt.py)
 
 
 def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm,

@@ -33,7 +33,7 @@ import struct
 import sys
 import threading
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -42,7 +42,14 @@ import torch
 from elastictrain.core.config import ChecksumAlgorithm
 from elastictrain.snapshot.format.checksum import Hasher, new_hasher
 from elastictrain.snapshot.format.tensorbytes import tensor_bytes
-from elastictrain.snapshot.state.views import StorageIndex, ViewRef, from_views, to_views
+from elastictrain.snapshot.state.views import (
+    InPlace,
+    StatePath,
+    StorageIndex,
+    ViewRef,
+    from_views,
+    to_views,
+)
 
 _CHUNK = 64 << 20  # bytes per read and hash: large reads, a hash while the chunk is cached
 _SCRATCH = 8 << 20  # bytes of the buffer that takes everything between storages
@@ -69,22 +76,6 @@ class Plan:
     regions: list[Region]
 
 
-StatePath = tuple[Any, ...]  # keys from the state's root to one value, e.g. ("model", "w")
-
-
-@dataclass
-class InPlace:
-    """Existing tensors a read may fill directly, by their path in the state.
-
-    ``precheck`` sees the state's structure first (tensors as ViewRefs, every other
-    value as saved); if it raises, nothing is placed (the caller checks the verified
-    state again and reports it then). ``touched`` turns true once a byte has landed
-    in one of the tensors: they hold unverified bytes from then on.
-    """
-
-    targets: Mapping[StatePath, torch.Tensor]
-    precheck: Callable[[Any], None] | None = None
-    touched: bool = False
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,6 @@ import torch.multiprocessing as torch_mp
 
 from elastictrain.core.errors import SnapshotWriteFailed
 from elastictrain.core.log import configure_forwarding, get_logger, log_forwarded
-from elastictrain.snapshot.durable.commit import SnapshotMeta
 from elastictrain.snapshot.durable.pacing import Pace
 from elastictrain.snapshot.durable.persister import (
     DEFAULT_BACKGROUND,
@@ -54,6 +53,7 @@ from elastictrain.snapshot.durable.persister import (
     persist_with_retries,
     prune_after,
 )
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.state.views import as_bytes, from_views, to_views
 from elastictrain.storage.api import Store
 

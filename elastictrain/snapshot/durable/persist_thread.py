@@ -15,7 +15,6 @@ import queue
 import threading
 from typing import Any
 
-from elastictrain.snapshot.durable.commit import SnapshotMeta
 from elastictrain.snapshot.durable.persister import (
     DEFAULT_BACKGROUND,
     Background,
@@ -28,6 +27,7 @@ from elastictrain.snapshot.durable.persister import (
     persist_with_retries,
     prune_after,
 )
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.storage.api import Store
 
 _Job = tuple[Any, SnapshotMeta, SaveHandle, contextvars.Context, CommitGate | None]

@@ -34,10 +34,10 @@ from typing import Any, BinaryIO, Literal, Protocol
 
 from elastictrain.core.errors import SnapshotWriteFailed
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.durable.commit import SnapshotMeta, persist_snapshot
+from elastictrain.snapshot.durable.commit import persist_snapshot
 from elastictrain.snapshot.durable.pacing import Pace
 from elastictrain.snapshot.durable.retention import prune
-from elastictrain.snapshot.format.manifest import Manifest
+from elastictrain.snapshot.format.manifest import Manifest, SnapshotMeta
 from elastictrain.storage.api import Store
 from elastictrain.storage.retry import RetryPolicy
 

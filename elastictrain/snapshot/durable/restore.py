@@ -59,13 +59,12 @@ from elastictrain.core.errors import (
     StorageError,
 )
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.durable.onepass import InPlace
 from elastictrain.snapshot.format.commitmark import is_committed
 from elastictrain.snapshot.format.manifest import Manifest
 from elastictrain.snapshot.format.reader import newest_first, read_manifest, verify_snapshot
 from elastictrain.snapshot.memory.memory_choice import NO_STEP, Durable, Held, choose
 from elastictrain.snapshot.memory.peer_restore import PeerCopies
-from elastictrain.snapshot.state.views import StorageIndex, as_bytes, from_views, to_views
+from elastictrain.snapshot.state.views import InPlace, StorageIndex, as_bytes, from_views, to_views
 from elastictrain.storage.api import Store
 from elastictrain.worker.dist import DistContext
 

@@ -23,7 +23,6 @@ from elastictrain.core.errors import StorageError
 from elastictrain.core.log import get_logger
 from elastictrain.snapshot.format.commitmark import is_committed
 from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest
-from elastictrain.snapshot.sharded.commit import is_sharded_object
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
@@ -68,7 +67,7 @@ def _prune_orphans(store: Store, step: int) -> None:
 
 
 def _is_object(name: str) -> bool:
-    return layout.is_payload(name) or is_sharded_object(name)
+    return layout.is_payload(name) or layout.is_sharded_object(name)
 
 
 def _prune_one(store: Store, path: str, step: int | None, reason: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -104,3 +105,17 @@ class Manifest(BaseModel):
                 f"elastictrain understands ({SHARDED_FORMAT_VERSION}); fix: upgrade elastictrain"
             )
         return manifest
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    """Everything the manifest records besides the objects."""
+
+    run_id: str
+    step: int
+    epoch: int
+    world_size: int
+    checksum_algorithm: ChecksumAlgorithm
+    dataset_len: int | None = None
+    global_batch_size: int | None = None
+    attempt: int | None = None  # the job's attempt that takes it (snapshot/attempt.py)

@@ -43,7 +43,7 @@ from elastictrain.snapshot.sharded.reader import verify_sharded
 from elastictrain.storage.api import Store
 
 if TYPE_CHECKING:
-    from elastictrain.snapshot.durable.onepass import InPlace
+    from elastictrain.snapshot.state.views import InPlace
 
 log = get_logger("elastictrain.snapshot")
 

@@ -18,12 +18,12 @@ from torch import nn
 from elastictrain.core.config import SnapshotConfig
 from elastictrain.core.errors import SnapshotWriteFailed
 from elastictrain.core.log import bind, get_logger
-from elastictrain.snapshot.durable.commit import SnapshotMeta
+from elastictrain.snapshot.durable.saver import Saver
+from elastictrain.snapshot.durable.saver_interface import SaverSettings
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.memory import memory, peer_transport, rescue
 from elastictrain.snapshot.memory.peer_restore import PeerCopies
 from elastictrain.snapshot.memory.record_links import RecordLinks, connect_record_links
-from elastictrain.snapshot.saver import Saver
-from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.snapshot.state import attempt
 from elastictrain.storage import Store
 from elastictrain.worker.dist import DistContext

@@ -20,6 +20,8 @@ from typing import Any
 
 from elastictrain.core.config import SnapshotConfig
 from elastictrain.core.log import get_logger
+from elastictrain.snapshot.durable.saver import Saver
+from elastictrain.snapshot.durable.saver_interface import SaverSettings
 from elastictrain.snapshot.memory import rescue
 from elastictrain.snapshot.memory.node_memory import NodeMemory
 from elastictrain.snapshot.memory.peer_records import RecordStream
@@ -29,8 +31,6 @@ from elastictrain.snapshot.memory.rescue import (
     record_step,
     same_states,
 )
-from elastictrain.snapshot.saver import Saver
-from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.snapshot.state.training_state import TrainingState
 from elastictrain.worker import watchdog
 from elastictrain.worker.dist import DistContext

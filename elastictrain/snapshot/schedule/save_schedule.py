@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from elastictrain.core.config import SnapshotConfig
-from elastictrain.snapshot.memory.restart_save import RestartRequest
 from elastictrain.snapshot.schedule.interval import (
     FailureHistory,
     IntervalPolicy,
     failure_history,
     interval_steps,
 )
+from elastictrain.snapshot.schedule.restart_save import RestartRequest
 from elastictrain.worker import preempt
 from elastictrain.worker.dist import DistContext
 

@@ -11,12 +11,11 @@ objects no manifest names are never loaded.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
 from elastictrain.core import layout
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.durable.commit import SnapshotMeta, build_manifest
+from elastictrain.snapshot.durable.commit import build_manifest
 from elastictrain.snapshot.format.checksum import checksum_bytes
 from elastictrain.snapshot.format.commitmark import commit_in_place
 from elastictrain.snapshot.format.manifest import (
@@ -24,6 +23,7 @@ from elastictrain.snapshot.format.manifest import (
     ItemEntry,
     Manifest,
     ObjectEntry,
+    SnapshotMeta,
 )
 from elastictrain.storage.api import Store
 
@@ -32,23 +32,12 @@ if TYPE_CHECKING:  # DCP imports torch: the CLI lists and prunes snapshots witho
 
 log = get_logger("elastictrain.snapshot")
 
-# The names this module and dcp_io.StoreWriter give a snapshot's objects.
-_OBJECT_NAME = re.compile(
-    r"^(rank\d{5}-[0-9a-f]{1,32}\.distcp|dcp-[0-9a-f]{1,32}\.metadata|train-[0-9a-f]{1,32}\.pt)$")
-
-
 def metadata_name(token: str) -> str:
     return f"dcp-{token}.metadata"
 
 
 def train_name(token: str) -> str:
     return f"train-{token}.pt"
-
-
-def is_sharded_object(name: str) -> bool:
-    """Whether ``name`` is a sharded snapshot's object: a rank's part, the DCP metadata or
-    the training state (retention deletes those no committed manifest names)."""
-    return _OBJECT_NAME.match(name) is not None
 
 
 def commit_sharded(store: Store, meta: SnapshotMeta, token: str, parts: list[RankPart],

@@ -41,7 +41,6 @@ from elastictrain.snapshot.memory.peer_transport import (
     recv_json,
     send_json,
 )
-from elastictrain.snapshot.sharded.commit import is_sharded_object
 from elastictrain.snapshot.sharded.memory_node import (
     NO_STEP,
     Choice,
@@ -227,7 +226,8 @@ def receive_objects(transport: PeerTransport, store: Store, step: int, names: li
     directory = layout.step_dir(step)
     for name in names:
         entry = entries[name]
-        refused = None if is_sharded_object(name) else f"object name {name!r} is no part name"
+        refused = (None if layout.is_sharded_object(name)
+                   else f"object name {name!r} is no part name")
         why = receive_object(transport, store, f"{directory}/{name}", entry,
                              manifest.checksum_algorithm, (buffer, view), src, TAG_FETCH,
                              CHUNK_BYTES, refused)

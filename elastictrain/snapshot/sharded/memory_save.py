@@ -36,16 +36,14 @@ from torch import nn
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotWriteFailed, StorageError
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.durable.commit import SnapshotMeta
 from elastictrain.snapshot.durable.persister import SaveHandle, SaveState
 from elastictrain.snapshot.durable.retention import prune
+from elastictrain.snapshot.durable.saver_interface import SaverSettings
 from elastictrain.snapshot.format.checksum import new_hasher
 from elastictrain.snapshot.format.commitmark import commit_in_place
-from elastictrain.snapshot.format.manifest import Manifest, ObjectEntry
+from elastictrain.snapshot.format.manifest import Manifest, ObjectEntry, SnapshotMeta
 from elastictrain.snapshot.memory.peer_transport import NodeMap
-from elastictrain.snapshot.saver_interface import SaverSettings
 from elastictrain.snapshot.sharded.commit import (
-    is_sharded_object,
     sharded_manifest,
 )
 from elastictrain.snapshot.sharded.dcp_io import RankPart
@@ -245,7 +243,7 @@ def _stream(group: Any, store: Store, manifest: Manifest, rank: int, targets: li
         hashers = {s: new_hasher(manifest.checksum_algorithm) for s in incoming}
         for s, entry in incoming.items():
             sinks[s] = None
-            if not is_sharded_object(entry.name):
+            if not layout.is_sharded_object(entry.name):
                 problem = f"rank {s}'s part is named {entry.name!r}"
                 continue
             try:

@@ -41,13 +41,12 @@ from torch.distributed.tensor import DTensor
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotCorrupt, SnapshotWriteFailed
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.durable.commit import SnapshotMeta
 from elastictrain.snapshot.durable.persister import SaveHandle, SaveState
 from elastictrain.snapshot.durable.restore import LoadedSnapshot
 from elastictrain.snapshot.durable.retention import prune
-from elastictrain.snapshot.format.manifest import Manifest
-from elastictrain.snapshot.saver import InFlightSave, background_pace
-from elastictrain.snapshot.saver_interface import LoadRequest, SaverSettings
+from elastictrain.snapshot.durable.saver import InFlightSave, background_pace
+from elastictrain.snapshot.durable.saver_interface import LoadRequest, SaverSettings
+from elastictrain.snapshot.format.manifest import Manifest, SnapshotMeta
 from elastictrain.snapshot.sharded.commit import commit_sharded
 from elastictrain.snapshot.sharded.dcp_io import (
     RankPart,

@@ -10,10 +10,10 @@ from torch import nn
 
 from elastictrain.core.config import ChecksumAlgorithm
 from elastictrain.core.errors import ConfigError
-from elastictrain.snapshot.durable.commit import SnapshotMeta
-from elastictrain.snapshot.durable.onepass import InPlace
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.state import replica_check
 from elastictrain.snapshot.state.rng import reseed_for_new_world, restore_rng
+from elastictrain.snapshot.state.views import InPlace
 from elastictrain.worker.data import ElasticSampler, check_dataset_len
 from elastictrain.worker.dist import DistContext
 

@@ -75,3 +75,21 @@ class StorageIndex:
             self._keys[ptr] = len(self.storages)
             self.storages.append(storage)
         return self._keys[ptr]
+
+
+StatePath = tuple[Any, ...]  # keys from the state's root to one value, e.g. ("model", "w")
+
+
+@dataclass
+class InPlace:
+    """Existing tensors a read may fill directly, by their path in the state.
+
+    ``precheck`` sees the state's structure first (tensors as ViewRefs, every other
+    value as saved); if it raises, nothing is placed (the caller checks the verified
+    state again and reports it then). ``touched`` turns true once a byte has landed
+    in one of the tensors: they hold unverified bytes from then on.
+    """
+
+    targets: Mapping[StatePath, torch.Tensor]
+    precheck: Callable[[Any], None] | None = None
+    touched: bool = False

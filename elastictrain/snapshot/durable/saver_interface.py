@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from elastictrain.core.config import SnapshotConfig
 
 if TYPE_CHECKING:
-    from elastictrain.snapshot.durable.commit import SnapshotMeta
-    from elastictrain.snapshot.durable.onepass import InPlace
     from elastictrain.snapshot.durable.persister import SaveHandle
     from elastictrain.snapshot.durable.restore import LoadedSnapshot
+    from elastictrain.snapshot.format.manifest import SnapshotMeta
     from elastictrain.snapshot.memory.peer_restore import PeerCopies
     from elastictrain.snapshot.sharded.memory_restore import ShardedMemory
+    from elastictrain.snapshot.state.views import InPlace
     from elastictrain.storage.api import Store
     from elastictrain.worker.dist import DistContext
 

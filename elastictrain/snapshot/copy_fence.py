@@ -1,6 +1,6 @@
 """Copy behind (``snapshot.overlap_copy``): which tensors a save copies behind the
 loop, and the fence, the optimizer's step pre-hook, that waits for those copies
-before the optimizer changes them (snapshot/saver.py copies; docs/performance.md)."""
+before the optimizer changes them (snapshot/durable/saver.py copies; docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from elastictrain.core.config import SnapshotConfig
 from elastictrain.core.errors import ConfigError
-from elastictrain.snapshot.saver_interface import SnapshotSaver
+from elastictrain.snapshot.durable.saver_interface import SnapshotSaver
 from elastictrain.snapshot.schedule.save_schedule import SaveSchedule
 from elastictrain.snapshot.state.training_state import TrainingState
 

@@ -52,7 +52,6 @@ from structlog.contextvars import bound_contextvars
 
 from elastictrain.core.errors import SnapshotWriteFailed
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.durable.commit import SnapshotMeta
 from elastictrain.snapshot.durable.pacing import Pace
 from elastictrain.snapshot.durable.persister import (
     Background,
@@ -65,7 +64,8 @@ from elastictrain.snapshot.durable.persister import (
     SyncPersister,
 )
 from elastictrain.snapshot.durable.restore import LoadedSnapshot, load_newest
-from elastictrain.snapshot.saver_interface import LoadRequest, SaverSettings
+from elastictrain.snapshot.durable.saver_interface import LoadRequest, SaverSettings
+from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.state.staging import StagingBuffers
 from elastictrain.storage.api import Store
 from elastictrain.worker import watchdog
