@@ -117,7 +117,7 @@ class SnapshotConfig(_Model):
     # where the persist's memory traffic slows it (docs/performance.md#pacing-the-persist).
     persist_max_mb_s: float | None = Field(default=None, gt=0)
     checksum: ChecksumAlgorithm = "crc32"
-    # auto: "each" on a local file system, "broadcast" elsewhere (snapshot/restore.py)
+    # auto: "each" on a local file system, "broadcast" elsewhere (snapshot/durable/restore.py)
     restore_mode: Literal["auto", "each", "broadcast"] = "auto"
     max_consecutive_failures: int = Field(default=3, ge=1)
     retry_backoff_s: float = Field(default=0.5, gt=0)

@@ -14,7 +14,7 @@ With ``memory_every`` set, the steps between durable saves snapshot to the node-
 tier instead: (all) gather RNG → (local rank 0 of every node) stage, then persist to
 the node's memory directory in the background; ``restore()`` prefers that copy when
 it is newer than the durable one and every node holds it, or some node does and sends
-it to the others (snapshot/memory.py, snapshot/peer_restore.py).
+it to the others (memory/memory_load.py, memory/peer_restore.py).
 
 Snapshots are taken at step boundaries only, so every rank decides the same:
 step triggers are deterministic; time triggers, preemption notices
@@ -56,9 +56,9 @@ from elastictrain.snapshot.durable.saver import Saver
 from elastictrain.snapshot.durable.saver_interface import LoadRequest, SaverSettings, SnapshotSaver
 from elastictrain.snapshot.format.digest import param_digest
 from elastictrain.snapshot.manager_setup import ManagerSetup
-from elastictrain.snapshot.memory.node_memory import NodeMemory
-from elastictrain.snapshot.memory.rescuer import Rescuer
+from elastictrain.snapshot.node_memory import NodeMemory
 from elastictrain.snapshot.preempt_exit import pending_stop, save_and_exit
+from elastictrain.snapshot.rescuer import Rescuer
 from elastictrain.snapshot.schedule.progress import ProgressFile, ProgressReport
 from elastictrain.snapshot.schedule.restart_save import RestartRequest, save_before_restart
 from elastictrain.snapshot.schedule.save_schedule import SaveSchedule
@@ -225,9 +225,8 @@ class SnapshotManager:
         if self._memory is not None:
             self._memory.warm_up()
         loaded = self._saver.load_newest(LoadRequest(
-            self.ctx, self.config.restore_mode, self.memory_store, self._train.in_place(),
-            self._node_memory.peers, self._node_memory.sharded_memory,
-            memory_tier=self.config.memory_every is not None))
+            self.ctx, self.config.restore_mode, self._train.in_place(),
+            self._node_memory.memory_first(), self._node_memory.sharded_memory))
         step = loaded.step if loaded else None
         self._rescuer.resumed_from = -1 if step is None else step
         self._node_memory.drop_newer(step)  # every rank has loaded: nobody reads them

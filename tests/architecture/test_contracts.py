@@ -72,11 +72,13 @@ def test_no_module_is_over_600_lines() -> None:
     assert long == {}
 
 
-# snapshot/, highest first: the manager and the savers compose the tiers; sharded state
-# rides on the memory and durable tiers; every tier stands on the state it saves, its
-# schedule and the format.
+# snapshot/, highest first: the manager and its parts at snapshot/'s root compose the
+# tiers (they hand the durable restore the memory tier's load); sharded state rides on
+# the memory and durable tiers; every tier stands on the state it saves, its schedule
+# and the format.
 SNAPSHOT_LAYERS: list[grimp.Layer | str] = [
-    grimp.Layer("manager", "manager_setup", "copy_fence", "preempt_exit", independent=False),
+    grimp.Layer("manager", "manager_setup", "node_memory", "rescuer", "copy_fence",
+                "preempt_exit", independent=False),
     "sharded",
     "memory",
     "durable",
@@ -85,18 +87,12 @@ SNAPSHOT_LAYERS: list[grimp.Layer | str] = [
     "format",
 ]
 # Imports across snapshot's tiers that still run upward: each is to be removed (the
-# restore composed by the manager, which hands each tier what it reads); the test
-# fails when one is added, and when one is gone (strike it here).
+# reader that verifies and loads a whole snapshot, split from the manifest listing);
+# the test fails when one is added, and when one is gone (strike it here).
 SNAPSHOT_UPWARD_LEFT = {
-    ("durable.restore", "memory.memory_choice"),  # the restore is to be the manager's
-    ("durable.restore", "memory.peer_restore"),
-    ("durable.saver_interface", "memory.peer_restore"),  # the load request names the tiers
-    ("durable.saver_interface", "sharded.memory_restore"),
     ("format.reader", "durable.onepass"),
     ("format.reader", "sharded.reader"),
     ("format.reader", "state.views"),  # the reader that verifies and loads is a tier's
-    ("memory.node_memory", "sharded.memory_restore"),
-    ("memory.node_memory", "sharded.memory_save"),
 }
 
 

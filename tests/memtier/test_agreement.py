@@ -4,6 +4,7 @@ unreadable or on another step on a peer, stale copies dropped, removal at close.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -15,14 +16,23 @@ from structlog.testing import capture_logs
 
 from elastictrain.core import layout
 from elastictrain.core.errors import ConfigError, StorageError
-from elastictrain.snapshot.durable.restore import load_newest
+from elastictrain.snapshot.durable.restore import LoadedSnapshot, load_newest
 from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest
 from elastictrain.snapshot.memory import memory
 from elastictrain.snapshot.memory.memory_choice import Held
-from elastictrain.storage import open_store
+from elastictrain.snapshot.memory.memory_load import load_memory
+from elastictrain.snapshot.memory.peer_restore import PeerCopies
+from elastictrain.storage import Store, open_store
 from elastictrain.worker.dist import DistContext
 from tests.fault_stores import FailingReads
 from tests.unit.test_manager import build, train
+
+
+def _with_memory(store: Store, ctx: DistContext, memory_store: Store,
+                 peers: PeerCopies | None = None, mode: str = "auto") -> LoadedSnapshot | None:
+    """A restore that asks the node-memory tier first, as the manager composes it."""
+    return load_newest(store, ctx, mode,
+                       memory_first=functools.partial(load_memory, memory_store, ctx, peers))
 
 
 def _run(tmp_path: Path, until: int, mem: str = "mem") -> Any:
@@ -96,8 +106,7 @@ def test_memory_read_error_falls_back_to_durable(tmp_path: Path) -> None:
     ctx = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
     failing = FailingReads(open_store(str(tmp_path / "mem")), match=layout.PAYLOAD)
     with capture_logs() as logs:
-        loaded = load_newest(open_store(str(tmp_path / "run")), ctx,
-                             memory_store=failing)
+        loaded = _with_memory(open_store(str(tmp_path / "run")), ctx, failing)
     assert loaded is not None and (loaded.step, loaded.tier) == (5, "durable")
     assert failing.failed == 1
     (skipped,) = [e for e in logs if e["event"] == "snapshot.memory_skipped"]
@@ -135,8 +144,8 @@ def test_a_peer_node_holding_another_snapshot_means_durable(tmp_path: Path, othe
             "same step, another snapshot": Held(7, here.attempt, "x"),
             "same step, an earlier attempt": Held(7, here.attempt - 1, "x")}[other]
     with capture_logs() as logs:
-        loaded = load_newest(open_store(str(tmp_path / "run")), _PeerCtx([], peer), "each",
-                             open_store(str(tmp_path / "mem")))
+        loaded = _with_memory(open_store(str(tmp_path / "run")), _PeerCtx([], peer),
+                              open_store(str(tmp_path / "mem")), mode="each")
     assert loaded is not None and (loaded.step, loaded.tier) == (5, "durable")
     (skipped,) = [e for e in logs if e["event"] == "snapshot.memory_skipped"]
     expected = ("2 different snapshots of step 7" if other == "same step, another snapshot"
@@ -147,8 +156,8 @@ def test_a_peer_node_holding_another_snapshot_means_durable(tmp_path: Path, othe
 def test_a_peer_that_fails_to_verify_means_durable(tmp_path: Path) -> None:
     _run(tmp_path, 7)
     ctx = _PeerCtx([[1, 0]])  # same snapshot everywhere, corrupt on the peer
-    loaded = load_newest(open_store(str(tmp_path / "run")), ctx, "each",
-                         open_store(str(tmp_path / "mem")))
+    loaded = _with_memory(open_store(str(tmp_path / "run")), ctx,
+                          open_store(str(tmp_path / "mem")), mode="each")
     assert loaded is not None and (loaded.step, loaded.tier) == (5, "durable")
 
 
@@ -234,6 +243,6 @@ def test_a_failed_copy_before_any_durable_snapshot_keeps_the_holders_copy(
     ctx = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
     memory_store = open_store(str(tmp_path / "mem"))
     with pytest.raises(StorageError, match="could not be copied"):
-        load_newest(open_store(str(tmp_path / "run")), ctx, "each", memory_store,
-                    peers=_FailingCopies())  # type: ignore[arg-type]
+        _with_memory(open_store(str(tmp_path / "run")), ctx, memory_store,
+                     _FailingCopies(), mode="each")  # type: ignore[arg-type]
     assert 4 in list_snapshot_dirs(memory_store)  # verified, kept

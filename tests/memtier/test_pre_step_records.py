@@ -181,7 +181,7 @@ def test_a_loop_drawing_random_numbers_after_its_optimizer_step_sends_at_the_bou
 
     from structlog.testing import capture_logs
 
-    from elastictrain.snapshot.memory.rescuer import Rescuer
+    from elastictrain.snapshot.rescuer import Rescuer
 
     record = BoundaryRecord(tmp_path, 0, ATTEMPT, lambda: [])
     rescuer = Rescuer.__new__(Rescuer)
@@ -216,8 +216,8 @@ def test_another_nodes_pre_step_record_is_used_only_where_this_ranks_own_matched
     record of step 4 held its boundary's states (else it skips: never a wrong RNG)."""
     from types import SimpleNamespace
 
-    from elastictrain.snapshot.memory import rescuer as rescuer_module
-    from elastictrain.snapshot.memory.rescuer import Rescuer
+    from elastictrain.snapshot import rescuer as rescuer_module
+    from elastictrain.snapshot.rescuer import Rescuer
 
     monkeypatch.setattr(rescuer_module, "PEER_RECORD_WAIT_S", 0.05)
     BoundaryRecord(tmp_path, 0, ATTEMPT, lambda: []).record(4)

@@ -215,7 +215,7 @@ def test_a_memory_save_of_the_failed_step_commits_before_the_process_ends(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The rescue is skipped when the step's own memory snapshot was taken; that
     snapshot is still persisting, and the process must not end before it commits."""
-    from elastictrain.snapshot.memory.rescuer import Rescuer
+    from elastictrain.snapshot.rescuer import Rescuer
     from elastictrain.storage.fsspec_store import FsspecStore
 
     rescue_began = threading.Event()

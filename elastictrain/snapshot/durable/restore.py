@@ -13,18 +13,11 @@ Call order and roles::
               somewhere → log snapshot.corrupt and try the previous step; a read
               error or an unloadable payload anywhere → every rank raises
 
-With the node-memory tier (snapshot/memory.py), before the durable loop: every
-rank finds its node's newest committed memory snapshot, one collective agrees on one
-snapshot by its identity (snapshot/memory_choice.py: newer than the newest durable one;
-every node holds it, or with peers some node does and the nodes not holding it receive
-a copy first: snapshot/peer_restore.py), every rank reads and verifies its node's copy,
-and one all-reduce agrees on the outcome. Anything short of "verified everywhere", a read error
-included, falls back to the durable loop: durable storage is the source of truth.
-A node's copy that failed to read, verify or load is deleted there
-(``snapshot.memory_set_aside``): memory is a cache, and a relaunch must not meet it again.
-The memory copy is read into the model's tensors (below) only when a durable snapshot
-exists to overwrite them if it fails; before the first durable snapshot it is read into
-fresh memory and verified first, so a bad copy leaves the model fresh, never unusable.
+A faster tier (node memory: snapshot/memory/memory_load.py) may answer first: the
+caller hands ``load_newest`` its load (``memory_first``), which gets the newest
+durable snapshot's manifest and the agreement on written tensors, and returns what
+every rank agreed on and loaded, or None: then the durable loop runs. Durable storage
+is the source of truth.
 
 Every rank verifies what it read before anything is applied, and all ranks
 take a step, skip it or fail together, so no rank resumes alone or from another
@@ -32,7 +25,7 @@ step than its peers. The default mode, "auto", is "each" on a local file system
 (ranks share the page cache) and "broadcast" elsewhere (each byte read from the
 object store once). Measurements: docs/restore.md.
 
-In mode "each" and from the memory tier, the model's own tensors are read into
+In mode "each" (and from a faster tier), the model's own tensors are read into
 directly (``in_place``, snapshot/onepass.py): they hold unverified bytes until the
 snapshot verifies. A snapshot that does not verify is followed by the next older
 one, whose load overwrites every model tensor again; when none is left, the
@@ -43,6 +36,7 @@ process cannot start fresh from the model's initial values and raises
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -61,9 +55,7 @@ from elastictrain.core.errors import (
 from elastictrain.core.log import get_logger
 from elastictrain.snapshot.format.commitmark import is_committed
 from elastictrain.snapshot.format.manifest import Manifest
-from elastictrain.snapshot.format.reader import newest_first, read_manifest, verify_snapshot
-from elastictrain.snapshot.memory.memory_choice import NO_STEP, Durable, Held, choose
-from elastictrain.snapshot.memory.peer_restore import PeerCopies
+from elastictrain.snapshot.format.reader import newest_first, verify_snapshot
 from elastictrain.snapshot.state.views import InPlace, StorageIndex, as_bytes, from_views, to_views
 from elastictrain.storage.api import Store
 from elastictrain.worker.dist import DistContext
@@ -82,7 +74,7 @@ class LoadedSnapshot:
     peer_rank: int | None = None  # memory: the rank whose node's copy this node received
 
 
-class _Status(IntEnum):
+class Status(IntEnum):
     """Outcome of loading one snapshot on one rank; ranks agree on the worst (max)."""
 
     OK = 0
@@ -92,10 +84,33 @@ class _Status(IntEnum):
 
 
 @dataclass(frozen=True)
-class _Outcome:
-    status: _Status
+class Outcome:
+    status: Status
     loaded: LoadedSnapshot | None = None
     error: Exception | None = None
+
+
+class Written:
+    """Whether any rank's in-place tensors were written, agreed with each outcome. Only
+    a failed load leaves them so, and restore stops at the first verified one (its
+    load overwrites every in-place tensor)."""
+
+    def __init__(self, ctx: DistContext, in_place: InPlace | None) -> None:
+        self._ctx = ctx
+        self.in_place = in_place
+        self.anywhere = False
+
+    def agree(self, status: Status) -> Status:
+        """The worst status on any rank; notes whether a rank wrote its tensors."""
+        touched = self.in_place is not None and self.in_place.touched
+        worst, touched_somewhere = self._ctx.all_reduce_max([status, int(touched)])
+        self.anywhere = self.anywhere or bool(touched_somewhere)
+        return Status(worst)
+
+
+# A faster tier's load (node memory), asked before durable storage on every rank: it
+# gets the newest durable manifest (None: none) and the agreement on written tensors.
+MemoryFirst = Callable[[Manifest | None, Written], LoadedSnapshot | None]
 
 
 def resolve_mode(store: Store, mode: str) -> str:
@@ -107,24 +122,17 @@ def resolve_mode(store: Store, mode: str) -> str:
 
 
 def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
-                memory_store: Store | None = None,
                 in_place: InPlace | None = None,
-                peers: PeerCopies | None = None,
-                memory_tier: bool = False) -> LoadedSnapshot | None:
+                memory_first: MemoryFirst | None = None) -> LoadedSnapshot | None:
     """The newest snapshot that verifies on every rank, loaded everywhere; None if none.
 
     Args:
         mode: ``"each"`` (every rank reads storage), ``"broadcast"`` (rank 0 reads and
             sends the state over the process group) or ``"auto"`` (see ``resolve_mode``).
-        memory_store: this node's memory tier; its snapshot is loaded instead when the
-            ranks agree on it (module docstring).
         in_place: the model's tensors, read into directly where this rank reads a
             local payload itself (module docstring).
-        peers: the other nodes: memory is then chosen when some node holds the newest
-            step, and copied to the nodes lacking it (snapshot/peer_restore.py).
-        memory_tier: the memory tier is configured (alike on every rank), also where
-            this rank has no ``memory_store`` (its node's directory refused): the
-            ranks agree on memory together, and such a rank holds no step.
+        memory_first: a faster tier's load, asked first on every rank alike (module
+            docstring).
 
     Raises:
         StorageError: a read failed on some rank (after the store's retries); every
@@ -135,10 +143,9 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
     """
     mode = resolve_mode(store, mode)
     manifests = _discover(store, ctx)
-    written = _Written(ctx, in_place)
-    if memory_tier or memory_store is not None or peers is not None:
-        durable = Durable.of(manifests[0] if manifests else None)
-        loaded = _load_memory(memory_store, ctx, durable, written, peers)
+    written = Written(ctx, in_place)
+    if memory_first is not None:
+        loaded = memory_first(manifests[0] if manifests else None, written)
         if loaded is not None:
             return loaded
     if manifests:
@@ -148,22 +155,22 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
         if mode == "broadcast" and ctx.initialized and ctx.world_size > 1:
             outcome = _load_broadcast(store, ctx, manifest)
         else:
-            outcome = _load_here(store, manifest, written.in_place)
+            outcome = load_here(store, manifest, written.in_place)
         worst = written.agree(outcome.status)
-        if worst == _Status.OK:
+        if worst == Status.OK:
             assert outcome.loaded is not None
             if ctx.is_writer:
                 log.info("snapshot.discovered", snapshot_step=manifest.step,
                          size_bytes=outcome.loaded.size_bytes, restore_mode=mode,
                          tier="durable", duration_s=round(time.perf_counter() - started, 4))
             return outcome.loaded
-        if worst == _Status.CORRUPT:
+        if worst == Status.CORRUPT:
             if outcome.error is not None:
                 log.warning("snapshot.corrupt", snapshot_step=manifest.step,
                             reason=str(outcome.error),
                             action="skipped, trying the previous snapshot")
             continue
-        if outcome.status > _Status.CORRUPT and outcome.error is not None:
+        if outcome.status > Status.CORRUPT and outcome.error is not None:
             raise outcome.error  # this rank's own failure says most
         raise _peer_error(worst, store, manifest.step)
     if written.anywhere:
@@ -174,117 +181,6 @@ def load_newest(store: Store, ctx: DistContext, mode: str = "auto",
             f"deleted; fix: list them with `elastictrain snapshots verify {store.url}`, "
             "then move the corrupt step directories aside to start fresh")
     return None
-
-
-class _Written:
-    """Whether any rank's in-place tensors were written, agreed with each outcome. Only
-    a failed load leaves them so, and restore stops at the first verified one (its
-    load overwrites every in-place tensor)."""
-
-    def __init__(self, ctx: DistContext, in_place: InPlace | None) -> None:
-        self._ctx = ctx
-        self.in_place = in_place
-        self.anywhere = False
-
-    def agree(self, status: _Status) -> _Status:
-        """The worst status on any rank; notes whether a rank wrote its tensors."""
-        touched = self.in_place is not None and self.in_place.touched
-        worst, touched_somewhere = self._ctx.all_reduce_max([status, int(touched)])
-        self.anywhere = self.anywhere or bool(touched_somewhere)
-        return _Status(worst)
-
-
-def _load_memory(store: Store | None, ctx: DistContext, durable: Durable, written: _Written,
-                 peers: PeerCopies | None) -> LoadedSnapshot | None:
-    """The memory snapshot every rank agrees on (snapshot/memory_choice.py), when it
-    verifies everywhere, else None (logged as ``snapshot.memory_skipped``)."""
-    started = time.perf_counter()
-    durable_step = durable.step
-    manifest, error = _newest_memory(store) if store is not None else (None, None)
-    step = manifest.step if manifest is not None else NO_STEP
-    peer_rank: int | None = None
-    if peers is None:  # each rank compares its node's copy; none crosses nodes
-        found = ctx.all_gather_object(Held.of(manifest))
-        reason = choose(found, [False] * len(found), durable, may_transfer=False).reason
-    else:
-        choice = peers.agree(Held.of(manifest), store is not None, durable)
-        reason = choice.reason
-        if reason is None and choice.sources and not peers.fetch(choice, store):
-            if durable_step == NO_STEP:  # every rank alike: fetch agreed on the outcome
-                # A fresh start would drop the holder's verified copy with the rest: the
-                # job's only snapshot, lost to a failed read. Retry the attempt instead.
-                raise StorageError(
-                    f"the memory snapshot of step {choice.step} could not be copied to "
-                    f"node(s) {sorted(choice.sources)} (snapshot.memory_received says "
-                    "why) and no durable snapshot exists yet; the holder keeps its copy "
-                    "and torchrun retries the attempt")
-            reason = "a copy to a node lacking it failed"
-        peer_rank = peers.source_rank(choice) if reason is None else None
-        if peer_rank is not None:  # this node holds the copy it just received
-            manifest, error = _manifest_of(store, choice.step)
-    if reason is not None:
-        log.info("snapshot.memory_skipped", memory_step=None if manifest is None else step,
-                 durable_step=None if durable_step == NO_STEP else durable_step,
-                 reason=reason, error=error)
-        return None
-    assert store is not None
-    # In place only with a durable snapshot to fall back on (module docstring): with
-    # none, a copy that fails after its bytes landed would leave no start possible.
-    in_place = written.in_place if durable_step != NO_STEP else None
-    outcome = (_load_here(store, manifest, in_place) if manifest is not None  # each node
-               else _Outcome(_Status.FAILED, error=StorageError(str(error))))  # its own copy
-    step = step if manifest is None else manifest.step
-    worst = written.agree(outcome.status)
-    if worst != _Status.OK:
-        # A read error is no corruption, but durable storage holds the truth: use it.
-        log.warning("snapshot.memory_skipped", memory_step=step, durable_step=durable_step,
-                    reason=f"{worst.name.lower()} on some rank",
-                    error=None if outcome.error is None else str(outcome.error))
-        if outcome.status != _Status.OK and manifest is not None:
-            _set_aside(store, step, outcome)
-        return None
-    assert outcome.loaded is not None
-    log.info("snapshot.discovered", snapshot_step=step, size_bytes=outcome.loaded.size_bytes,
-             restore_mode="each", tier="memory", peer_rank=peer_rank,
-             duration_s=round(time.perf_counter() - started, 4))
-    return LoadedSnapshot(step, outcome.loaded.payload, outcome.loaded.size_bytes, "memory",
-                          peer_rank)
-
-
-def _manifest_of(store: Store | None, step: int) -> tuple[Manifest | None, str | None]:
-    """The manifest of the copy of ``step`` this node just received (never raises)."""
-    assert store is not None
-    try:
-        return read_manifest(store, step), None
-    except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-
-
-def _set_aside(store: Store, step: int, outcome: _Outcome) -> None:
-    """Delete this node's memory copy of ``step``, which failed here (after every rank
-    has read: the agreement is behind us); never raises, the durable tier goes on."""
-    try:
-        store.delete(layout.step_dir(step), recursive=True)
-        deleted: str | None = None
-    except Exception as exc:
-        deleted = f"{type(exc).__name__}: {exc}"
-    log.warning("snapshot.memory_set_aside", snapshot_step=step, tier="memory",
-                status=outcome.status.name.lower(),
-                error=None if outcome.error is None else str(outcome.error)[:300],
-                action="deleted from this node's memory; the restore goes on from durable "
-                "storage (or fresh)" if deleted is None else f"not deleted ({deleted})")
-
-
-def _newest_memory(store: Store) -> tuple[Manifest | None, str | None]:
-    """This node's newest committed memory snapshot (None if none), and the read
-    error that hid it, if any (never raised: the durable tier is the fallback)."""
-    try:
-        for candidate in newest_first(store):
-            if candidate.manifest is not None:
-                return candidate.manifest, None
-    except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-    return None, None
 
 
 def _discover(store: Store, ctx: DistContext) -> list[Manifest]:
@@ -343,44 +239,44 @@ def _check_same_view(store: Store, ctx: DistContext, newest: int) -> None:
             "storage (NFS, S3) that every node reads, or copy the snapshots to every node")
 
 
-def _load_here(store: Store, manifest: Manifest, in_place: InPlace | None = None) -> _Outcome:
+def load_here(store: Store, manifest: Manifest, in_place: InPlace | None = None) -> Outcome:
     """Read, verify and deserialize on this rank; never raises (peers must agree first)."""
     try:
         found = verify_snapshot(store, manifest.step, manifest=manifest, load=True,
                                 in_place=in_place)
     except SnapshotCorrupt as exc:
-        return _Outcome(_Status.CORRUPT, error=exc)
+        return Outcome(Status.CORRUPT, error=exc)
     except SnapshotUnloadable as exc:
-        return _Outcome(_Status.UNLOADABLE, error=exc)
+        return Outcome(Status.UNLOADABLE, error=exc)
     except Exception as exc:
-        return _Outcome(_Status.FAILED, error=exc)
+        return Outcome(Status.FAILED, error=exc)
     assert found.payload is not None
-    return _Outcome(_Status.OK, LoadedSnapshot(manifest.step, found.payload,
+    return Outcome(Status.OK, LoadedSnapshot(manifest.step, found.payload,
                                                manifest.total_bytes))
 
 
-def _load_broadcast(store: Store, ctx: DistContext, manifest: Manifest) -> _Outcome:
+def _load_broadcast(store: Store, ctx: DistContext, manifest: Manifest) -> Outcome:
     """Rank 0 loads and verifies; the others receive its storages (few: one per slab),
     and each rank its own RNG state (``scatter_rng``)."""
     index = StorageIndex()
-    header: tuple[_Status, str | None, Any, list[int]] = (_Status.OK, None, None, [])
-    outcome = _Outcome(_Status.OK)
+    header: tuple[Status, str | None, Any, list[int]] = (Status.OK, None, None, [])
+    outcome = Outcome(Status.OK)
     rng: list[Any] | None = None
     if ctx.is_writer:
-        outcome = _load_here(store, manifest)
+        outcome = load_here(store, manifest)
         if outcome.loaded is not None:
             rest = dict(outcome.loaded.payload)
             rng = rest.pop("rng")
             skeleton = to_views(rest, index)
-            header = (_Status.OK, None, skeleton, [s.nbytes() for s in index.storages])
+            header = (Status.OK, None, skeleton, [s.nbytes() for s in index.storages])
         else:
             header = (outcome.status, str(outcome.error), None, [])
     status, reason, skeleton, sizes = ctx.broadcast_object(header)
-    if ctx.is_writer and status != _Status.OK:
+    if ctx.is_writer and status != Status.OK:
         return outcome
-    if status != _Status.OK:
+    if status != Status.OK:
         # Only rank 0 logs the corruption it found; the others raise what it raised.
-        return _Outcome(status, error=None if status == _Status.CORRUPT
+        return Outcome(status, error=None if status == Status.CORRUPT
                         else _peer_error(status, store, manifest.step, reason))
     if ctx.is_writer:
         storages = [as_bytes(s) for s in index.storages]
@@ -391,7 +287,7 @@ def _load_broadcast(store: Store, ctx: DistContext, manifest: Manifest) -> _Outc
     payload = from_views(skeleton, dict(enumerate(storages)))
     shared = scatter_rng(ctx, rng)
     payload["rng"] = rng if rng is not None else shared
-    return _Outcome(_Status.OK, LoadedSnapshot(manifest.step, payload, manifest.total_bytes))
+    return Outcome(Status.OK, LoadedSnapshot(manifest.step, payload, manifest.total_bytes))
 
 
 def scatter_rng(ctx: DistContext, rng: list[Any] | None) -> list[Any]:
@@ -424,12 +320,12 @@ def _detached(state: Any) -> Any:
     return state
 
 
-def _peer_error(status: _Status, store: Store, step: int,
+def _peer_error(status: Status, store: Store, step: int,
                 reason: str | None = None) -> ElasticTrainError:
     """What a rank raises when another rank failed to load ``step``."""
     why = f": {reason}" if reason else " (its log says why)"
     where = f"{store.url}/{layout.step_dir(step)}"
-    if status == _Status.UNLOADABLE:
+    if status == Status.UNLOADABLE:
         return SnapshotUnloadable(f"{where}: another rank cannot deserialize the snapshot{why}")
     return StorageError(f"{where}: another rank could not read the snapshot{why}; no rank "
                         "resumes alone, torchrun retries the attempt")

@@ -1,7 +1,7 @@
 """What a restore does with the snapshot it loaded: refuse one of another dataset,
 apply it to the training objects, count the steps the restart lost, and report the
 resume (``snapshot.loaded``, ``resume``). Loading the newest verified snapshot is the
-saver's (snapshot/restore.py, snapshot/sharded/restore.py)."""
+saver's (snapshot/durable/restore.py, snapshot/sharded/restore.py)."""
 
 from __future__ import annotations
 

@@ -280,10 +280,10 @@ class Saver(InFlightSave):
 
     def load_newest(self, request: LoadRequest) -> LoadedSnapshot | None:
         """The newest verified snapshot of this saver's store (or, newer, of the memory
-        tier's) as a payload that holds the model and optimizer state too."""
+        tier's: ``request.memory_first``) as a payload that holds the model and
+        optimizer state too."""
         return load_newest(self.store, request.ctx, request.restore_mode,
-                           request.memory_store, request.in_place, request.peers,
-                           request.memory_tier)
+                           request.in_place, request.memory_first)
 
     def close(self) -> None:
         """Wait for the save in flight (at full speed) and stop the persister; raise a

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from elastictrain.core.config import SnapshotConfig
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from elastictrain.snapshot.durable.persister import SaveHandle
-    from elastictrain.snapshot.durable.restore import LoadedSnapshot
+    from elastictrain.snapshot.durable.restore import LoadedSnapshot, MemoryFirst
     from elastictrain.snapshot.format.manifest import SnapshotMeta
-    from elastictrain.snapshot.memory.peer_restore import PeerCopies
-    from elastictrain.snapshot.sharded.memory_restore import ShardedMemory
     from elastictrain.snapshot.state.views import InPlace
     from elastictrain.storage.api import Store
     from elastictrain.worker.dist import DistContext
@@ -62,17 +62,28 @@ class SaverSettings:
                    config.retry_backoff_s)
 
 
+class ShardedMemoryLoad(Protocol):
+    """A sharded model's restore from the nodes' memory (sharded/memory_restore.py),
+    asked before durable storage."""
+
+    touched: bool  # a memory load failed after it changed the model
+
+    def load(self, durable: Store, group: Any | None, model: nn.Module,
+             optimizer: Any | None) -> LoadedSnapshot | None:
+        """(all ranks) The newest memory step newer than durable, loaded; None when the
+        durable restore must run instead."""
+
+
 @dataclass(frozen=True)
 class LoadRequest:
-    """What a restore needs besides the saver's own store and objects."""
+    """What a restore needs besides the saver's own store and objects: the faster tier
+    to ask first, composed by the manager (the saver knows no other tier)."""
 
     ctx: DistContext
     restore_mode: str
-    memory_store: Store | None
     in_place: InPlace
-    peers: PeerCopies | None = None  # the other nodes' memory (snapshot/peer_restore.py)
-    sharded_memory: ShardedMemory | None = None  # a sharded model's memory tier
-    memory_tier: bool = False  # configured: every rank agrees on memory, store or not
+    memory_first: MemoryFirst | None = None  # replicated state: node memory's load
+    sharded_memory: ShardedMemoryLoad | None = None  # a sharded model's memory tier
 
 
 class SnapshotSaver(Protocol):

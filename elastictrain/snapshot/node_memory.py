@@ -10,6 +10,7 @@ and training goes on with durable snapshots (``memory.Health`` says so once).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
@@ -18,10 +19,12 @@ from torch import nn
 from elastictrain.core.config import SnapshotConfig
 from elastictrain.core.errors import SnapshotWriteFailed
 from elastictrain.core.log import bind, get_logger
+from elastictrain.snapshot.durable.restore import MemoryFirst
 from elastictrain.snapshot.durable.saver import Saver
 from elastictrain.snapshot.durable.saver_interface import SaverSettings
 from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.memory import memory, peer_transport, rescue
+from elastictrain.snapshot.memory.memory_load import load_memory
 from elastictrain.snapshot.memory.peer_restore import PeerCopies
 from elastictrain.snapshot.memory.record_links import RecordLinks, connect_record_links
 from elastictrain.snapshot.state import attempt
@@ -126,6 +129,14 @@ class NodeMemory:
                                         model, optimizer, nodes, replicas)
         self.sharded_memory = ShardedMemory(self.tier.store, ctx, nodes, transport)
         self._owner = self.sharded_memory.leader
+
+    def memory_first(self) -> MemoryFirst | None:
+        """This tier's load for a restore of replicated state (memory/memory_load.py),
+        which the durable restore asks first; None without the tier. Every rank gets it
+        alike, also one whose node's directory was refused (it holds no snapshot)."""
+        if self._config.memory_every is None:
+            return None
+        return functools.partial(load_memory, self.store, self._ctx, self.peers)
 
     def _find_peers(self) -> PeerCopies | None:
         """The other nodes and the transport to them (every rank calls it together:

@@ -23,7 +23,6 @@ from elastictrain.core.log import get_logger
 from elastictrain.snapshot.durable.saver import Saver
 from elastictrain.snapshot.durable.saver_interface import SaverSettings
 from elastictrain.snapshot.memory import rescue
-from elastictrain.snapshot.memory.node_memory import NodeMemory
 from elastictrain.snapshot.memory.peer_records import RecordStream
 from elastictrain.snapshot.memory.rescue import (
     BoundaryRecord,
@@ -31,6 +30,7 @@ from elastictrain.snapshot.memory.rescue import (
     record_step,
     same_states,
 )
+from elastictrain.snapshot.node_memory import NodeMemory
 from elastictrain.snapshot.state.training_state import TrainingState
 from elastictrain.worker import watchdog
 from elastictrain.worker.dist import DistContext
