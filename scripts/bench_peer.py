@@ -21,7 +21,7 @@ Ratio: step time without over with (≥ 0.97 is the target).
 
 Copy: ``--copy-mb``: one process pair (torchrun, two gloo workers) sends a committed
 memory snapshot of that size from one memory directory to another and verifies it
-(snapshot/peer_restore.py), against reading and verifying the same snapshot from the
+(snapshot/memory/peer_restore.py), against reading and verifying the same snapshot from the
 local memory directory alone.
 
 Sharded state: ``--sharded``: two gloo workers (torchrun) train an FSDP2 model

@@ -93,7 +93,7 @@ class SnapshotConfig(_Model):
     """When and how snapshots are taken, kept and restored."""
 
     # "auto": the Young/Daly interval from measured cost and failure history
-    # (snapshot/interval.py), bounded by auto_min/max_interval_s.
+    # (snapshot/schedule/interval.py), bounded by auto_min/max_interval_s.
     every_steps: Annotated[int, Field(ge=1)] | Literal["auto"] | None = 100
     every_seconds: Annotated[float, Field(gt=0)] | Literal["auto"] | None = None
     auto_mtbf_prior_s: float = Field(default=3600.0, gt=0)
@@ -129,7 +129,7 @@ class SnapshotConfig(_Model):
     # snapshot's own cost and the MTBF estimate (docs/interval.md); None: off.
     memory_every: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     # Default: /dev/shm/elastictrain-<uid>/run-<hash of the storage URL>, one per user
-    # and durable storage (snapshot/memory.py); 0700, never inside durable storage.
+    # and durable storage (snapshot/memory/memory.py); 0700, never inside durable storage.
     memory_dir: str | None = None
     # A memory directory no process uses and untouched this long is removed by the next
     # run of the same user on the node (a relaunch of its run would have reused it).

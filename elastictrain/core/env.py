@@ -25,7 +25,7 @@ LAUNCH_ID_VAR = "ELASTICTRAIN_LAUNCH_ID"  # set by the launcher for its workers
 END_DIR_VAR = "ELASTICTRAIN_END_DIR"
 # The node's shared tmpfs holding the memory tier's per-user root (default /dev/shm).
 SHM_VAR = "ELASTICTRAIN_SHM"
-# Set by the launcher for its workers: where they mark a rescue (snapshot/rescue.py).
+# Set by the launcher for its workers: where they mark a rescue (snapshot/memory/rescue.py).
 RESCUE_MARKS_VAR = "ELASTICTRAIN_RESCUE_MARKS"
 # Read by the container entrypoint (deploy/docker/entrypoint.sh), not by Python.
 EXIT_PREEMPTED_AS_VAR = "ELASTICTRAIN_EXIT_PREEMPTED_AS"

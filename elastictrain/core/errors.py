@@ -96,7 +96,7 @@ class RestoreOverwrote(ElasticTrainError):
 
 class ReplicasDiverged(ElasticTrainError):
     """After a restore of replicated state, the ranks hold different parameters,
-    optimizer state or step (snapshot/replica_check.py): the run stops before its first
+    optimizer state or step (snapshot/state/replica_check.py): the run stops before its first
     step rather than train on replicas that disagree; nothing was deleted."""
 
     exit_code = EXIT_FATAL

@@ -1,5 +1,5 @@
 """Rescue marks: how the workers of a node tell the agent of their launcher
-(``elastictrain run``) about a rescue (``snapshot/rescue.py``), so that it waits for one
+(``elastictrain run``) about a rescue (``snapshot/memory/rescue.py``), so that it waits for one
 before it stops a failed group (``agent.py``).
 
 The launcher makes a private directory for the marks under this user's root in the
@@ -106,7 +106,7 @@ def sweep_marks() -> list[Path]:
 # healthy) torchrun stops the group and starts it again at the new size. The agent first
 # asks its workers for a snapshot of the step they are at (``request_save``); they agree
 # on it at the next step boundary, save, mark themselves ``ready-<pid>`` and wait to be
-# stopped (snapshot/restart_save.py), so the new group resumes where the old one stood.
+# stopped (snapshot/schedule/restart_save.py), so the new group resumes where the old one stood.
 # A worker in ``close()`` is ready too: its loop is done, it takes no more steps. The
 # agent waits only for workers that listen (a SnapshotManager made the mark): a script
 # without one, or a worker still starting, has nothing to save and is never waited for.

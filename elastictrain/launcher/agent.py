@@ -465,7 +465,7 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     def _wait_for_rescues(self, live: list[int]) -> None:
         """A survivor writing a rescue (the failed step's predecessor, to node memory:
-        snapshot/rescue.py) is stopped only once it is done, or after
+        snapshot/memory/rescue.py) is stopped only once it is done, or after
         ``launch.rescue_timeout_s``: the restart resumes from what it writes. A survivor
         armed for a rescue that has not met its error yet (its peer's death reaches it
         through a collective, a moment after the agent saw it) gets up to

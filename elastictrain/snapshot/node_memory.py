@@ -1,5 +1,5 @@
 """The node-memory tier as the manager runs it (``snapshot.memory_every``): this node's
-memory directory (snapshot/memory.py) and the saver that writes it (replicated state:
+memory directory (snapshot/memory/memory.py) and the saver that writes it (replicated state:
 on the node's local rank 0; sharded state: on every rank, its parts replicated to
 buddy nodes, snapshot/sharded/memory_save.py); what a restore learns from it; its
 removal when the run finished.
@@ -51,7 +51,7 @@ class NodeMemory:
         peers: the other nodes (restore from their memory, the rescue's records), with
             ``memory_replicas`` > 0 on several nodes; else None (replicated state).
         sharded_memory: a sharded model's restore from the nodes' memory, or None.
-        attempt: the job's attempt, agreed by every rank (snapshot/attempt.py) when the
+        attempt: the job's attempt, agreed by every rank (snapshot/state/attempt.py) when the
             tier is configured, also on a rank whose node's directory refused; else None.
     """
 

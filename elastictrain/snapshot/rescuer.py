@@ -1,8 +1,8 @@
 """The manager's side of the rescue (``snapshot.rescue``, docs/memory-tier.md#rescue):
 a record of every step boundary, and on an uncaught error a commit of the last
 boundary to this node's memory tier. The protocol between ranks, the agent and the
-records is snapshot/rescue.py's; on several nodes each record also goes to other
-nodes (snapshot/peer_records.py), so a survivor there can rescue a lost node's step.
+records is snapshot/memory/rescue.py's; on several nodes each record also goes to other
+nodes (snapshot/memory/peer_records.py), so a survivor there can rescue a lost node's step.
 
 On several nodes the record of a step leaves before the optimizer step (the
 optimizer's step pre-hook), and that step waits for the other nodes' records of it:
@@ -178,7 +178,7 @@ class Rescuer:
             self._memory.peers.record_links.close()
 
     def _attempt(self) -> tuple[int, int, int]:
-        # The job's attempt, alike on every node (snapshot/attempt.py): torchrun's
+        # The job's attempt, alike on every node (snapshot/state/attempt.py): torchrun's
         # restart count is each agent's own, and a joining node's is 0.
         assert self._memory.attempt is not None  # agreed wherever the tier is configured
         return self._ctx.world_size, self._memory.attempt, self.resumed_from

@@ -20,7 +20,7 @@ from elastictrain.core.shm import user_root
 from elastictrain.snapshot.durable.retention import prune
 from elastictrain.snapshot.format.manifest import SHARDED_FORMAT_VERSION, Manifest
 from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest, verify_snapshot
-from elastictrain.snapshot.sharded.reader import parts_by_rank
+from elastictrain.snapshot.format.sharded_reader import parts_by_rank
 from elastictrain.storage import Store
 
 _STEPS_SHOWN = 10

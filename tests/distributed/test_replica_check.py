@@ -1,7 +1,7 @@
 """Two real ranks over gloo: replicas that hold different states after a restore stop
 the run on every rank (``ReplicasDiverged``, exit 78) instead of training on; replicas
 that end apart are reported at ``close()`` (``run.replicas_diverged``,
-``replicas_equal: false``) (snapshot/replica_check.py). The fault: one rank's parameters
+``replicas_equal: false``) (snapshot/state/replica_check.py). The fault: one rank's parameters
 changed behind the manager's back (as a replica rebuilt wrong would be)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which memory snapshot the ranks restore (snapshot/memory_choice.py): a table of what
+"""Which memory snapshot the ranks restore (snapshot/memory/memory_choice.py): a table of what
 the nodes hold against the choice, in one process. A snapshot is (step, attempt,
 identity); two copies of one snapshot share all three."""
 

@@ -1,4 +1,4 @@
-"""Records sent before the optimizer step (snapshot/peer_records.py ``wait_pre_step``),
+"""Records sent before the optimizer step (snapshot/memory/peer_records.py ``wait_pre_step``),
 over real socket pairs: a rank's step waits for its sources' records of that step, and
 for no source that sends none; a source whose connection ends, or whose record does not
 come in time, raises ``PeerNodeLost`` before the step changes anything."""

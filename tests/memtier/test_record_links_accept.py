@@ -1,4 +1,4 @@
-"""The rescue's record connections at setup (snapshot/record_links.py): every
+"""The rescue's record connections at setup (snapshot/memory/record_links.py): every
 connection's hello is read side by side, so one that connects and says nothing (a
 stray client, a stuck process of an earlier attempt) holds up no source of ours."""
 

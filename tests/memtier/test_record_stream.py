@@ -1,4 +1,4 @@
-"""The rescue's record stream between nodes (snapshot/peer_records.py) over real
+"""The rescue's record stream between nodes (snapshot/memory/peer_records.py) over real
 connections (socket pairs, and the links ``connect_record_links`` opens): every record
 arrives and reads as the buddy's own; the training thread never waits for a target that
 stopped reading or is gone; a connection that does not open with this attempt's token

@@ -74,7 +74,7 @@ def test_a_check_that_raises_before_the_rename_commits_nothing(store: Store) -> 
 
 
 def test_only_the_marker_module_names_the_marker_in_a_path() -> None:
-    """Every tier commits and asks through snapshot/commitmark.py: a path built from
+    """Every tier commits and asks through snapshot/format/commitmark.py: a path built from
     ``layout.MANIFEST`` anywhere else is a second commit protocol."""
     path_use = re.compile(r"/\{layout\.MANIFEST\}|MANIFEST\.json[\"']")
     offenders = [str(p.relative_to(SOURCE)) for p in sorted(SOURCE.rglob("*.py"))

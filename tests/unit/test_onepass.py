@@ -17,7 +17,7 @@ import torch
 
 from elastictrain.core import layout
 from elastictrain.core.errors import SnapshotCorrupt, StorageError
-from elastictrain.snapshot.durable import onepass
+from elastictrain.snapshot.format import onepass
 from elastictrain.snapshot.format.reader import verify_snapshot
 from elastictrain.storage import FsspecStore, open_store
 from tests.fault_stores import FailingReads

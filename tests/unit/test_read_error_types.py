@@ -37,7 +37,7 @@ def test_an_error_of_the_reading_code_keeps_its_type(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Only a failed read is a StorageError: an error raised by the code that turns the
     bytes into tensors (as a missing numpy once did) keeps its own type and message."""
-    from elastictrain.snapshot.durable import onepass
+    from elastictrain.snapshot.format import onepass
 
     store = open_store(str(tmp_path / "store"))
     plant_snapshot(store, 7, {"step": 7, "w": torch.randn(1000)})

@@ -1,6 +1,6 @@
 """The snapshot before a restart of a healthy group (a node joins): the agent's request,
 its agreement at a step boundary, the save (memory where there is a tier, else durable),
-the ready mark, and the wait to be stopped (snapshot/restart_save.py,
+the ready mark, and the wait to be stopped (snapshot/schedule/restart_save.py,
 rescue_marks.py). The whole path under two real agents: tests/multinode/test_two_agents.py."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 import elastictrain as et
 from elastictrain.core import layout
 from elastictrain.core.errors import EXIT_FATAL, RestoreOverwrote, ResumeMismatchError
-from elastictrain.snapshot.durable import onepass
+from elastictrain.snapshot.format import onepass
 from elastictrain.snapshot.format.reader import list_snapshot_dirs, verify_snapshot
 from elastictrain.storage import open_store
 from tests.planted import plant_snapshot

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from elastictrain.snapshot.durable.commit import serialize_payload
-from elastictrain.snapshot.state.views import as_bytes
+from elastictrain.snapshot.format.views import as_bytes
 from elastictrain.storage.s3_multipart import KeptMemory, MultipartWriter, PartBuffer, RequestBody
 
 MIB = 2**20

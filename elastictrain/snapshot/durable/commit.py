@@ -63,7 +63,7 @@ def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm,
     payload's tensors live, and sends their bytes from there instead of copying
     them: the payload must not change until the sink is closed (a staged payload
     belongs to the persister until its save is done). ``pace`` holds the whole
-    pipeline (checksum, copy, write) to its rate (snapshot/pacing.py).
+    pipeline (checksum, copy, write) to its rate (snapshot/durable/pacing.py).
     """
     # torch is imported where it is used: the CLI lists and prunes snapshots without it.
     import torch
@@ -82,7 +82,7 @@ def serialize_payload(payload: Any, sink: Any, algorithm: ChecksumAlgorithm,
 
 def _cpu_storages(payload: Any) -> list[Any]:
     """The payload's CPU tensor storages, as byte arrays sharing their memory."""
-    from elastictrain.snapshot.state.views import StorageIndex, as_bytes, to_views
+    from elastictrain.snapshot.format.views import StorageIndex, as_bytes, to_views
 
     index = StorageIndex()
     to_views(payload, index)

@@ -54,7 +54,7 @@ from elastictrain.snapshot.durable.persister import (
     prune_after,
 )
 from elastictrain.snapshot.format.manifest import SnapshotMeta
-from elastictrain.snapshot.state.views import as_bytes, from_views, to_views
+from elastictrain.snapshot.format.views import as_bytes, from_views, to_views
 from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")

@@ -50,7 +50,7 @@ Priority = Literal["low", "normal"]
 class Background:
     """How a background persister shares the machine with the training loop: its CPU and
     I/O priority (``lower_priority``) and the pace its writes are held to (None: as
-    fast as they go; snapshot/pacing.py)."""
+    fast as they go; snapshot/durable/pacing.py)."""
 
     priority: Priority = "normal"
     pace: Pace | None = None

@@ -26,7 +26,7 @@ step than its peers. The default mode, "auto", is "each" on a local file system
 object store once). Measurements: docs/restore.md.
 
 In mode "each" (and from a faster tier), the model's own tensors are read into
-directly (``in_place``, snapshot/onepass.py): they hold unverified bytes until the
+directly (``in_place``, snapshot/format/onepass.py): they hold unverified bytes until the
 snapshot verifies. A snapshot that does not verify is followed by the next older
 one, whose load overwrites every model tensor again; when none is left, the
 process cannot start fresh from the model's initial values and raises
@@ -56,7 +56,7 @@ from elastictrain.core.log import get_logger
 from elastictrain.snapshot.format.commitmark import is_committed
 from elastictrain.snapshot.format.manifest import Manifest
 from elastictrain.snapshot.format.reader import newest_first, verify_snapshot
-from elastictrain.snapshot.state.views import InPlace, StorageIndex, as_bytes, from_views, to_views
+from elastictrain.snapshot.format.views import InPlace, StorageIndex, as_bytes, from_views, to_views
 from elastictrain.storage.api import Store
 from elastictrain.worker.dist import DistContext
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from elastictrain.snapshot.durable.persister import SaveHandle
     from elastictrain.snapshot.durable.restore import LoadedSnapshot, MemoryFirst
     from elastictrain.snapshot.format.manifest import SnapshotMeta
-    from elastictrain.snapshot.state.views import InPlace
+    from elastictrain.snapshot.format.views import InPlace
     from elastictrain.storage.api import Store
     from elastictrain.worker.dist import DistContext
 

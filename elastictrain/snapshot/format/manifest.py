@@ -56,7 +56,7 @@ class Manifest(BaseModel):
     objects: list[ObjectEntry]
     dataset_len: int | None = None
     global_batch_size: int | None = None
-    # The job's attempt that took it (snapshot/attempt.py): it orders memory snapshots
+    # The job's attempt that took it (snapshot/state/attempt.py): it orders memory snapshots
     # of one step taken by different attempts. Absent from older manifests.
     attempt: int | None = Field(default=None, ge=0)
     signature: str | None = None  # HMAC over canonical_json() when a key is set (signing.py)
@@ -118,4 +118,4 @@ class SnapshotMeta:
     checksum_algorithm: ChecksumAlgorithm
     dataset_len: int | None = None
     global_batch_size: int | None = None
-    attempt: int | None = None  # the job's attempt that takes it (snapshot/attempt.py)
+    attempt: int | None = None  # the job's attempt that takes it (snapshot/state/attempt.py)

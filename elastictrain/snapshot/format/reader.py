@@ -39,11 +39,11 @@ from elastictrain.snapshot.format import signing
 from elastictrain.snapshot.format.checksum import new_hasher
 from elastictrain.snapshot.format.commitmark import read_marker
 from elastictrain.snapshot.format.manifest import SHARDED_FORMAT_VERSION, Manifest, ObjectEntry
-from elastictrain.snapshot.sharded.reader import verify_sharded
+from elastictrain.snapshot.format.sharded_reader import verify_sharded
 from elastictrain.storage.api import Store
 
 if TYPE_CHECKING:
-    from elastictrain.snapshot.state.views import InPlace
+    from elastictrain.snapshot.format.views import InPlace
 
 log = get_logger("elastictrain.snapshot")
 
@@ -122,7 +122,7 @@ def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None
         manifest: the already read manifest of ``step`` (read here when None).
         load: also return the deserialized state.
         in_place: existing tensors a local one-pass read may fill directly
-            (snapshot/onepass.py); they hold unverified bytes once ``touched``,
+            (snapshot/format/onepass.py); they hold unverified bytes once ``touched``,
             whatever this raises.
 
     Raises:
@@ -239,9 +239,9 @@ def _load_one_pass(store: Store, path: str, local: str, entry: ObjectEntry,
                    manifest: Manifest, where: str,
                    in_place: InPlace | None) -> VerifiedSnapshot | None:
     """A local payload (at ``local`` on this machine) read once, straight into the
-    restored tensors, its checksum computed on the way (snapshot/onepass.py); None
+    restored tensors, its checksum computed on the way (snapshot/format/onepass.py); None
     (the caller streams) when its layout is not recognised."""
-    from elastictrain.snapshot.durable import onepass  # torch: not for the CLI's listings
+    from elastictrain.snapshot.format import onepass  # torch: not for the CLI's listings
 
     layout_plan = onepass.plan(local)
     if layout_plan is None:

@@ -5,9 +5,9 @@ The state is replicated (DDP), so the local rank 0 of every node writes the same
 snapshot to its node's memory directory through the ordinary saver and commit
 protocol (manifest, checksums, atomic rename), ``keep=1``. A restart restores from
 memory when the ranks agree on one memory snapshot newer than the newest durable one
-(snapshot/memory_choice.py): every node holds it, or, with ``memory_replicas`` on
+(snapshot/memory/memory_choice.py): every node holds it, or, with ``memory_replicas`` on
 several nodes, some node holds it and sends it to the others
-(snapshot/peer_restore.py); otherwise from durable storage, the source of truth.
+(snapshot/memory/peer_restore.py); otherwise from durable storage, the source of truth.
 Use, choice and figures: docs/memory-tier.md.
 
 A memory directory belongs to one user and one durable storage: by default
@@ -89,7 +89,7 @@ class MemoryTier:
 
     @property
     def boundary(self) -> Path:
-        """Where this node's ranks keep their step-boundary records (snapshot/rescue.py)."""
+        """Where this node's ranks keep their step-boundary records (snapshot/memory/rescue.py)."""
         return self.path / BOUNDARY_DIR
 
     def release(self) -> None:

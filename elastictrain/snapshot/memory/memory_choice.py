@@ -7,7 +7,7 @@ timeline the job has left (the job restarted without it from an older snapshot a
 trained that step again, on other bits). The rule:
 
 * a snapshot counts only when it is newer than the newest durable one, in step and in
-  the job's attempt (snapshot/attempt.py): one taken by an attempt before the durable
+  the job's attempt (snapshot/state/attempt.py): one taken by an attempt before the durable
   one's belongs to a timeline the durable one replaced;
 * of those, the newest attempt's newest step wins: a later attempt's snapshot is the
   job's present, whatever step an earlier attempt reached;

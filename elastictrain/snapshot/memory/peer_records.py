@@ -4,7 +4,7 @@ other nodes, so that when a node dies a survivor on another node holds every ran
 record of the last step and can commit it (snapshot/rescuer.py).
 
 Each rank writes its record of every step to a connection per target
-(snapshot/record_links.py) from the training thread: one non-blocking send, nothing
+(snapshot/memory/record_links.py) from the training thread: one non-blocking send, nothing
 waits for the network, and no thread of ours wakes on the sending side. A record the
 connection cannot take whole at once (the target stopped reading: its buffers are full)
 finishes at the next step, and the records in between are not sent to that target (its
@@ -103,7 +103,7 @@ class RecordStream:
     """This rank's records to its targets; its sources' records into ``directory``.
 
     Args:
-        links: the connections (snapshot/record_links.py); the stream owns them.
+        links: the connections (snapshot/memory/record_links.py); the stream owns them.
         failed: called with an error when a received record cannot be written (a full
             tmpfs: the rescue is off until one can).
     """

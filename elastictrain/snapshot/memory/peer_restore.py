@@ -2,7 +2,7 @@
 
 Replicated (DDP) state: every memory snapshot holds the whole state and every rank's
 RNG states (gathered at save), so any node's copy of a snapshot is every node's copy.
-The ranks agree on one snapshot, by its identity (snapshot/memory_choice.py, a pure
+The ranks agree on one snapshot, by its identity (snapshot/memory/memory_choice.py, a pure
 function of what each node holds); each node not holding it (none, or another snapshot
 of the same step) receives the holder's files over the snapshot transport (its leader
 from a holder's leader, holders taken in turn), checks every byte against the manifest
@@ -57,7 +57,7 @@ class PeerCopies:
     def __init__(self, ctx: DistContext, nodes: NodeMap, transport: PeerTransport,
                  record_links: RecordLinks | None = None) -> None:
         self.ctx, self.nodes, self.transport = ctx, nodes, transport
-        # The rescue's connections for boundary records (snapshot/record_links.py).
+        # The rescue's connections for boundary records (snapshot/memory/record_links.py).
         self.record_links = record_links if record_links is not None else RecordLinks()
 
     @property

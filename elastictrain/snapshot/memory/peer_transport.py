@@ -26,7 +26,7 @@ from elastictrain.worker.dist import DistContext
 
 # Tags keep kinds of traffic apart on the one group: a restore's copy of a snapshot,
 # and a sharded model's parts (snapshot/sharded/memory_save.py). The rescue's boundary
-# records travel on connections of their own (snapshot/record_links.py).
+# records travel on connections of their own (snapshot/memory/record_links.py).
 TAG_COPY = 11
 
 

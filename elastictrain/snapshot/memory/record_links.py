@@ -1,5 +1,5 @@
 """The connections the rescue's boundary records travel on between nodes
-(snapshot/peer_records.py): one TCP connection from each rank to each of its record
+(snapshot/memory/peer_records.py): one TCP connection from each rank to each of its record
 targets, opened once at manager setup.
 
 Why not the memory tier's gloo group: a record crosses every step, and each gloo send

@@ -88,7 +88,7 @@ class BoundaryRecord:
 
     def record(self, step: int) -> bytes | None:
         """After step ``step`` completed on this rank (before anything else of it).
-        Returns the record written (a peer node keeps a copy: snapshot/peer_records.py),
+        Returns the record written (a peer node keeps a copy: snapshot/memory/peer_records.py),
         None when there was none to write."""
         data = self.capture(step)
         if data is not None:

@@ -85,7 +85,7 @@ class FailureHistory:
     failures: int = 0
     memory_kept: int = 0
     unresolved: int = 0
-    rescued: int = 0  # the next restart resumed a survivor's rescue (snapshot/rescue.py)
+    rescued: int = 0  # the next restart resumed a survivor's rescue (snapshot/memory/rescue.py)
 
     def durable_view(self) -> FailureHistory:
         """The failures only a durable snapshot recovers from (nodes that lost their

@@ -4,7 +4,7 @@ starts the group again at the new size. Without this the new group resumes from 
 last periodic snapshot and repeats the steps since.
 
 Under ``elastictrain run`` the agent asks first (``rescue_marks.request_save``). Every
-rank checks the request in the step's agreement (snapshot/save_schedule.py), so all
+rank checks the request in the step's agreement (snapshot/schedule/save_schedule.py), so all
 save the same step: to node memory when every node has one (milliseconds; a node that
 joins receives it from a peer's memory), else to durable storage. Each then marks
 itself ready and waits to be stopped, so no step is taken that the restart would lose.

@@ -1,5 +1,5 @@
 """When a snapshot is taken: the step and time triggers of both tiers, their automatic
-intervals (snapshot/interval.py) and the marks they count from, and the per-step
+intervals (snapshot/schedule/interval.py) and the marks they count from, and the per-step
 agreement that makes every rank decide the same.
 
 Step triggers are deterministic. Clocks, preemption notices, the agent's request for

@@ -1,4 +1,4 @@
-"""The commit of a sharded snapshot (reading and verifying one: ``sharded/reader.py``).
+"""The commit of a sharded snapshot (reading and verifying one: ``format/sharded_reader.py``).
 
 Every rank writes ``rank<R>-<token>.distcp``; after DCP has gathered every
 rank's write results, the coordinator (rank 0) writes ``dcp-<token>.metadata``

@@ -133,7 +133,7 @@ class StoreWriter(StorageWriter):
         algorithm: checksum algorithm of the manifest.
         on_finish: runs on the coordinator with DCP's global metadata and every
             rank's part, after all parts are durable (writes the commit).
-        pace: this rank's write held to that pace (snapshot/pacing.py).
+        pace: this rank's write held to that pace (snapshot/durable/pacing.py).
     """
 
     def __init__(self, store: Store, step_dir: str, token: str, algorithm: ChecksumAlgorithm,

@@ -39,8 +39,8 @@ from elastictrain.snapshot.format.reader import (
     load_checked_bytes,
     read_manifest,
 )
+from elastictrain.snapshot.format.sharded_reader import check_parts, object_of, read_object
 from elastictrain.snapshot.sharded.dcp_io import StoreReader, WeightsOnlyLoadPlanner, parse_metadata
-from elastictrain.snapshot.sharded.reader import check_parts, object_of, read_object
 from elastictrain.snapshot.sharded.state import apply_state, current_state
 from elastictrain.storage.api import Store
 from elastictrain.worker.dist import DistContext

@@ -4,8 +4,8 @@ that names it.
 torchrun's ``TORCHELASTIC_RESTART_COUNT`` is kept by each agent: a replacement or a
 joining node starts at 0 while a survivor is at 1 or more, and a restart for a
 membership change does not count. A number that records of other nodes are checked
-against (snapshot/rescue.py), and that orders the memory snapshots of different
-attempts (snapshot/peer_restore.py), must be the same on every rank of a group and
+against (snapshot/memory/rescue.py), and that orders the memory snapshots of different
+attempts (snapshot/memory/peer_restore.py), must be the same on every rank of a group and
 never repeat for a later group of the same job.
 
 The rule: every group agrees, with one all-reduce when its managers are made, on one

@@ -11,9 +11,9 @@ from torch import nn
 from elastictrain.core.config import ChecksumAlgorithm
 from elastictrain.core.errors import ConfigError
 from elastictrain.snapshot.format.manifest import SnapshotMeta
+from elastictrain.snapshot.format.views import InPlace
 from elastictrain.snapshot.state import replica_check
 from elastictrain.snapshot.state.rng import reseed_for_new_world, restore_rng
-from elastictrain.snapshot.state.views import InPlace
 from elastictrain.worker.data import ElasticSampler, check_dataset_len
 from elastictrain.worker.dist import DistContext
 
@@ -47,7 +47,7 @@ class TrainingState:
         self.scheduler, self.scaler = scheduler, scaler
         self.sampler = sampler
         self.step = 0
-        self.attempt: int | None = None  # the job's attempt (snapshot/attempt.py), if agreed
+        self.attempt: int | None = None  # the job's attempt (snapshot/state/attempt.py), if agreed
         self.extras: dict[str, Any] = {}
         self._epoch = 0
         self._ctx = ctx
@@ -167,7 +167,7 @@ class TrainingState:
         return "reseeded"
 
     def replica_digest(self, parameters_only: bool = False) -> int | None:
-        """The digest every rank of replicated state shares (snapshot/replica_check.py):
+        """The digest every rank of replicated state shares (snapshot/state/replica_check.py):
         of everything a snapshot holds of the model and optimizer, or of the parameters
         alone (``parameters_only``: after training, when buffers may differ per rank, as
         BatchNorm's do under ``DistributedDataParallel(broadcast_buffers=False)``). None

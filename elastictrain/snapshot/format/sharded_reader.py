@@ -38,7 +38,7 @@ def check_parts(store: Store, manifest: Manifest,
     Raises:
         SnapshotCorrupt: an object is missing or has another size (a rank's part lost).
         StorageError: the size could not be read (throttled, timed out): no corruption,
-            the attempt fails, as in the replicated path (snapshot/reader.py).
+            the attempt fails, as in the replicated path (snapshot/format/reader.py).
     """
     directory = layout.step_dir(manifest.step)
     for entry in manifest.objects if entries is None else entries:

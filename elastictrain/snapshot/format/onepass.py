@@ -42,7 +42,7 @@ import torch
 from elastictrain.core.config import ChecksumAlgorithm
 from elastictrain.snapshot.format.checksum import Hasher, new_hasher
 from elastictrain.snapshot.format.tensorbytes import tensor_bytes
-from elastictrain.snapshot.state.views import (
+from elastictrain.snapshot.format.views import (
     InPlace,
     StatePath,
     StorageIndex,
