@@ -67,7 +67,7 @@ def _demo(args: argparse.Namespace) -> int:
                        live=view_wanted(json_output=args.json, quiet=args.quiet),
                        storage_options=parse_storage_options(args.storage_options))
     result = run_demo(opts)
-    print_result(result, args.json)
+    print_result(result, as_json=args.json)
     return result.exit_code
 
 
@@ -76,7 +76,7 @@ def _snapshots(args: argparse.Namespace) -> int:
     from elastictrain.view import ops
 
     if getattr(args, "memory", False):  # node memory, not a storage
-        return ops.list_memory(args.json)
+        return ops.list_memory(as_json=args.json)
     if args.storage is None:
         print("elastictrain snapshots list: give a storage, or --memory", file=sys.stderr)
         return 2
@@ -96,7 +96,7 @@ def _snapshots(args: argparse.Namespace) -> int:
         if args.json:
             ops.print_rows(rows, as_json=True)  # still one JSON document on stdout: []
         return 1 if args.snap_cmd == "verify" else 0
-    ops.print_rows(rows, args.json)
+    ops.print_rows(rows, as_json=args.json)
     return 1 if args.snap_cmd == "verify" and ops.verify_failed(rows) else 0
 
 

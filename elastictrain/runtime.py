@@ -66,7 +66,8 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
     launch = events.launch_id()
     sink = events.open_sink(settings, run_id,
                             events.worker_file_name(env.restart_count, env.rank, launch))
-    et_log.configure(settings.log.level, settings.log.json_output, sink.path, upload=sink.upload)
+    et_log.configure(settings.log.level, json_output=settings.log.json_output,
+                     events_file=sink.path, upload=sink.upload)
     et_log.bind(run_id=run_id, rank=env.rank, world_size=env.world_size,
                 restart_count=env.restart_count, launch_id=launch, step=0,
                 **env.scheduler_attempts)
@@ -160,7 +161,7 @@ ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
 
 
 def record_failure(failure: dict[str, Any], tb: TracebackType | None,
-                   with_traceback: bool = True) -> None:
+                   *, with_traceback: bool = True) -> None:
     """Write ``failure`` to torchrun's error file for this worker, in torch's own
     format (its ``message``; torchrun's failure report prints ``py_callstack``) plus
     ours under ``elastictrain`` (agent.py reads it). Without ``with_traceback`` (our

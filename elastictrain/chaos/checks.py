@@ -30,7 +30,7 @@ def final_digest(events: Sequence[dict[str, Any]]) -> str | None:
     return str(found[-1]["param_digest"]) if found else None
 
 
-def check_completed(exit_codes: Sequence[int], timed_out: bool) -> str | None:
+def check_completed(exit_codes: Sequence[int], *, timed_out: bool) -> str | None:
     """The last launch exited 0 (the earlier ones ended as the schedule implied)."""
     if timed_out:
         return "timed out (a hang nothing turned into a restart?)"

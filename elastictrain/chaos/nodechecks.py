@@ -100,7 +100,7 @@ def newest_held(events: Sequence[dict[str, Any]], life: NodeLife, ts: float,
     return max(((attempt, step) for step, attempt in held.items()), default=None)
 
 
-def complete_memory_step(newest: dict[str, Copy | None], peer_restore: bool,
+def complete_memory_step(newest: dict[str, Copy | None], *, peer_restore: bool,
                          durable: Copy = (-1, 0)) -> int | None:
     """The memory step every node of a world can restore, newer than the newest
     ``durable`` snapshot (its attempt, its step), or None (see the module)."""
@@ -136,8 +136,8 @@ def check_node_resumes(events: Sequence[dict[str, Any]], lives: Sequence[NodeLif
                                               default=(0, -1))
         members = {life.name: newest_held(events, life, ts, previous) for life in lives
                    if life.member_at(ts)}
-        memory_step = complete_memory_step(members, expect.peer_restore,
-                                           (durable_attempt, newest_durable))
+        memory_step = complete_memory_step(members, peer_restore=expect.peer_restore,
+                                           durable=(durable_attempt, newest_durable))
         expected = memory_step if memory_step is not None else newest_durable
         where = f"the resume at {ts:.2f} (nodes {members}, durable step {newest_durable})"
         if start < expected:
@@ -224,7 +224,7 @@ def record_in_flight(events: Sequence[dict[str, Any]], step: int, since: float,
     return at_boundary and skipped and streamed
 
 
-def check_agents(codes: dict[str, list[int]], lost: set[str], timed_out: bool) -> str | None:
+def check_agents(codes: dict[str, list[int]], lost: set[str], *, timed_out: bool) -> str | None:
     """Every launcher the harness did not kill exited 0 (and none was cut off)."""
     if timed_out:
         return "timed out (a hang nothing turned into a restart?)"

@@ -107,8 +107,8 @@ def run_node_chaos(opts: ChaosOptions, progress: Any = sys.stderr) -> ChaosRepor
     results = []
     for trial in range(opts.first, opts.first + opts.trials):
         schedule = make_schedule(opts.seed, trial, opts.faults, clean.wall_s,
-                                 opts.nproc * opts.nodes, opts.nodes, opts.replace,
-                                 clean.total_steps(), clean.step_s())
+                                 opts.nproc * opts.nodes, opts.nodes, replace=opts.replace,
+                                 steps=clean.total_steps(), step_s=clean.step_s())
         run = NodeTrial(opts, workdir / f"trial-{trial:04d}", secret, schedule,
                         timeout_s=max(180.0, 8 * clean.wall_s) + grace_s)
         run.execute()
@@ -365,7 +365,7 @@ class NodeTrial:
                              f"agents restart for node{fault.node}, then {fault.pause_s:g}s "
                              f"({note})")
 
-    def _continue_paused(self, at_once: bool = False) -> None:
+    def _continue_paused(self, *, at_once: bool = False) -> None:
         """SIGCONT the paused workers once their pause is over (or now)."""
         pause = self._paused
         if pause is None:
@@ -393,13 +393,13 @@ class NodeTrial:
                  if e.get("event") == "resume" and float(e.get("ts") or 0.0) > since]
         return min(found, default=None)
 
-    def _back(self, fault: NodeFault, rejoin: bool = False) -> tuple[str, float]:
+    def _back(self, fault: NodeFault, *, rejoin: bool = False) -> tuple[str, float]:
         """The lost node comes back; the next phase (a second loss to wait for, or
         none) and when it came back."""
         self._replace(fault.node, rejoin=rejoin)
         return ("second" if fault.second is not None else "done"), time.time()
 
-    def _replace(self, index: int, rejoin: bool = False) -> None:
+    def _replace(self, index: int, *, rejoin: bool = False) -> None:
         """Start a new agent for node ``index``, unless the others already ended; a
         rejoin joins a job that went on without the node (it grows back)."""
         if any(n.index != index for n in self.job.running()):
@@ -453,7 +453,7 @@ class NodeTrial:
                 step, ts = int(mark["step"]), float(mark["ts"])
                 self._first_marked[step] = min(ts, self._first_marked.get(step, ts))
 
-    def _lose(self, fault: NodeFault, second: bool = False) -> Node | None:
+    def _lose(self, fault: NodeFault, *, second: bool = False) -> Node | None:
         """Freeze node ``fault.node`` and wipe its memory, unless an agent already exited
         (the job is ending). A loss after the ranks agreed the run's end counts too: the
         other launchers must then end without it, and a replacement must find the job
@@ -541,7 +541,7 @@ class NodeTrial:
                  for n in self.job.nodes]
         marks = self.marks(events)
         found = [
-            check_agents(self.exit_codes(), self.lost, self.timed_out),
+            check_agents(self.exit_codes(), self.lost, timed_out=self.timed_out),
             checks.check_snapshots(open_store(str(self.storage))),
             checks.check_replicas(events),
             check_node_resumes(events, lives, marks, expect, self.losses, self.strict_joins),

@@ -110,7 +110,7 @@ class NodeJob:
         for index in range(count):
             self.add(index, degraded=index == degraded)
 
-    def add(self, index: int, degraded: bool = False) -> Node:
+    def add(self, index: int, *, degraded: bool = False) -> Node:
         """Start the next incarnation of node ``index`` (the first, or a replacement),
         with an empty stand-in for ``/dev/shm`` (mode 1777, like the real one);
         ``degraded``: with this user's root in it made open to others (0755), which

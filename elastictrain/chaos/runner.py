@@ -286,7 +286,7 @@ class _Run:
         events = self.events()
         store = open_store(str(self.storage))
         found = [
-            checks.check_completed(self.job.exit_codes, self.timed_out),
+            checks.check_completed(self.job.exit_codes, timed_out=self.timed_out),
             checks.check_digest(events, digest),
             checks.check_snapshots(store),
             checks.check_replicas(events),

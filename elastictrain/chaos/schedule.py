@@ -212,7 +212,7 @@ def trial_seed(seed: int, trial: int) -> int:
 
 
 def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: float,
-                  world_size: int, nodes: int = 1, replace: bool | None = None,
+                  world_size: int, nodes: int = 1, *, replace: bool | None = None,
                   steps: int = 60, step_s: float = 0.1) -> Schedule:
     """The schedule of trial ``trial``: one or two process faults drawn from ``kinds``
     at times within ``horizon_s`` (the clean run's wall time), and storage faults on
@@ -258,8 +258,8 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
         faults.append(Fault(kind="kill", at_s=round(memory_rng.uniform(0.6, 0.9) * horizon_s,
                                                     2), target="worker",
                             rank=memory_rng.randrange(world_size)))
-    node = (draw_node_fault(random.Random(s ^ 0x6E6F6465), horizon_s, nodes, replace, steps,
-                            step_s) if "node" in kinds else None)
+    node = (draw_node_fault(random.Random(s ^ 0x6E6F6465), horizon_s, nodes, replace=replace,
+                            steps=steps, step_s=step_s) if "node" in kinds else None)
     if node is not None and "join" in kinds and not node.replace:
         # From a stream of its own: the loss itself replays as without ``join``.
         rejoin_rng = random.Random(s ^ 0x6A6F696E)
@@ -284,7 +284,7 @@ def make_schedule(seed: int, trial: int, kinds: tuple[str, ...], horizon_s: floa
                     node=node)
 
 
-def draw_node_fault(rng: random.Random, horizon_s: float, nodes: int, replace: bool | None,
+def draw_node_fault(rng: random.Random, horizon_s: float, nodes: int, *, replace: bool | None,
                     steps: int, step_s: float) -> NodeFault:
     """A node loss while the job trains, at a drawn step (a small demo spends most of
     its wall time starting, and that time varies with the machine's load), or on one

@@ -47,7 +47,7 @@ def final_world_sizes_of(marks: Sequence[dict[str, Any]]) -> set[int]:
     return set(latest.values())
 
 
-def widest_gap(events: Sequence[dict[str, Any]], durable_only: bool) -> int | None:
+def widest_gap(events: Sequence[dict[str, Any]], *, durable_only: bool) -> int | None:
     """The widest gap in steps between rank 0's consecutive commits (from step 0) in a
     clean run: a script's interval, which it may set itself. Durable only: the bound of
     a resume from durable storage. Any tier: of a resume from memory, whose newest copy

@@ -82,7 +82,7 @@ def _close_tee() -> None:
 
 
 def move_events_file(path: str | Path, upload: Uploader | None = None,
-                     leave_link: bool = False) -> None:
+                     *, leave_link: bool = False) -> None:
     """Move this process's event file to ``path`` and go on appending there.
 
     What was written so far is copied to the new file first, so it still starts with
@@ -126,7 +126,7 @@ def _add_time(logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
 
 def configure(
     level: str = "info",
-    json_output: bool | None = None,
+    *, json_output: bool | None = None,
     events_file: str | Path | None = None,
     stream: IO[str] | None = None,
     upload: Uploader | None = None,

@@ -162,8 +162,9 @@ def _with_interrupt(result: DemoResult, job: RunningJob) -> DemoResult:
 def _live_view(opts: DemoOptions, run_id: str, events_dir: str
                ) -> AbstractContextManager[LiveView | None]:
     """The live view of this run's events while the job runs (when ``opts.live``)."""
-    return live_view(opts.live, open_store(events_dir), "", f"elastictrain demo {run_id}",
-                     opts.steps, footer="Ctrl-C stops the job")
+    return live_view(enabled=opts.live, store=open_store(events_dir), root="",
+                     title=f"elastictrain demo {run_id}", total_steps=opts.steps,
+                     footer="Ctrl-C stops the job")
 
 
 def _worker_env(opts: DemoOptions) -> dict[str, str]:
@@ -290,7 +291,7 @@ def _steps(steps: list[int | None]) -> str:
     return ", ".join("fresh" if s is None else str(s) for s in steps)
 
 
-def print_result(result: DemoResult, as_json: bool) -> None:
+def print_result(result: DemoResult, *, as_json: bool) -> None:
     import json
 
     if as_json:

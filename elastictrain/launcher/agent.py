@@ -357,7 +357,7 @@ class ElasticTrainAgent(LocalElasticAgent):
                            f"{error.get('where')})")
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        reason = restart_reason(worker_group.state == WorkerState.HEALTHY)
+        reason = restart_reason(group_healthy=worker_group.state == WorkerState.HEALTHY)
         log.info("agent.restart", reason=reason,
                  from_restart_count=self.restart_count(),
                  remaining_restarts=torch_hooks.remaining_restarts(self))

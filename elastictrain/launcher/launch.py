@@ -143,7 +143,8 @@ def _configure_agent_log(settings: Settings, run_id: str) -> None:
     # whole_dir: the agent outlives SIGKILLed workers and uploads their files too.
     sink = events.open_sink(settings, run_id, events.agent_file_name(host, os.getpid(), launch),
                             whole_dir=True)
-    et_log.configure(settings.log.level, settings.log.json_output, sink.path, upload=sink.upload)
+    et_log.configure(settings.log.level, json_output=settings.log.json_output,
+                     events_file=sink.path, upload=sink.upload)
     et_log.bind(run_id=run_id, role="agent", host=host, rank=None, world_size=None,
                 restart_count=0, launch_id=launch, step=None)
 

@@ -128,7 +128,7 @@ def save_wait_over(listening: Collection[int], ready: Collection[int],
     return (set(ready) >= set(listening) and not rescuing) or elapsed_s >= timeout_s
 
 
-def restart_reason(group_healthy: bool) -> str:
+def restart_reason(*, group_healthy: bool) -> str:
     """torchrun restarts a healthy group only when a node waits to join."""
     return "membership_change" if group_healthy else "failure"
 

@@ -99,7 +99,7 @@ class EventSink:
     upload: Uploader | None
 
 
-def open_sink(settings: Settings, run_id: str, name: str, whole_dir: bool = False) -> EventSink:
+def open_sink(settings: Settings, run_id: str, name: str, *, whole_dir: bool = False) -> EventSink:
     """The event file ``name`` of run ``run_id``, with its uploader on object storage
     (``whole_dir``: the uploader also copies the other files of the directory)."""
     path = run_events_dir(settings, run_id) / name
@@ -107,7 +107,7 @@ def open_sink(settings: Settings, run_id: str, name: str, whole_dir: bool = Fals
         return EventSink(path, None)
     store = open_store(settings.storage)
     return EventSink(path, Uploader(store, f"{EVENTS_DIR}/{run_id}",
-                                    settings.log.upload_interval_s, whole_dir))
+                                    settings.log.upload_interval_s, whole_dir=whole_dir))
 
 
 class Uploader:
@@ -122,7 +122,7 @@ class Uploader:
     """
 
     def __init__(self, store: Store, prefix: str, interval_s: float,
-                 whole_dir: bool = False) -> None:
+                 *, whole_dir: bool = False) -> None:
         self.store = store
         self.prefix = prefix
         self.interval_s = interval_s

@@ -24,12 +24,12 @@ class CopyFence:
             its wait ends the durable save's cost to the loop, for the schedule).
     """
 
-    def __init__(self, config: SnapshotConfig, train: TrainingState, sharded: bool,
+    def __init__(self, config: SnapshotConfig, train: TrainingState, *, sharded: bool,
                  savers: list[SnapshotSaver], schedule: SaveSchedule) -> None:
         self._train, self._savers, self._schedule = train, savers, schedule
-        self._hook = self._register(config, train.optimizer, sharded)
+        self._hook = self._register(config, train.optimizer, sharded=sharded)
 
-    def _register(self, config: SnapshotConfig, optimizer: Any, sharded: bool) -> Any:
+    def _register(self, config: SnapshotConfig, optimizer: Any, *, sharded: bool) -> Any:
         """The hook's handle (to remove at close), or None where copy behind is off."""
         setting = config.overlap_copy
         if setting is False:

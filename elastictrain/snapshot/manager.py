@@ -140,7 +140,8 @@ class SnapshotManager:
                                     run_id=self.run_id, checksum=self.config.checksum,
                                     saver_holds_model=self._saver.saves_model_and_optimizer)
         self._node_memory = NodeMemory(self.config, self.run_id, self.store, self.ctx,
-                                       self.sharded, unwrap(model), optimizer)
+                                       sharded=self.sharded, model=unwrap(model),
+                                       optimizer=optimizer)
         self.memory_store = self._node_memory.store
         self._train.attempt = self._node_memory.attempt  # in every manifest it writes
         self._memory = self._node_memory.saver
@@ -149,11 +150,11 @@ class SnapshotManager:
                                       self._restart)
         # Before the copy fence: its optimizer-step hook then runs first, and a record
         # other nodes wait for leaves before this rank waits for its copies.
-        self._rescuer = Rescuer(self.config.rescue and not self.sharded, self.config,
-                                self.ctx, self._node_memory, self._train)
-        self._fence = CopyFence(self.config, self._train, self.sharded,
-                                [s for s in (self._saver, self._memory) if s is not None],
-                                self._schedule)
+        self._rescuer = Rescuer(enabled=self.config.rescue and not self.sharded, config=self.config,
+                                ctx=self.ctx, node_memory=self._node_memory, train=self._train)
+        self._fence = CopyFence(self.config, self._train, sharded=self.sharded,
+                                savers=[s for s in (self._saver, self._memory) if s is not None],
+                                schedule=self._schedule)
         self._last_handle: SaveHandle | None = None
         self._report = ProgressReport(self.config.progress_every_s, clock)
         if progress_dir is None or progress_dir is True:
@@ -234,7 +235,8 @@ class SnapshotManager:
             step if loaded and loaded.tier == "memory" else None)
         outcome = MemoryOutcome(*agreed) if agreed is not None else MemoryOutcome()
         if agreed is not None:
-            self._schedule.failures_resolved(*agreed)
+            memory_kept, rescued = agreed
+            self._schedule.failures_resolved(memory_kept=memory_kept, rescued=rescued)
         previous_high = self._progress.read() if self._progress else None
         # The job's highest step: a replaced node's ranks know none of their own.
         (highest,) = self.ctx.all_reduce_max([-1 if previous_high is None else previous_high])
@@ -252,7 +254,7 @@ class SnapshotManager:
         self._prepare_staging(durable=True, memory=True)
         return info
 
-    def _prepare_staging(self, durable: bool, memory: bool) -> None:
+    def _prepare_staging(self, *, durable: bool, memory: bool) -> None:
         for saver, wanted in ((self._saver if self.ctx.is_writer else None, durable),
                               (self._memory, memory)):
             if saver is not None and wanted:
@@ -287,7 +289,7 @@ class SnapshotManager:
         decision = self._schedule.decide(self.step_count, self._failed_step, self._preempt)
         if not self._stepped:  # once more: an optimizer's state appears at its first step
             self._stepped = True
-            self._prepare_staging(not decision.durable, not decision.memory)
+            self._prepare_staging(durable=not decision.durable, memory=not decision.memory)
         if decision.stop is not None:
             self._stop_preempted(decision.stop)
         if decision.failed_step:
@@ -331,7 +333,7 @@ class SnapshotManager:
         """
         return self._save(copy_behind=True)
 
-    def _save(self, copy_behind: bool) -> SaveHandle:
+    def _save(self, *, copy_behind: bool) -> SaveHandle:
         started = time.perf_counter()
         if self._persists_here():
             self._saver.wait_in_flight(self.step_count)  # its outcome is agreed below
@@ -351,7 +353,8 @@ class SnapshotManager:
                 self._train.payload(rng or []), self._train.meta(), started,
                 self._fence.deferred() if copy_behind else frozenset())
             # What the loop waited for: back-pressure + staging (+ the fence's wait).
-            self._schedule.durable_saved(time.perf_counter() - started, self._fence.active)
+            self._schedule.durable_saved(time.perf_counter() - started,
+                                         settled_at_fence=self._fence.active)
             return self._last_handle
 
     def _save_memory(self) -> None:
@@ -407,8 +410,8 @@ class SnapshotManager:
         return True
 
     def _stop_preempted(self, stop: preempt.StopRequest) -> NoReturn:
-        save_and_exit(stop, self.ctx, self._saver, self._persists_here(),
-                      lambda: self._save(copy_behind=False), self.step_count)
+        save_and_exit(stop, self.ctx, self._saver, persists_here=self._persists_here(),
+                      save_final=lambda: self._save(copy_behind=False), step=self.step_count)
 
     def wait(self) -> None:
         """Block until the last save is durable (re-raises its failure, on the writer)

@@ -56,7 +56,7 @@ class NodeMemory:
     """
 
     def __init__(self, config: SnapshotConfig, run_id: str, durable: Store,
-                 ctx: DistContext, sharded: bool, model: nn.Module | None = None,
+                 ctx: DistContext, *, sharded: bool, model: nn.Module | None = None,
                  optimizer: Any | None = None) -> None:
         self._config, self._durable, self._ctx = config, durable, ctx
         self.health = memory.Health()
@@ -71,7 +71,7 @@ class NodeMemory:
         # Who drops and, at the end, removes this node's snapshots: the node's lowest
         # rank (local rank 0 under torchrun; for sharded state, its leader, below).
         self._owner = ctx.local_rank == 0
-        self._open(run_id, sharded)
+        self._open(run_id, sharded=sharded)
         if self._config.memory_every is None:
             return
         self._agree_attempt()
@@ -81,7 +81,7 @@ class NodeMemory:
         else:
             self.peers = self._find_peers()
 
-    def _open(self, run_id: str, sharded: bool) -> None:
+    def _open(self, run_id: str, *, sharded: bool) -> None:
         if self._config.memory_every is None:
             return
         try:

@@ -25,7 +25,7 @@ def pending_stop(watcher: preempt.PreemptionWatcher | None,
 
 
 def save_and_exit(stop: preempt.StopRequest, ctx: DistContext, saver: SnapshotSaver,
-                  persists_here: bool, save_final: Callable[[], object],
+                  *, persists_here: bool, save_final: Callable[[], object],
                   step: int) -> NoReturn:
     """Final snapshot of ``step``, then exit on every rank (``preempt.saved`` or
     ``preempt.failed`` says which code).

@@ -58,7 +58,7 @@ class Rescuer:
         resumed_from: the step this attempt resumed from (-1: fresh), in every record.
     """
 
-    def __init__(self, enabled: bool, config: SnapshotConfig, ctx: DistContext,
+    def __init__(self, *, enabled: bool, config: SnapshotConfig, ctx: DistContext,
                  node_memory: NodeMemory, train: TrainingState) -> None:
         self._enabled = enabled
         self._config, self._ctx, self._memory, self._train = config, ctx, node_memory, train
@@ -240,14 +240,15 @@ class Rescuer:
         # Another node's record taken before its optimizer step is its boundary's when
         # this rank's own proved so at this step (the same loop on every rank).
         trusted = self._pre_step_matched == step
-        rngs = [read_record(directory, rank, step, attempt, rank in expected and trusted)
+        rngs = [read_record(directory, rank, step, attempt,
+                            pre_step_ok=rank in expected and trusted)
                 for rank in range(self._ctx.world_size)]
         deadline = time.monotonic() + PEER_RECORD_WAIT_S
         while any(rngs[r] is None for r in expected) and time.monotonic() < deadline:
             time.sleep(_PEER_RECORD_POLL_S)  # another process of this node writes them
             for rank in expected:
                 if rngs[rank] is None:
-                    rngs[rank] = read_record(directory, rank, step, attempt, trusted)
+                    rngs[rank] = read_record(directory, rank, step, attempt, pre_step_ok=trusted)
         return rngs
 
     def _peer_sources(self) -> set[int]:

@@ -58,7 +58,7 @@ class FsspecStore:
         part_size_bytes: int = DEFAULT_PART_SIZE,
         upload_concurrency: int = DEFAULT_UPLOAD_CONCURRENCY,
         multipart_threshold_bytes: int | None = None,
-        private: bool = False,
+        *, private: bool = False,
     ) -> None:
         refuse_credentials_in_url(url)
         self._url = url
@@ -92,7 +92,7 @@ class FsspecStore:
 
     # -- Store ------------------------------------------------------------------------
     def write_bytes(self, path: str, data: bytes, *, if_absent: bool = False) -> None:
-        self.backend.write_bytes(path, data, if_absent)
+        self.backend.write_bytes(path, data, if_absent=if_absent)
 
     def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
         return self.backend.open_write(path)
@@ -122,7 +122,7 @@ class FsspecStore:
         return self.backend.size(path)
 
     def delete(self, path: str, *, recursive: bool = False) -> None:
-        self.backend.delete(path, recursive)
+        self.backend.delete(path, recursive=recursive)
 
     def rename(self, src: str, dst: str) -> None:
         self.backend.rename(src, dst)

@@ -203,7 +203,7 @@ class Backend:
         return StorageError(f"{op} {where}: {reason}")
 
     # -- writes -----------------------------------------------------------------------
-    def write_bytes(self, path: str, data: bytes, if_absent: bool) -> None:
+    def write_bytes(self, path: str, data: bytes, *, if_absent: bool) -> None:
         full = self.full(path)
         if if_absent and self.conditional_put:
             try:
@@ -338,7 +338,7 @@ class Backend:
         return int(self.call("stat", path, lambda: self.fs.size(full)))
 
     # -- deletes and moves ------------------------------------------------------------
-    def delete(self, path: str, recursive: bool) -> None:
+    def delete(self, path: str, *, recursive: bool) -> None:
         full = self.full(path)
 
         def rm() -> None:

@@ -31,17 +31,18 @@ class LocalBackend(Backend):
     def normalise_root(root: str) -> str:
         return os.path.abspath(root)
 
-    def write_bytes(self, path: str, data: bytes, if_absent: bool) -> None:
+    def write_bytes(self, path: str, data: bytes, *, if_absent: bool) -> None:
         full, private = self.full(path), self.settings.private
-        self.call("write", path, lambda: atomic_write(full, data, if_absent, private))
+        self.call("write", path,
+                  lambda: atomic_write(full, data, if_absent=if_absent, private=private))
 
     @contextmanager
     def open_write(self, path: str) -> Iterator[BinaryIO]:
         full = self.full(path)
         tmp = _temporary_name(full)
         try:
-            _make_dirs(os.path.dirname(full), self.settings.private)
-            with open(tmp, "wb", opener=_opener(self.settings.private)) as f:
+            _make_dirs(os.path.dirname(full), private=self.settings.private)
+            with open(tmp, "wb", opener=_opener(private=self.settings.private)) as f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
@@ -69,14 +70,14 @@ class LocalBackend(Backend):
         self.call("create", "", lambda: os.makedirs(self.root, exist_ok=True))
 
 
-def atomic_write(full: str, data: bytes, if_absent: bool, private: bool) -> None:
+def atomic_write(full: str, data: bytes, *, if_absent: bool, private: bool) -> None:
     """Write ``data`` to ``full`` durably and atomically; with ``if_absent``, raise
     ``FileExistsError`` if it exists."""
     directory = os.path.dirname(full)
-    _make_dirs(directory, private)
+    _make_dirs(directory, private=private)
     tmp = _temporary_name(full)
     try:
-        with open(tmp, "wb", opener=_opener(private)) as f:
+        with open(tmp, "wb", opener=_opener(private=private)) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -103,12 +104,12 @@ def _temporary_name(full: str) -> str:
     return f"{full}.tmp-{uuid.uuid4().hex}"
 
 
-def _make_dirs(directory: str, private: bool) -> None:
+def _make_dirs(directory: str, *, private: bool) -> None:
     if private:
         make_private_dirs(Path(directory))
     else:
         os.makedirs(directory, exist_ok=True)
 
 
-def _opener(private: bool) -> Callable[[str, int], int] | None:
+def _opener(*, private: bool) -> Callable[[str, int], int] | None:
     return private_opener if private else None

@@ -153,7 +153,7 @@ class LiveView:
 
 
 @contextmanager
-def live_view(enabled: bool, store: Store, root: str, title: str,
+def live_view(*, enabled: bool, store: Store, root: str, title: str,
               total_steps: int | None = None, footer: str | None = None
               ) -> Iterator[LiveView | None]:
     """A :class:`LiveView` for the block when ``enabled``; Ctrl-C (KeyboardInterrupt)

@@ -171,7 +171,7 @@ def prune_snapshots(store: Store, keep: int) -> list[dict[str, Any]]:
         {"step": newest, "status": "kept (newest verified)"}]
 
 
-def print_rows(rows: list[dict[str, Any]], as_json: bool) -> None:
+def print_rows(rows: list[dict[str, Any]], *, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return
@@ -192,10 +192,10 @@ def memory_rows() -> list[dict[str, Any]]:
             for h in memory.held()]
 
 
-def list_memory(as_json: bool) -> int:
+def list_memory(*, as_json: bool) -> int:
     rows = memory_rows()
     if not rows and not as_json:
         print(f"nothing held in node memory under {user_root()}", file=sys.stderr)
         return 0
-    print_rows(rows, as_json)
+    print_rows(rows, as_json=as_json)
     return 0

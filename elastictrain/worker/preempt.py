@@ -100,7 +100,7 @@ class PreemptionWatcher:
             one poller per node is enough because ranks agree on any notice).
     """
 
-    def __init__(self, config: PreemptConfig, poll: bool = True) -> None:
+    def __init__(self, config: PreemptConfig, *, poll: bool = True) -> None:
         self.config = config
         self._poll = poll and (config.file is not None or config.url is not None)
         self._notice: Notice | None = None
@@ -123,7 +123,7 @@ class PreemptionWatcher:
             self._thread.start()
         return self
 
-    def close(self, restore_signals: bool = True) -> None:
+    def close(self, *, restore_signals: bool = True) -> None:
         """Stop polling and (by default) put the previous signal handlers back."""
         self._stop.set()
         if self._thread is not None:
@@ -305,7 +305,7 @@ class MetadataChecker:
 _current: PreemptionWatcher | None = None
 
 
-def install(config: PreemptConfig, poll: bool = True) -> PreemptionWatcher | None:
+def install(config: PreemptConfig, *, poll: bool = True) -> PreemptionWatcher | None:
     """Start the process-wide watcher (``elastictrain.init`` calls this)."""
     global _current
     uninstall()
@@ -315,11 +315,11 @@ def install(config: PreemptConfig, poll: bool = True) -> PreemptionWatcher | Non
     return _current
 
 
-def uninstall(restore_signals: bool = True) -> None:
+def uninstall(*, restore_signals: bool = True) -> None:
     """Stop the process-wide watcher, if any."""
     global _current
     if _current is not None:
-        _current.close(restore_signals)
+        _current.close(restore_signals=restore_signals)
         _current = None
 
 

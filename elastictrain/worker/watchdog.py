@@ -100,7 +100,7 @@ class Watchdog:
         (training thread, outside busy sections)."""
         self._moved(rearm=False)
 
-    def _moved(self, rearm: bool) -> None:
+    def _moved(self, *, rearm: bool) -> None:
         self._last = now = time.monotonic()
         if rearm or now - self._armed_at >= self.config.check_interval_s:
             self._arm_backstop()

@@ -89,9 +89,12 @@ def test_a_complete_copy_needs_every_node_without_peers_and_one_with_them() -> N
     # The newest attempt's copy, whatever step an earlier attempt reached; none that
     # an attempt before the durable snapshot's took.
     assert complete_memory_step({"a": (3, 13), "b": (2, 16)}, peer_restore=True) == 13
-    assert complete_memory_step({"a": (3, 13), "b": (3, 13)}, True, (3, 13)) is None
-    assert complete_memory_step({"a": (2, 16), "b": None}, True, (3, 14)) is None
-    assert complete_memory_step({"a": (2, 16), "b": (3, 15)}, True, (3, 14)) == 15
+    assert complete_memory_step({"a": (3, 13), "b": (3, 13)}, peer_restore=True,
+                                durable=(3, 13)) is None
+    assert complete_memory_step({"a": (2, 16), "b": None}, peer_restore=True,
+                                durable=(3, 14)) is None
+    assert complete_memory_step({"a": (2, 16), "b": (3, 15)}, peer_restore=True,
+                                durable=(3, 14)) == 15
 
 
 def test_a_shrunk_job_must_restore_the_memory_every_survivor_holds() -> None:
@@ -184,9 +187,10 @@ def test_a_record_still_in_flight_at_the_loss_allows_the_memory_interval() -> No
 
 
 def test_every_launcher_not_killed_must_exit_zero() -> None:
-    assert check_agents({"a.0": [0], "b.0": [-9], "b.1": [0]}, {"b.0"}, False) is None
-    assert "did not finish" in str(check_agents({"a.0": [1], "b.0": [-9]}, {"b.0"}, False))
-    assert "timed out" in str(check_agents({"a.0": [0]}, set(), True))
+    assert check_agents({"a.0": [0], "b.0": [-9], "b.1": [0]}, {"b.0"}, timed_out=False) is None
+    assert "did not finish" in str(check_agents({"a.0": [1], "b.0": [-9]}, {"b.0"},
+                                                timed_out=False))
+    assert "timed out" in str(check_agents({"a.0": [0]}, set(), timed_out=True))
 
 
 def write_records(directory: Path, steps: list[tuple[int, str, int, list[list[int]]]]) -> None:

@@ -134,8 +134,8 @@ def test_the_save_before_a_membership_restart(
 
 
 def test_only_a_healthy_group_restarts_for_a_membership_change() -> None:
-    assert restart_reason(True) == "membership_change"
-    assert restart_reason(False) == "failure"
+    assert restart_reason(group_healthy=True) == "membership_change"
+    assert restart_reason(group_healthy=False) == "failure"
 
 
 def test_a_worker_stuck_in_its_exit_is_found_by_cpu_time_not_wall_time() -> None:

@@ -70,7 +70,7 @@ def held(step: int, *names: str, digest: str = "d") -> Holding:
 ])
 def test_choose(nodes: list[list[Holding]], receive: list[bool], durable: int,
                 transfer: bool, expected: Choice) -> None:
-    assert choose(nodes, receive, durable, transfer) == expected
+    assert choose(nodes, receive, durable, may_transfer=transfer) == expected
 
 
 def test_pairs_group_each_receiver_and_holder_in_one_order() -> None:

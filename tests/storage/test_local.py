@@ -41,7 +41,7 @@ def test_denied_write_is_permission_error(tmp_path: Path, monkeypatch: pytest.Mo
     # Tests run as root, which ignores mode bits, so the OS denial is simulated.
     from elastictrain.storage import local
 
-    def deny(full: str, data: bytes, if_absent: bool, *_: object) -> None:
+    def deny(full: str, data: bytes, **_: object) -> None:
         raise PermissionError(13, "Permission denied", full)
 
     monkeypatch.setattr(local, "atomic_write", deny)

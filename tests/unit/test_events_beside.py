@@ -29,7 +29,7 @@ def _runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **log: str) -> ses
     monkeypatch.delenv("ELASTICTRAIN_LAUNCH_ID", raising=False)
     settings = load_settings(log=log) if log else load_settings()
     sink = events.open_sink(settings, "r1", NAME)
-    et_log.configure("info", True, sink.path)
+    et_log.configure("info", json_output=True, events_file=sink.path)
     et_log.get_logger().info("worker.start", pid=1)
     rt = session.Runtime.__new__(session.Runtime)
     rt.settings, rt.events_dir, rt.run_id = settings, str(sink.path.parent), "r1"
@@ -41,7 +41,7 @@ def _runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **log: str) -> ses
 @pytest.fixture(autouse=True)
 def _reset_log() -> Iterator[None]:
     yield
-    et_log.configure("info", True, None)
+    et_log.configure("info", json_output=True, events_file=None)
 
 
 def test_the_file_moves_beside_the_snapshots(tmp_path: Path,
@@ -85,7 +85,7 @@ def test_object_storage_gets_the_file_uploaded(tmp_path: Path,
     url = "memory://events-beside-test"
     session.events_beside(StorageConfig(url=url))
     et_log.get_logger().info("resume", from_step=None)
-    et_log.configure("info", True, None)  # closing the file uploads it
+    et_log.configure("info", json_output=True, events_file=None)  # closing the file uploads it
     uploaded = open_store(url).read_bytes(f"events/r1/{NAME}").decode()
     assert [e["event"] for e in parse_event_lines(uploaded)] == ["worker.start",
                                                                       "resume"]

@@ -129,9 +129,10 @@ def test_failure_history_tells_which_failures_kept_the_memory_tier(tmp_path: Pat
     # The durable tier's view: only the failures that lost a node's memory (and the
     # unresolved one, until resolved).
     assert history.durable_view() == FailureHistory(27.0, 3)
-    assert history.resolved(True).durable_view() == FailureHistory(27.0, 2)
-    assert history.resolved(False).durable_view() == FailureHistory(27.0, 3)
-    assert history.resolved(True).resolved(False) == history.resolved(True)
+    assert history.resolved(memory_kept=True).durable_view() == FailureHistory(27.0, 2)
+    assert history.resolved(memory_kept=False).durable_view() == FailureHistory(27.0, 3)
+    kept = history.resolved(memory_kept=True)
+    assert kept.resolved(memory_kept=False) == kept
 
 
 def test_failure_history_leaves_rescued_failures_out_of_the_memory_view(
@@ -152,9 +153,11 @@ def test_failure_history_leaves_rescued_failures_out_of_the_memory_view(
     history = failure_history(tmp_path)
     assert history == FailureHistory(28.0, 3, memory_kept=2, unresolved=1, rescued=1)
     assert history.memory_view() == FailureHistory(28.0, 2)
-    assert history.resolved(True, rescued=True).memory_view() == FailureHistory(28.0, 1)
-    assert history.resolved(True, rescued=False).memory_view() == FailureHistory(28.0, 2)
-    assert history.resolved(True, rescued=True).durable_view() == FailureHistory(28.0, 0)
+    rescued = history.resolved(memory_kept=True, rescued=True)
+    assert rescued.memory_view() == FailureHistory(28.0, 1)
+    assert history.resolved(memory_kept=True, rescued=False).memory_view() == \
+        FailureHistory(28.0, 2)
+    assert rescued.durable_view() == FailureHistory(28.0, 0)
 
 
 def test_policy_bounds_reasons_and_reevaluation() -> None:

@@ -98,7 +98,7 @@ class MemoryTier:
 
 
 def open_memory_tier(config: SnapshotConfig, run_id: str, durable: Store,
-                     sweep_idle: bool = False) -> MemoryTier:
+                     *, sweep_idle: bool = False) -> MemoryTier:
     """Check, create and hold this run's memory directory.
 
     Raises:

@@ -76,7 +76,7 @@ class Choice:
 
 
 def choose(held: list[Held], can_receive: list[bool], durable: Durable,
-           may_transfer: bool = True) -> Choice:
+           *, may_transfer: bool = True) -> Choice:
     """The memory snapshot every node restores (module docstring).
 
     Args:

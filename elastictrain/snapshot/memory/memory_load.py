@@ -54,7 +54,7 @@ def load_memory(store: Store | None, ctx: DistContext, peers: PeerCopies | None,
         found = ctx.all_gather_object(Held.of(manifest))
         reason = choose(found, [False] * len(found), durable, may_transfer=False).reason
     else:
-        choice = peers.agree(Held.of(manifest), store is not None, durable)
+        choice = peers.agree(Held.of(manifest), can_receive=store is not None, durable=durable)
         reason = choice.reason
         if reason is None and choice.sources and not peers.fetch(choice, store):
             if durable_step == NO_STEP:  # every rank alike: fetch agreed on the outcome

@@ -74,7 +74,7 @@ class _Outgoing:
         self.unsent = memoryview(b"")
         self.skipped = 0  # records not sent while a message waited for the connection
 
-    def offer(self, message: bytes, keep: bool = False) -> None:
+    def offer(self, message: bytes, *, keep: bool = False) -> None:
         """Send ``message`` if the previous one is through, as much as goes now; else
         drop it, or with ``keep`` queue it behind the previous one (a record its
         target waits for)."""
@@ -127,7 +127,7 @@ class RecordStream:
         for thread in self._receivers:
             thread.start()
 
-    def publish(self, record: bytes, pre_step: bool = False) -> None:
+    def publish(self, record: bytes, *, pre_step: bool = False) -> None:
         """(training thread) Send ``record`` to every target; nothing waits. A
         ``pre_step`` record is never dropped: its targets wait for it."""
         if not self._outgoing:
@@ -143,10 +143,10 @@ class RecordStream:
             self.pre_step = False
             self._send(_ENVELOPE.pack(_PRE_STEP_OFF, self._rank, 0), keep=True)
 
-    def _send(self, message: bytes, keep: bool) -> None:
+    def _send(self, message: bytes, *, keep: bool) -> None:
         for out in list(self._outgoing):
             try:
-                out.offer(message, keep)
+                out.offer(message, keep=keep)
             except OSError as exc:  # the target's node is gone
                 self._stop_sending(out, exc)
 

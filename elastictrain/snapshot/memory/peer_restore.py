@@ -64,7 +64,7 @@ class PeerCopies:
     def node(self) -> int:
         return self.nodes.node_of[self.ctx.rank]
 
-    def agree(self, held_here: Held, can_receive: bool, durable: Durable) -> Choice:
+    def agree(self, held_here: Held, *, can_receive: bool, durable: Durable) -> Choice:
         """(all ranks) ``choose`` over what every node's leader found."""
         found = self.ctx.all_gather_object((held_here, can_receive))
         leaders = [self.nodes.leader(node) for node in range(self.nodes.count)]

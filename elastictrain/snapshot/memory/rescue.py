@@ -75,7 +75,7 @@ class BoundaryRecord:
         self._versions = 0
         self._numpy = _NumpyState()
 
-    def capture(self, step: int, pre_step: bool = False) -> bytes | None:
+    def capture(self, step: int, *, pre_step: bool = False) -> bytes | None:
         """This rank's record of ``step`` as it would be written now (None when the RNG
         states do not fit a slot: not expected, a slot is several times their size).
         ``pre_step``: taken before the optimizer step of ``step``, marked as such."""
@@ -155,7 +155,7 @@ def same_states(record: bytes, other: bytes) -> bool:
 
 
 def read_record(directory: Path, rank: int, step: int, attempt: tuple[int, int, int],
-                pre_step_ok: bool = False) -> dict[str, Any] | None:
+                *, pre_step_ok: bool = False) -> dict[str, Any] | None:
     """Rank ``rank``'s RNG states at ``step`` of this attempt (None when its node's
     record of that step is missing, torn or from another attempt, or was taken before
     the optimizer step and ``pre_step_ok`` is False)."""

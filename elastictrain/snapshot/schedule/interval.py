@@ -97,7 +97,7 @@ class FailureHistory:
         rescued failure lost nothing, whatever the interval)."""
         return FailureHistory(self.uptime_s, self.failures - self.rescued)
 
-    def resolved(self, memory_kept: bool, rescued: bool = False) -> FailureHistory:
+    def resolved(self, *, memory_kept: bool, rescued: bool = False) -> FailureHistory:
         """With the newest failure's outcome known from this attempt's restore."""
         return replace(self, memory_kept=self.memory_kept + self.unresolved * memory_kept,
                        rescued=self.rescued + self.unresolved * rescued, unresolved=0)

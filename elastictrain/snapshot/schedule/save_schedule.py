@@ -102,7 +102,7 @@ class SaveSchedule:
         self._last_memory_step, self._last_memory_time = step, self._clock()
 
     # -- the costs the automatic intervals weigh ----------------------------------------
-    def durable_saved(self, cost_s: float, settled_at_fence: bool) -> None:
+    def durable_saved(self, cost_s: float, *, settled_at_fence: bool) -> None:
         """What a durable save cost the loop (back-pressure + staging); with copies
         behind, its cost ends at the fence (``fenced``), which adds the wait there."""
         if self.durable_policy is None:
@@ -123,13 +123,13 @@ class SaveSchedule:
         if self.memory_policy is not None:
             self.memory_policy.observe_cost(cost_s)
 
-    def failures_resolved(self, memory_kept: bool, rescued: bool) -> None:
+    def failures_resolved(self, *, memory_kept: bool, rescued: bool) -> None:
         """The failures since the last attempt, now known (after a restore): one the
         memory tier covered leaves the durable interval alone, and a rescued one the
         memory interval too (docs/interval.md)."""
         if self.history is None:
             return
-        self.history = self.history.resolved(memory_kept, rescued)
+        self.history = self.history.resolved(memory_kept=memory_kept, rescued=rescued)
         if self.durable_policy is not None:
             self.durable_policy.history = self._durable_history(self.history)
         if self.memory_policy is not None:

@@ -77,7 +77,7 @@ class Choice:
 
 
 def choose(holdings: list[list[Holding]], can_receive: list[bool], durable_step: int,
-           may_transfer: bool) -> Choice:
+           *, may_transfer: bool) -> Choice:
     """The newest step newer than durable whose every object some node holds.
 
     Args:
@@ -93,7 +93,7 @@ def choose(holdings: list[list[Holding]], can_receive: list[bool], durable_step:
         return Choice(NO_STEP, "no memory snapshot newer than the durable one", {})
     reasons = []
     for step in steps:
-        choice, reason = _choose_step(holdings, can_receive, step, may_transfer)
+        choice, reason = _choose_step(holdings, can_receive, step, may_transfer=may_transfer)
         if choice is not None:
             return choice
         reasons.append(f"step {step}: {reason}")
@@ -101,7 +101,7 @@ def choose(holdings: list[list[Holding]], can_receive: list[bool], durable_step:
 
 
 def _choose_step(holdings: list[list[Holding]], can_receive: list[bool], step: int,
-                 may_transfer: bool) -> tuple[Choice | None, str]:
+                 *, may_transfer: bool) -> tuple[Choice | None, str]:
     of_step = {node: h for node, held in enumerate(holdings) for h in held if h.step == step}
     if len({h.digest for h in of_step.values()}) > 1:
         return None, "the nodes hold different manifests of it"

@@ -89,7 +89,7 @@ class ShardedMemory:
                                            if self.leader else None)
         leaders = [self.nodes.leader(n) for n in range(self.nodes.count)]
         choice = choose([list(found[r]) for r in leaders], [True] * self.nodes.count,
-                        durable_step, self.transport is not None)
+                        durable_step, may_transfer=self.transport is not None)
         if choice.reason is not None:
             return _skipped(durable_step, choice.reason)
         problem = self._fetch(choice)

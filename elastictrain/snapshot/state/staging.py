@@ -52,7 +52,7 @@ class StagingBuffers:
             the state's shapes are stable (tests and benchmarks check it).
     """
 
-    def __init__(self, share_memory: bool = False) -> None:
+    def __init__(self, *, share_memory: bool = False) -> None:
         self.share_memory = share_memory
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self.allocations = 0
@@ -141,7 +141,7 @@ class StagingBuffers:
         return staged, walk.later
 
     def _allocate_missing(self, leaves: dict[tuple[Any, ...], torch.Tensor],
-                          touch: bool = False) -> None:
+                          *, touch: bool = False) -> None:
         groups: dict[tuple[Any, torch.dtype, bool], list[tuple[Any, ...]]] = defaultdict(list)
         for path, src in leaves.items():
             buf = self._buffers.get(path)
@@ -149,9 +149,10 @@ class StagingBuffers:
                 top = path[0] if path else None  # one slab per top-level key and dtype
                 groups[(top, src.dtype, src.is_cuda)].append(path)
         for (_, dtype, on_cuda), paths in groups.items():
-            self._allocate_slab(dtype, on_cuda, [(p, leaves[p].shape) for p in paths], touch)
+            self._allocate_slab(dtype, on_cuda=on_cuda,
+                                items=[(p, leaves[p].shape) for p in paths], touch=touch)
 
-    def _allocate_slab(self, dtype: torch.dtype, on_cuda: bool,
+    def _allocate_slab(self, dtype: torch.dtype, *, on_cuda: bool,
                        items: list[tuple[tuple[Any, ...], torch.Size]], touch: bool) -> None:
         itemsize = torch.empty((), dtype=dtype).element_size()
         offsets, total = [], 0

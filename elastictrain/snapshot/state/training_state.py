@@ -166,7 +166,7 @@ class TrainingState:
         reseed_for_new_world(rng_states[0], self.step, self._ctx.rank)
         return "reseeded"
 
-    def replica_digest(self, parameters_only: bool = False) -> int | None:
+    def replica_digest(self, *, parameters_only: bool = False) -> int | None:
         """The digest every rank of replicated state shares (snapshot/state/replica_check.py):
         of everything a snapshot holds of the model and optimizer, or of the parameters
         alone (``parameters_only``: after training, when buffers may differ per rank, as
