@@ -10,7 +10,9 @@ error with a fix, never with a credential.
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -47,6 +49,7 @@ class FsspecStore:
             uploads and ranged reads on S3 (:mod:`.s3`): objects up to the threshold
             go in one PUT, larger ones as multipart uploads.
         private: local files created ``0600`` and directories ``0700``.
+        retry_sleep: what waits between tries (``time.sleep``; a test's own clock).
     """
 
     def __init__(
@@ -59,10 +62,11 @@ class FsspecStore:
         upload_concurrency: int = DEFAULT_UPLOAD_CONCURRENCY,
         multipart_threshold_bytes: int | None = None,
         *, private: bool = False,
+        retry_sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         refuse_credentials_in_url(url)
         self._url = url
-        self._policy = RetryPolicy.for_storage(retries, retry_backoff_s)
+        self._policy = RetryPolicy.for_storage(retries, retry_backoff_s, retry_sleep)
         settings = StoreSettings(
             part_size_bytes=part_size_bytes, upload_concurrency=upload_concurrency,
             multipart_threshold_bytes=(DEFAULT_MULTIPART_THRESHOLD

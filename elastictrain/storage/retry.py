@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from elastictrain.core.log import get_logger
@@ -46,12 +46,16 @@ class RetryPolicy:
     backoff_s: float = 0.5
     max_delay_s: float = 30.0  # an outage can outlast many retries: keep trying often
     jitter: bool = False
+    # What waits between tries: a test hands in its own clock and reads the waits.
+    sleep: Callable[[float], None] = field(default=time.sleep, compare=False, repr=False)
 
     @classmethod
-    def for_storage(cls, retries: int, backoff_s: float) -> RetryPolicy:
+    def for_storage(cls, retries: int, backoff_s: float,
+                    sleep: Callable[[float], None] = time.sleep) -> RetryPolicy:
         """A store's policy: ``retries`` tries after the first, jittered so that many
         ranks and upload parts retrying at once do not throttle the store in lockstep."""
-        return cls(retries + 1, backoff_s, max_delay_s=STORAGE_MAX_DELAY_S, jitter=True)
+        return cls(retries + 1, backoff_s, max_delay_s=STORAGE_MAX_DELAY_S, jitter=True,
+                   sleep=sleep)
 
     @property
     def retries(self) -> int:
@@ -88,4 +92,4 @@ class RetryPolicy:
                             retries=self.retries, delay_s=round(delay, 3),
                             error_type=type(exc).__name__,
                             error_code=error_code(exc))
-                time.sleep(delay)
+                self.sleep(delay)

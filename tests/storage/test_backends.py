@@ -78,7 +78,8 @@ def test_a_storage_policy_retries_with_jitter_a_persist_policy_without() -> None
 
 
 def test_run_stops_at_a_permanent_fault_and_after_the_last_retry() -> None:
-    policy = RetryPolicy.for_storage(retries=2, backoff_s=0.001)
+    waits: list[float] = []
+    policy = RetryPolicy.for_storage(retries=2, backoff_s=4.0, sleep=waits.append)
     calls: list[int] = []
 
     def flaky() -> str:
@@ -88,6 +89,8 @@ def test_run_stops_at_a_permanent_fault_and_after_the_last_retry() -> None:
         return "ok"
 
     assert policy.run(flaky, op="read", where="x", **MEMORY) == ("ok", 2)
+    # Two waits through the policy's clock, jittered within their backoff (none real).
+    assert len(waits) == 2 and 2.0 <= waits[0] <= 4.0 and 4.0 <= waits[1] <= 8.0
 
     def denied() -> None:
         calls.append(1)

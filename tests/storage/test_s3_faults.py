@@ -93,7 +93,11 @@ def test_transient_faults_are_retried_with_backoff(s3: S3Bucket, fault: str,
         s3.server.faults.throttle(match, times=times)
     else:
         s3.server.faults.drop(match, times=times)
-    store = s3_store(s3, options=ONE_ATTEMPT, retries=8, retry_backoff_s=0.01)
+    # A real backoff (1 s, doubling, capped at 20 s), waited on the test's clock: the
+    # waits are read, not slept.
+    waits: list[float] = []
+    store = s3_store(s3, options=ONE_ATTEMPT, retries=8, retry_backoff_s=1.0,
+                     retry_sleep=waits.append)
     with capture_logs() as logs:
         store.write_bytes("obj.bin", b"payload")
     assert store.read_bytes("obj.bin") == b"payload"
@@ -102,7 +106,8 @@ def test_transient_faults_are_retried_with_backoff(s3: S3Bucket, fault: str,
     retries = [e for e in logs if e["event"] == "storage.retry"]
     assert len(retries) <= 8 and all(e["op"] == "write" for e in retries)
     assert all(e["path"] == s3.url() + "/obj.bin" for e in retries)
-    assert all(0 < e["delay_s"] <= 0.01 * 2**i for i, e in enumerate(retries))
+    assert [round(w, 3) for w in waits] == [e["delay_s"] for e in retries]
+    assert all(0.5 * min(2**i, 20) <= w <= min(2**i, 20) for i, w in enumerate(waits))
     if fault == "throttle":  # s3fs stops after 5 SlowDowns: the rest were ours
         assert len(retries) >= 2 and {e["error_code"] for e in retries} == {"SlowDown"}
 
@@ -110,14 +115,17 @@ def test_transient_faults_are_retried_with_backoff(s3: S3Bucket, fault: str,
 def test_a_failing_part_is_retried_alone(s3: S3Bucket) -> None:
     part2 = lambda r: r.op == "UploadPart" and r.part == 2  # noqa: E731
     s3.server.faults.throttle(part2, times=7)
+    waits: list[float] = []
     store = s3_store(s3, options=ONE_ATTEMPT, retries=3, part_size_bytes=5 * MIB,
-                     multipart_threshold_bytes=5 * MIB, upload_concurrency=2)
+                     multipart_threshold_bytes=5 * MIB, upload_concurrency=2,
+                     retry_sleep=waits.append)
     data = bytes(range(256)) * (11 * MIB // 256)
     with store.open_write("big.bin") as f:
         f.write(data)
     assert store.read_bytes("big.bin") == data
     parts = [r.part for r in s3.server.faults.seen(lambda r: r.op == "UploadPart")]
     assert (parts.count(1), parts.count(2), parts.count(3)) == (1, 8, 1)
+    assert waits and all(w <= 0.05 * 2**2 for w in waits)  # 3 retries a try, from 0.05 s
 
 
 def test_missing_bucket_fails_at_once_with_the_fix(s3: S3Bucket) -> None:
@@ -174,7 +182,8 @@ def test_retry_events_from_upload_threads_carry_the_run_context(s3: S3Bucket,
     """Parts upload in worker threads; their events still say which run and rank."""
     s3.server.faults.throttle(lambda r: r.op == "UploadPart" and r.part == 2, times=6)
     store = s3_store(s3, options=ONE_ATTEMPT, retries=3, part_size_bytes=5 * MIB,
-                     multipart_threshold_bytes=5 * MIB, upload_concurrency=2)
+                     multipart_threshold_bytes=5 * MIB, upload_concurrency=2,
+                     retry_sleep=lambda s: None)
     events_file = tmp_path / "events.jsonl"
     et_log.configure("warning", json_output=True, events_file=events_file,
                      stream=io.StringIO())
