@@ -24,7 +24,7 @@ from elastictrain.storage.backends import backend_for
 from elastictrain.storage.faults import with_faults
 from elastictrain.storage.generic import StoreSettings
 from elastictrain.storage.retry import RetryPolicy
-from elastictrain.storage.urls import refuse_credentials_in_url
+from elastictrain.storage.urls import refuse_credentials_in_url, refuse_misspelled_scheme
 
 if TYPE_CHECKING:
     from elastictrain.core.config import StorageConfig
@@ -65,6 +65,7 @@ class FsspecStore:
         retry_sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         refuse_credentials_in_url(url)
+        refuse_misspelled_scheme(url)
         self._url = url
         self._policy = RetryPolicy.for_storage(retries, retry_backoff_s, retry_sleep)
         settings = StoreSettings(

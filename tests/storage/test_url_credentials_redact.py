@@ -56,3 +56,31 @@ def test_failing_commands_never_show_a_url_credential(
         assert_no_secret(result.stdout, result.stderr, where=f"{command[0]} output")
     _assert_no_secret_in_files(tmp_path)
     assert s3.server.keys(s3.name) == []  # refused before any request wrote anything
+
+
+@pytest.mark.parametrize(("url", "meant"), [
+    ("s3//bucket/run", "s3://bucket/run"), ("s3:/bucket/run", "s3://bucket/run"),
+    ("S3:bucket/run", "s3://bucket/run"), ("gs//bucket", "gs://bucket"),
+    ("memory:/run", "memory://run")])
+def test_a_misspelled_scheme_is_refused_with_the_url_meant(url: str, meant: str,
+                                                           tmp_path: Path) -> None:
+    """Taken as a local path, ``s3//bucket/run`` would train to ./s3/bucket/run."""
+    with pytest.raises(ConfigError) as info:
+        FsspecStore(url)
+    message = str(info.value)
+    assert "\n" not in message and f"fix: write {meant} " in message
+    for local in ("./s3//bucket", str(tmp_path / "s3:" / "x"), "s3_run", "s3"):
+        FsspecStore(local)  # local paths, however they look, stay local paths
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("command", [["status"], ["snapshots", "list"], ["goodput"],
+                                     ["demo", "--steps", "2", "--quiet", "--storage"]],
+                         ids=["status", "list", "goodput", "demo"])
+def test_commands_refuse_a_misspelled_scheme_before_writing(tmp_path: Path,
+                                                            command: list[str]) -> None:
+    result = run_cli([*command, "s3//bucket/run"], tmp_path)
+    assert result.returncode == EXIT_USAGE, result.stderr[-3000:]
+    # The read commands find no such directory; the demo, which would write, refuses it.
+    assert "fix: write" in result.stderr and "s3://bucket/run" in result.stderr
+    assert not (tmp_path / "s3").exists()
