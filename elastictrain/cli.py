@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -419,7 +421,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         exit_launcher(cli_main(argv[1:]))
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)  # --help prints
+    except BrokenPipeError:
+        sys.exit(_reader_gone())
     et_log.configure()  # events this process logs go to stderr: stdout is for --json
     try:
         code = args.func(args)
@@ -428,7 +433,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = exit_code_for(args.command, exc)
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:
+        code = _reader_gone()
     sys.exit(code)
+
+
+def _reader_gone() -> int:
+    """The reader of stdout closed it (``| head``): what it read was printed. End quietly
+    as a process killed by SIGPIPE would, not with a traceback; stdout now goes nowhere,
+    so the interpreter's last flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
