@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -21,6 +20,7 @@ from typing import Any
 from elastictrain.core import log as et_log
 from elastictrain.core.errors import (
     EXIT_FATAL,
+    EXIT_READER_GONE,
     EXIT_USAGE,
     ConfigError,
     ElasticTrainError,
@@ -445,7 +445,7 @@ def _reader_gone() -> int:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
-    return 128 + signal.SIGPIPE
+    return EXIT_READER_GONE
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a final snapshot is committed; resume me els
 EXIT_PREEMPTED_UNSAVED = 76
 EXIT_FATAL = 78  # EX_CONFIG: bad config or unrecoverable state; do not retry.
 EXIT_HANG = 71  # the watchdog saw no progress; torchrun should restart the group.
+EXIT_READER_GONE = 141  # 128 + SIGPIPE: a command's output was closed early (| head).
 
 
 class ElasticTrainError(Exception):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from elastictrain.core.errors import EXIT_READER_GONE
 from tests.helpers import child_env
 from tests.unit.test_manager import build, train
 
@@ -39,5 +40,5 @@ def test_a_closed_output_ends_the_command_quietly(run_dir: Path, tmp_path: Path,
                                 text=True, timeout=120, env=child_env(tmp_path), check=False)
     finally:
         os.close(write_end)
-    assert result.returncode == 128 + 13, result.stderr[-3000:]
+    assert result.returncode == EXIT_READER_GONE == 128 + 13, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
