@@ -26,7 +26,7 @@ from elastictrain.core.errors import (
     ElasticTrainError,
     StorageNotFoundError,
 )
-from elastictrain.core.helpformat import HelpFormatter
+from elastictrain.core.helpformat import HelpFormatter, SuggestingParser
 
 # Commands that start a run: only they may end with 78 (a fatal run, do not retry).
 _RUNS = ("demo", "chaos")
@@ -201,7 +201,7 @@ def _storage_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="elastictrain", formatter_class=HelpFormatter,
         description="Fault-tolerant, elastic PyTorch training: run jobs under torchrun, "
         "watch them, and manage their snapshots.",

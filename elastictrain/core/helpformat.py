@@ -1,9 +1,13 @@
-"""The help layout of every ``elastictrain`` command, ``elastictrain run`` included."""
+"""The help layout of every ``elastictrain`` command, ``elastictrain run`` included, and
+the "did you mean" of their usage errors."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import textwrap
+from typing import Any, NoReturn
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -36,3 +40,59 @@ class HelpFormatter(argparse.HelpFormatter):
                 prose = []
             out.append(indent + line if line else "")
         return "\n".join(out).rstrip("\n")
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """An argument parser whose errors name the closest command or option: ``stauts``
+    gets "did you mean 'status'?", ``--kil-at`` "did you mean --kill-at?". Its
+    subcommands' parsers are of this class too (argparse makes them of the parent's)."""
+
+    _chosen: argparse.ArgumentParser | None = None  # the subcommand the line named
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # as argparse's own, knowing which subcommand the options were for
+            self._chosen = _subcommand(self, parsed)
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def error(self, message: str) -> NoReturn:
+        hint = self._closest(message)
+        super().error(f"{message}; did you mean {hint}?" if hint else message)
+
+    def _closest(self, message: str) -> str | None:
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice is not None:
+            names = [c.strip(" '") for c in choice.group(2).split(",")]
+            close = difflib.get_close_matches(choice.group(1), names, n=1, cutoff=0.6)
+            return f"'{close[0]}'" if close else None
+        unknown = re.search(r"unrecognized arguments: (.*)", message)
+        for token in unknown.group(1).split() if unknown is not None else []:
+            if token.startswith("--"):
+                chosen = self._chosen if isinstance(self._chosen, SuggestingParser) else self
+                close = difflib.get_close_matches(token.split("=", 1)[0], chosen._options(),
+                                                  n=1, cutoff=0.6)
+                if close:
+                    return close[0]
+        return None
+
+    def _options(self) -> list[str]:
+        """Every long option of this parser and of its subcommands, at any depth."""
+        found = [o for o in self._option_string_actions if o.startswith("--")]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for parser in action.choices.values():
+                    found += (parser._options() if isinstance(parser, SuggestingParser)
+                              else [])
+        return sorted(set(found))
+
+
+def _subcommand(parser: argparse.ArgumentParser,
+                parsed: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand's parser that ``parsed`` went through."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+            if chosen is not None:
+                return _subcommand(chosen, parsed)
+    return parser
