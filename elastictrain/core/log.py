@@ -124,6 +124,15 @@ def _add_time(logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
     return event
 
 
+def _clock_time(logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
+    """For a reader (console rendering only; the event files keep epoch seconds): the
+    event's time as 14:03:07.123 in local time, first on its line."""
+    ts = event.get("ts")
+    if isinstance(ts, (int, float)):
+        event["ts"] = time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts % 1 * 1000):03d}"
+    return event
+
+
 def configure(
     level: str = "info",
     *, json_output: bool | None = None,
@@ -158,12 +167,11 @@ def configure(
         _tee = _EventFileTee(Path(events_file), upload)
         processors.append(_tee)
     processors.append(structlog.processors.format_exc_info)
-    renderer: Processor = (
-        structlog.processors.JSONRenderer(default=str)
-        if json_output
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
-    processors.append(renderer)
+    if json_output:
+        processors.append(structlog.processors.JSONRenderer(default=str))
+    else:
+        processors += [_clock_time, structlog.dev.ConsoleRenderer(colors=False,
+                                                                  timestamp_key="ts")]
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
