@@ -92,7 +92,7 @@ def _snapshots(args: argparse.Namespace) -> int:
         print(json.dumps(row) if args.json else ops.format_inspect(row))
         return 0
     else:
-        rows = ops.prune_snapshots(store, args.keep)
+        rows = ops.prune_snapshots(store, args.keep, dry_run=args.dry_run)
     if not rows and args.snap_cmd in ("list", "verify"):
         print(ops.nothing_found(store), file=sys.stderr)
         if args.json:
@@ -297,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--keep", type=int, required=True,
                              help="verified snapshots to keep, at least 1; partial ones "
                              "newer than the newest verified are kept too")
+            cmd.add_argument("--dry-run", action="store_true",
+                             help="list what would be deleted and kept; delete nothing")
     snaps.set_defaults(func=_snapshots)
 
     chaos = _command(
@@ -425,7 +427,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         args = parser.parse_args(argv)  # --help prints
     except BrokenPipeError:
         sys.exit(_reader_gone())
-    et_log.configure()  # events this process logs go to stderr: stdout is for --json
+    # Events this process logs go to stderr (stdout is for --json); the snapshot
+    # commands' rows say what they did, so only warnings (a storage retry) join them.
+    et_log.configure("warning" if args.command == "snapshots" else "info")
     try:
         code = args.func(args)
     except ElasticTrainError as exc:

@@ -17,7 +17,7 @@ from typing import Any
 from elastictrain.core import layout
 from elastictrain.core.errors import ConfigError, SnapshotCorrupt, StorageNotFoundError
 from elastictrain.core.shm import user_root
-from elastictrain.snapshot.durable.retention import prune
+from elastictrain.snapshot.durable import retention
 from elastictrain.snapshot.format.manifest import SHARDED_FORMAT_VERSION, Manifest
 from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.snapshot.format.sharded_reader import parts_by_rank
@@ -159,16 +159,24 @@ def format_inspect(row: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def prune_snapshots(store: Store, keep: int) -> list[dict[str, Any]]:
+def prune_snapshots(store: Store, keep: int, *, dry_run: bool = False) -> list[dict[str, Any]]:
+    """Delete all but the newest ``keep`` snapshots (the newest verified one always
+    kept); one row per step deleted and kept, and per partial write or orphan deleted.
+    With ``dry_run``, the same rows, nothing deleted."""
     if keep < 1:
         raise ConfigError(f"--keep={keep}: must be >= 1; the newest verified snapshot is "
                           "never deleted")
     newest = next((r["step"] for r in verify_snapshots(store) if r["status"] == "ok"), None)
     if newest is None:
         return [{"status": "nothing pruned", "reason": "no verified snapshot"}]
-    pruned = prune(store, keep, newest)
-    return [{"step": s, "status": "pruned"} for s in pruned] + [
-        {"step": newest, "status": "kept (newest verified)"}]
+    plan = retention.plan(store, keep, newest)
+    if not dry_run:
+        retention.carry_out(store, plan)
+    gone = "would delete" if dry_run else "deleted"
+    return [{"step": d.step if d.step is not None else "-", "status": f"{gone} ({d.reason})",
+             "path": d.path} for d in plan.deletions] + [
+        {"step": s, "status": "kept (newest verified)" if s == newest else "kept"}
+        for s in plan.kept]
 
 
 def print_rows(rows: list[dict[str, Any]], *, as_json: bool) -> None:

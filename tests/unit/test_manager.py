@@ -24,7 +24,7 @@ def build(url: str, **kw: Any) -> tuple[torch.nn.Module, Any, Any, et.ElasticSam
     sampler = et.ElasticSampler(40, 4, seed=1)
     scaler = torch.amp.GradScaler("cpu", enabled=True)
     snap = et.SnapshotManager(url, model=model, optimizer=opt, scheduler=sched, scaler=scaler,
-                              sampler=sampler, every_steps=5, keep=2, **kw)
+                              sampler=sampler, **{"every_steps": 5, "keep": 2, **kw})
     return model, opt, sched, sampler, snap
 
 
