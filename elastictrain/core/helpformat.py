@@ -58,7 +58,8 @@ class SuggestingParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         hint = self._closest(message)
-        super().error(f"{message}; did you mean {hint}?" if hint else message)
+        usage_error = f"{message}; did you mean {hint}?" if hint else message
+        super().error(usage_error)
 
     def _closest(self, message: str) -> str | None:
         choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)

@@ -203,6 +203,7 @@ EVENT_NAME = re.compile(r"^[a-z_]+(\.[a-z_]+)*$")
 DYNAMIC_EVENTS = {
     ("dist.py", "self._event"): "deadline",  # names come from deadline(seconds, "name")
     ("generic.py", "full"): None,  # self.fs.info(path): not a log call
+    ("helpformat.py", "usage_error"): None,  # argparse's error(): not a log call
 }
 
 
