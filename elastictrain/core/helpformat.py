@@ -53,7 +53,8 @@ class SuggestingParser(argparse.ArgumentParser):
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:  # as argparse's own, knowing which subcommand the options were for
             self._chosen = _subcommand(self, parsed)
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            usage_error = f"unrecognized arguments: {' '.join(extras)}"
+            self.error(usage_error)
         return parsed
 
     def error(self, message: str) -> NoReturn:
