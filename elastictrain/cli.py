@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "there).")
     snap_sub = snaps.add_subparsers(dest="snap_cmd", required=True, metavar="ACTION")
     for name, summary in [
-            ("list", "every snapshot, newest first: committed, partial or corrupt"),
+            ("list", "every snapshot, newest first: unverified (committed; verify reads "
+             "its payload), partial or corrupt"),
             ("verify", "check every payload against its manifest; exit 1 if any is "
              "corrupt or none verifies"),
             ("inspect", "one snapshot's manifest: versions, world size, payload objects"),

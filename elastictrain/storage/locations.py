@@ -6,7 +6,6 @@ no torch, so that the operator commands start quickly."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +13,7 @@ from elastictrain.core.config import load_settings
 from elastictrain.core.errors import ConfigError
 from elastictrain.storage.api import Store
 from elastictrain.storage.fsspec_store import open_store
-
-# URL schemes a run's storage may use: a local path starting with one of them and a
-# slash or colon but no "://" is almost surely a mistyped URL (s3//bucket, s3:/bucket).
-_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory", "file")
-_MISTYPED_URL = re.compile(rf"^({'|'.join(_SCHEMES)})(?::/?|/+)(?=[^/])", re.IGNORECASE)
-_USER_INFO = re.compile(r"^[^/@]+@")
+from elastictrain.storage.urls import meant_url
 
 
 def parse_storage_options(text: str | None, flag: str = "--storage-options") -> dict[str, Any]:
@@ -54,12 +48,11 @@ def check_location(url: str, what: str = "storage root", hint: str = _RUN_ROOT_H
     path = Path(url)
     if path.is_dir():
         return  # a real directory wins, even one named like a URL
-    typo = _MISTYPED_URL.match(url)
+    typo = meant_url(url, lone_slash=True)  # never echoes user:secret@
     if typo is not None:
-        rest = _USER_INFO.sub("", url[typo.end():])  # never echo user:secret@
-        raise ConfigError(f"{what} {url[:typo.end()] + rest!r} is neither a URL nor a "
-                          f"directory; fix: write the URL with '://', e.g. "
-                          f"{typo.group(1).lower()}://{rest}")
+        shown, meant = typo
+        raise ConfigError(f"{what} {shown!r} is neither a URL nor a directory; fix: write "
+                          f"the URL with '://', e.g. {meant}")
     if path.exists():
         raise ConfigError(f"{what} {url}: not a directory; fix: pass a directory ({hint})")
     raise ConfigError(f"{what} {url}: no such directory; fix: check the path ({hint})")

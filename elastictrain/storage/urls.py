@@ -1,18 +1,19 @@
 """Storage URLs: credentials never appear in a message and are refused in a URL; a
-misspelled scheme (``s3//bucket``) is refused rather than taken as a local path."""
+mistyped scheme (``s3//bucket``) is refused rather than taken as a new local path."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from elastictrain.core.errors import ConfigError
 
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@]+@")
-# A storage scheme followed by a misspelled separator (``s3//b``, ``s3:/b``, ``s3:b``):
-# as a local path it would create ./s3/b and train there while the user expects S3.
-_SCHEME_TYPO = re.compile(
-    r"^(s3a?|gs|gcs|az|abfss?|adl|hdfs|file|memory|https?|s?ftp)(//|:/(?!/)|:(?!/))(.*)$",
-    re.IGNORECASE)
+# URL schemes a run's storage may use: a local path starting with one of them and a
+# slash or colon but no "://" is almost surely a mistyped URL (s3//bucket, s3:/bucket).
+_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory", "file")
+_MISTYPED_URL = re.compile(rf"^({'|'.join(_SCHEMES)})(:/?|/+)(?=[^/])", re.IGNORECASE)
+_USER_INFO = re.compile(r"^[^/@]+@")
 
 
 def redact_url(url: str) -> str:
@@ -33,14 +34,25 @@ def refuse_credentials_in_url(url: str) -> None:
         )
 
 
+def meant_url(url: str, *, lone_slash: bool = False) -> tuple[str, str] | None:
+    """For a path that looks like a mistyped storage URL (``s3//bucket``, ``s3:/bucket``,
+    ``s3:bucket``; with ``lone_slash`` also ``s3/bucket``): the path as a message may
+    show it and the URL it meant, both without ``user:secret@``. None for anything else."""
+    typo = None if "://" in url else _MISTYPED_URL.match(url)
+    if typo is None or (typo.group(2) == "/" and not lone_slash):
+        return None
+    rest = _USER_INFO.sub("", url[typo.end():])
+    return url[:typo.end()] + rest, f"{typo.group(1).lower()}://{rest}"
+
+
 def refuse_misspelled_scheme(url: str) -> None:
-    """Raise ConfigError for a storage scheme with a misspelled ``://`` (``s3//bucket``,
-    ``s3:/bucket``, ``s3:bucket``), before anything is written: taken as a local path it
-    would put the run on local disk under ``./s3``."""
-    typo = _SCHEME_TYPO.match(url)
-    if typo is None:
+    """Raise ConfigError for a storage location that looks like a mistyped URL
+    (``meant_url``), before anything is written: taken as a local path it would put the
+    run on local disk under ``./s3``. A directory of that name that exists wins."""
+    typo = meant_url(url)
+    if typo is None or Path(url).is_dir():
         return
-    scheme, rest = typo.group(1).lower(), typo.group(3).lstrip("/")
+    shown, meant = typo
     raise ConfigError(
-        f"storage URL {redact_url(url)!r} looks like a misspelled {scheme}:// URL; fix: "
-        f"write {scheme}://{rest} (for a local directory of that name, write ./{url})")
+        f"storage location {shown!r} is neither a URL nor a directory; fix: write the URL "
+        f"with '://', e.g. {meant} (for a new local directory of that name: ./{shown})")

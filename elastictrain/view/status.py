@@ -58,7 +58,7 @@ class RunStatus:
 
     def to_dict(self) -> dict[str, Any]:
         state = self.current
-        committed = [s for s in self.snapshots if s.get("status") == "committed"]
+        committed = [s for s in self.snapshots if s.get("status") == ops.LISTED_COMMITTED]
         return {"storage": self.store.url,
                 **(state.to_dict() if state else {"run_id": self.run_id}),
                 "runs": sorted(self.runs),

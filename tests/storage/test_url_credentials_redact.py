@@ -68,9 +68,11 @@ def test_a_misspelled_scheme_is_refused_with_the_url_meant(url: str, meant: str,
     with pytest.raises(ConfigError) as info:
         FsspecStore(url)
     message = str(info.value)
-    assert "\n" not in message and f"fix: write {meant} " in message
-    for local in ("./s3//bucket", str(tmp_path / "s3:" / "x"), "s3_run", "s3"):
+    assert "\n" not in message and f"e.g. {meant} " in message
+    for local in ("./s3//bucket", str(tmp_path / "s3:" / "x"), "s3_run", "s3", "s3/run"):
         FsspecStore(local)  # local paths, however they look, stay local paths
+    (tmp_path / "s3" / "bucket").mkdir(parents=True)
+    FsspecStore(str(tmp_path / "s3//bucket"))  # a directory of that name that exists wins
 
 
 @pytest.mark.processes

@@ -79,7 +79,7 @@ def test_a_directory_without_manifest_is_partial_in_list_and_verify(tmp_path: Pa
     assert verified.returncode == 0, verified.stderr
     statuses = [[(r["step"], r["status"]) for r in json.loads(out.stdout)]
                 for out in (listed, verified)]
-    assert statuses == [[(15, "partial"), (10, "committed"), (5, "committed")],
+    assert statuses == [[(15, "partial"), (10, "unverified"), (5, "unverified")],
                         [(15, "partial"), (10, "ok"), (5, "ok")]]
     reasons = {json.loads(out.stdout)[0]["reason"] for out in (listed, verified)}
     assert len(reasons) == 1 and "never committed" in reasons.pop()
@@ -99,7 +99,7 @@ def test_an_invalid_manifest_is_corrupt_not_partial(tmp_path: Path) -> None:
     (root / layout.step_dir(10) / layout.MANIFEST).write_text("{not json")
     store = open_store(str(root))
     assert [(r["step"], r["status"]) for r in ops.list_snapshots(store)] == [
-        (15, "partial"), (10, "corrupt"), (5, "committed")]
+        (15, "partial"), (10, "corrupt"), (5, "unverified")]
     assert [(r["step"], r["status"]) for r in ops.verify_snapshots(store)] == [
         (15, "partial"), (10, "corrupt"), (5, "ok")]
 
