@@ -93,7 +93,7 @@ import re, sys, threading
 from elastictrain.core import log
 from elastictrain.worker import watchdog
 from elastictrain.core.config import WatchdogConfig
-log.configure("info", True, {events!r})
+log.configure("info", json_output=True, events_file={events!r})
 dog = watchdog.install(WatchdogConfig(timeout_s=0.5, check_interval_s=0.1, backstop=True))
 dog.beat(3)
 def blocked_forever():
