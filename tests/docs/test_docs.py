@@ -46,6 +46,14 @@ def test_there_are_pages_and_the_readme_is_short() -> None:
     assert len((REPO / "README.md").read_text().splitlines()) <= 120
 
 
+def test_the_docs_index_lists_every_page() -> None:
+    index = (REPO / "docs" / "README.md").read_text()
+    pages = {str(p.relative_to(REPO / "docs")) for p in (REPO / "docs").rglob("*.md")}
+    listed = set(re.findall(r"\]\(([^)#]+\.md)\)", index))
+    missing = pages - {"README.md"} - listed
+    assert not missing, f"docs/README.md misses {sorted(missing)}"
+
+
 @pytest.mark.parametrize(("page", "code"), blocks({"python"}), ids=lambda v: str(v)[-40:])
 def test_python_blocks_compile(page: Path, code: str) -> None:
     ast.parse(code, filename=str(page))
