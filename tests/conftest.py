@@ -9,12 +9,13 @@ import os
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 # Demo runs that several test modules check (one run each per session).
-pytest_plugins = ["tests.shared_runs"]
+pytest_plugins = ["tests.shared_runs", "tests.fixtures"]
 
 # Markers that start processes by definition.
 IMPLY_PROCESSES = ("distributed", "bench")
@@ -27,14 +28,28 @@ SHARED_RUNS = ("one_kill_demo", "two_kills_demo", "reference_digest", "fsdp_refe
                "fsdp_uninterrupted")
 
 
+# The folder says the tier: tests/unit holds the fast tier, tests/processes the tests
+# that start processes; a test in the wrong one is an error at collection.
+FOLDER_OF_TIER = {False: "unit", True: "processes"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    misplaced: list[str] = []
     for item in items:
         if any(item.get_closest_marker(name) for name in IMPLY_PROCESSES):
             item.add_marker(pytest.mark.processes)
+        starts = item.get_closest_marker("processes") is not None
+        folder = item.path.relative_to(Path(__file__).parent).parts[0]
+        if folder != FOLDER_OF_TIER[starts]:
+            misplaced.append(f"{item.nodeid}: {'marked' if starts else 'not marked'} "
+                             f"processes, so it belongs under tests/{FOLDER_OF_TIER[starts]}/")
         shared = [name for name in SHARED_RUNS if name in getattr(item, "fixturenames", ())]
         if shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))
+    if misplaced:
+        raise pytest.UsageError("tests in the wrong tier's folder (tests/README.md):\n  "
+                                + "\n  ".join(misplaced))
 
 
 def _noting(original: Callable[..., Any], what: str, seen: list[str]) -> Callable[..., Any]:

@@ -74,7 +74,7 @@ def kill_if_scheduled(kills: list[int], step: int, rt: et.Runtime,
     Every rank first waits for the save in flight and meets at a barrier, so the demo
     always resumes from the newest snapshot taken before the kill step: its outcome
     does not depend on how fast the background persist was. (A kill *during* a
-    persist is tested on its own: tests/e2e/test_async_kill.py.)
+    persist is tested on its own: tests/processes/e2e/test_async_kill.py.)
     """
     attempt = rt.env.restart_count
     if attempt >= len(kills) or kills[attempt] != step:

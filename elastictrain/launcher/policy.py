@@ -5,7 +5,7 @@ elapsed time, the errors the workers reported) to what it does (keep watching, s
 survivors of a failure, count the group as finished, stop as preempted, fatal or a crash
 loop, restart, wait for a rescue or a save). No process, clock, file or torch object is
 touched here: ``agent.py`` gathers the facts and carries the decisions out, so every rule
-is tested against a table of cases (tests/launcher/test_policy.py).
+is tested against a table of cases (tests/unit/launcher/test_policy.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ torchrun has no hook for the agent class, for the process starter or for the que
 "does a node wait to join?", and its agent keeps the running workers' processes in
 private fields. Each such reach is here, and only here, so that a torch upgrade has one
 file to check. ``CHECKED_TORCH`` names the torch versions the hooks were checked
-against; ``tests/launcher/test_torch_hooks.py`` fails on any other version, and when
+against; ``tests/unit/launcher/test_torch_hooks.py`` fails on any other version, and when
 torch moves what a hook replaces or reads.
 """
 
