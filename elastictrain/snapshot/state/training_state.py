@@ -154,6 +154,10 @@ class TrainingState:
                                   "fix: resume with the same training script")
             self.sampler.load_state_dict(payload["sampler"])
             self.sampler.set_world(self._ctx.rank, self._ctx.world_size)
+            if self.sampler.epoch_done:
+                # Saved at its epoch's last step: the loop goes on with the next epoch,
+                # as the uninterrupted run did, never with an empty one.
+                self.sampler.set_epoch(self.sampler.epoch + 1)
         else:
             self._epoch = int(payload["epoch"])
         self.step = int(payload["step"])
