@@ -333,7 +333,7 @@ class SnapshotManager:
         """
         return self._save(copy_behind=True)
 
-    def _save(self, *, copy_behind: bool) -> SaveHandle:
+    def _save(self, *, copy_behind: bool, at_close: bool = False) -> SaveHandle:
         started = time.perf_counter()
         if self._persists_here():
             self._saver.wait_in_flight(self.step_count)  # its outcome is agreed below
@@ -350,7 +350,7 @@ class SnapshotManager:
             if not self._persists_here():
                 return SaveHandle.completed(self.step_count)
             self._last_handle = self._saver.save(
-                self._train.payload(rng or []), self._train.meta(), started,
+                self._train.payload(rng or [], at_close=at_close), self._train.meta(), started,
                 self._fence.deferred() if copy_behind else frozenset())
             # What the loop waited for: back-pressure + staging (+ the fence's wait).
             self._schedule.durable_saved(time.perf_counter() - started,
@@ -441,7 +441,7 @@ class SnapshotManager:
         if agreed[0] and not agreed[1]:
             held = self._durable_step
             try:
-                self._last_handle = self._save(copy_behind=False)
+                self._last_handle = self._save(copy_behind=False, at_close=True)
                 if self._persists_here():
                     self._saver.wait()  # its outcome here, not as close()'s error
             except SnapshotWriteFailed as error:  # an earlier save, or this one, gave up

@@ -75,4 +75,10 @@ def apply_and_report(loaded: LoadedSnapshot | None, train: TrainingState, ctx: D
              saved_world_size=info.saved_world_size, world_size=info.world_size,
              world_size_changed=info.saved_world_size != info.world_size,
              **train.resume_fields(payload, rng_rule))
+    if payload.get("at_close"):
+        log.warning("resume.run_finished", snapshot_step=step,
+                    message=f"this run already ended at step {step} (the snapshot close() "
+                            "took at its end): a loop that trains to that step has nothing "
+                            "left to do; to train further, raise its step or epoch count; "
+                            "to start over, give a new storage location")
     return info

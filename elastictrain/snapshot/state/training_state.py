@@ -67,9 +67,10 @@ class TrainingState:
             self._epoch = value
 
     # -- what a save takes ---------------------------------------------------------------
-    def payload(self, rng: list[dict[str, Any]]) -> dict[str, Any]:
+    def payload(self, rng: list[dict[str, Any]], *, at_close: bool = False) -> dict[str, Any]:
         """Everything to save (``rng``: every rank's RNG state), but model and optimizer
-        when the saver takes those itself."""
+        when the saver takes those itself. ``at_close``: the save close() takes of the
+        step the run ends at, which a relaunch recognises as the end."""
         common = {
             "step": self.step,
             "epoch": self.epoch,
@@ -79,6 +80,7 @@ class TrainingState:
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "rng": rng,
             "extras": dict(self.extras),
+            "at_close": at_close,
         }
         if self._saver_holds_model:
             return {"format": 2, **common}

@@ -89,7 +89,10 @@ def test_close_saves_the_last_step_once_and_a_relaunch_trains_nothing(tmp_path: 
     (finished,) = [e for e in logs if e["event"] == "run.finished"]
     assert (finished["final_step"], finished["snapshot_step"]) == (13, 13)
     again = build(url)
-    assert again[4].restore().from_step == 13
+    with capture_logs() as logs:
+        assert again[4].restore().from_step == 13
+    (said,) = [e for e in logs if e["event"] == "resume.run_finished"]  # and says so
+    assert said["snapshot_step"] == 13 and "already ended at step 13" in said["message"]
     with capture_logs() as logs:
         train(*again, until=13)  # the loop's end is reached: no step
         again[4].close()
@@ -105,6 +108,11 @@ def test_close_saves_the_last_step_once_and_a_relaunch_trains_nothing(tmp_path: 
     assert list_snapshot_dirs(unsaved[4].store) == [10, 5]
     (finished,) = [e for e in logs if e["event"] == "run.finished"]
     assert finished["snapshot_step"] == 10
+    resumed = build(off)
+    with capture_logs() as logs:  # a periodic snapshot is no end: nothing said
+        assert resumed[4].restore().from_step == 10
+    assert not [e for e in logs if e["event"] == "resume.run_finished"]
+    resumed[4].close()
 
 
 def test_close_while_an_error_propagates_saves_no_last_step(tmp_path: Path) -> None:
