@@ -32,6 +32,26 @@ def events_of(events_dir: Path) -> list[dict[str, Any]]:
     return sorted(found, key=lambda e: float(e.get("ts") or 0.0))
 
 
+# How long the kill of a trial's processes goes on finding new ones (see kill_marked).
+KILL_ROUNDS_S = 10.0
+
+
+def kill_marked(marker: str, timeout_s: float) -> list[int]:
+    """SIGKILL (after a SIGCONT, for a stopped one) every process marked ``marker``, in
+    rounds until none is left or ``timeout_s`` passed; returns the PIDs signalled. One
+    round is not enough: a process forking while the round lists /proc (a standby
+    starting a worker, torchrun its next group) has a child the list did not see."""
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
+        for pid in left:
+            signal_pid(pid, signal.SIGCONT)
+            if signal_pid(pid, signal.SIGKILL) and pid not in killed:
+                killed.append(pid)
+        time.sleep(0.01)  # a SIGKILLed process takes a moment to leave /proc
+    return killed
+
+
 def processes_with_marker(marker: str) -> list[int]:
     """PIDs of live processes (not zombies) marked ``marker`` or ``marker/…``."""
     needle = f"{MARKER_VAR}={marker}".encode()
@@ -154,9 +174,7 @@ class Job:
         assert self._proc is not None
         pids = [self._proc.pid]
         signal_pid(self._proc.pid, signal.SIGKILL)
-        for pid in processes_with_marker(f"{self.marker}/{self.launches - 1}"):
-            if signal_pid(pid, signal.SIGKILL):
-                pids.append(pid)
+        pids += kill_marked(f"{self.marker}/{self.launches - 1}", KILL_ROUNDS_S)
         self._proc.wait()
         self.poll()
         return pids
@@ -172,9 +190,7 @@ class Job:
         """Stop whatever is left of the trial (SIGCONT a stopped rank, then SIGKILL)."""
         if self._proc is not None and self._proc.poll() is None:
             signal_pid(self._proc.pid, signal.SIGKILL)
-        for pid in processes_with_marker(self.marker):
-            signal_pid(pid, signal.SIGCONT)
-            signal_pid(pid, signal.SIGKILL)
+        kill_marked(self.marker, KILL_ROUNDS_S)
         if self._proc is not None:
             self._proc.wait()
             self.poll()
