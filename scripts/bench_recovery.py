@@ -64,8 +64,9 @@ def _build(size_mb: int) -> tuple[Any, Any, Any, Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from elastictrain.demo.corpus import CharDataset, CharVocab, encode_tensor, load_corpus_text
+    from elastictrain.demo.corpus import CharDataset, CharVocab, encode_tensor
     from elastictrain.demo.model import CharGPT, GPTConfig
+    from elastictrain.demo.windows import load_corpus_text
 
     torch.set_num_threads(1)
     text = load_corpus_text()

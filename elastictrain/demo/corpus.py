@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from importlib.resources import files
-
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-
-def load_corpus_text() -> str:
-    """Return the text of the packaged ``data/corpus.txt``."""
-    return (files("elastictrain.demo") / "data" / "corpus.txt").read_text(encoding="ascii")
+from elastictrain.demo.windows import load_corpus_text, window_count
 
 
 class CharVocab:
@@ -65,9 +60,7 @@ class CharDataset(Dataset[tuple[Tensor, Tensor]]):
             raise ValueError("stride must be positive")
 
     def __len__(self) -> int:
-        # A window needs block_size + 1 tokens because the target is shifted by one.
-        usable = self.data.numel() - self.block_size - 1
-        return 0 if usable < 0 else usable // self.stride + 1
+        return window_count(self.data.numel(), self.block_size, self.stride)
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
         if not 0 <= i < len(self):

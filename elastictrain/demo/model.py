@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from elastictrain.demo.windows import BLOCK_SIZE
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -23,7 +25,7 @@ class GPTConfig:
     """
 
     vocab_size: int
-    block_size: int = 64
+    block_size: int = BLOCK_SIZE
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64

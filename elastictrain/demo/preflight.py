@@ -8,9 +8,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from elastictrain.core.errors import ConfigError, ResumeMismatchError
-from elastictrain.demo.corpus import demo_corpus
-from elastictrain.demo.model import GPTConfig
 from elastictrain.demo.multinode import parse_nnodes
+from elastictrain.demo.windows import corpus_windows
 from elastictrain.snapshot.format.manifest import Manifest
 from elastictrain.snapshot.format.reader import newest_first
 from elastictrain.storage import Store
@@ -63,7 +62,7 @@ def world_sizes(opts: ElasticOptions) -> list[int]:
 
 def demo_dataset_len(samples: int | None) -> int:
     """Samples the demo trains on: ``--samples`` or the whole packaged corpus."""
-    full = len(demo_corpus(GPTConfig(vocab_size=1).block_size)[1])
+    full = corpus_windows()
     if samples is not None and not 1 <= samples <= full:
         raise ConfigError(f"--samples={samples}: the demo corpus has {full} windows; fix: "
                           f"1..{full}")

@@ -23,11 +23,11 @@ from elastictrain.demo.job import RunningJob
 from elastictrain.demo.multinode import NodesPlan, membership_timings, parse_nnodes, run_nodes
 from elastictrain.demo.preflight import check_resumable, validate_elastic
 from elastictrain.launcher.spawn import LaunchSpec, start_torchrun
+from elastictrain.runlog import events
 from elastictrain.runlog.events_read import read_events
 from elastictrain.runlog.failure import failure_lines
 from elastictrain.storage import open_store
 from elastictrain.view.live import LiveView, live_view
-from elastictrain.worker.session import default_events_dir
 
 
 @dataclass
@@ -122,7 +122,7 @@ def run_demo(opts: DemoOptions,
     store.check_writable()  # before any worker trains; raises StorageError naming the path
     check_resumable(opts, store)  # dataset length vs the newest snapshot, before training
     run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    events_root = opts.events_dir or default_events_dir(settings) or "./elastictrain-events"
+    events_root = opts.events_dir or events.events_root(settings) or "./elastictrain-events"
     events_dir = str(Path(events_root) / run_id)
     Path(events_dir).mkdir(parents=True, exist_ok=True)
     worker_args = [f"--storage={opts.storage}", f"--steps={opts.steps}",

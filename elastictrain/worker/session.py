@@ -47,12 +47,6 @@ class Runtime:
 _current: Runtime | None = None  # what init() returned in this process (set_current)
 
 
-def default_events_dir(settings: Settings) -> str | None:
-    """The local root of event files (``elastictrain.runlog.events``: beside the snapshots for
-    local storage, a spool directory uploaded to the storage for object storage)."""
-    return events.events_root(settings)
-
-
 def events_beside(storage: StorageConfig) -> None:
     """Move this worker's event file beside the snapshots at ``storage`` (the module
     docstring's rule; ``SnapshotManager`` calls it): the first manager decides, and

@@ -1,5 +1,7 @@
 """The operator's commands that only read (``status``, ``goodput``, ``snapshots``) load
-without torch: importing it takes seconds, and a look at a run should not."""
+without torch: importing it takes seconds, and a look at a run should not. Nor does the
+demo's own process, which checks the storage before it starts the job's processes (each
+of which imports torch anyway)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import sys
 import pytest
 
 READ_ONLY = ("elastictrain.cli", "elastictrain.view.ops", "elastictrain.view.status",
-             "elastictrain.runlog.goodput", "elastictrain.runlog.accounting.split")
+             "elastictrain.runlog.goodput", "elastictrain.runlog.accounting.split",
+             "elastictrain.demo.runner")
 
 
 @pytest.mark.processes

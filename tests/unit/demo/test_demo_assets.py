@@ -11,8 +11,9 @@ from types import ModuleType
 import pytest
 import torch
 
-from elastictrain.demo.corpus import CharDataset, CharVocab, encode_tensor, load_corpus_text
+from elastictrain.demo.corpus import CharDataset, CharVocab, encode_tensor
 from elastictrain.demo.model import CharGPT, GPTConfig
+from elastictrain.demo.windows import load_corpus_text
 from tests.helpers import REPO
 
 SCRIPT = REPO / "scripts" / "make_demo_corpus.py"
