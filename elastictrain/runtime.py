@@ -54,12 +54,20 @@ from elastictrain.worker.session import Runtime, structlog_step
 ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
 
 
+# What a script started without a launcher (``python train.py``) is told.
+NO_LAUNCHER = ("no launcher: this process runs alone, with no process group (a "
+               "DistributedDataParallel model cannot be built) and no restarts; fix: "
+               "elastictrain run --nproc-per-node N train.py ..., or torchrun")
+
+
 def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
     """Set up logging and join the process group from the torchrun environment.
 
     Args:
         settings: complete settings; built with ``load_settings(**overrides)`` if None.
     """
+    # First: a bad setting read here is a fatal one-line error (exit 78), not a traceback.
+    _install_excepthook()
     settings = settings or load_settings(**overrides)
     env = WorkerEnv.from_environ()
     run_id = settings.run_id or env.run_id
@@ -73,7 +81,8 @@ def init(settings: Settings | None = None, **overrides: Any) -> Runtime:
                 **env.scheduler_attempts)
     log = et_log.get_logger("elastictrain")
     log.info("worker.start", pid=os.getpid(), local_rank=env.local_rank)
-    _install_excepthook()  # from here an ElasticTrainError exits with its own code
+    if not env.is_distributed:
+        log.warning("worker.no_launcher", message=NO_LAUNCHER)
     ctx = init_process_group(settings.dist, env)
     et_log.bind(rank=ctx.rank, world_size=ctx.world_size)
     # A notice from here on is acted on at the first step boundary; until that first
