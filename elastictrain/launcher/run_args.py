@@ -26,13 +26,30 @@ from elastictrain.launcher.run_help import NO_VIEW, torchrun_parser
 
 _UNSET = object()
 
+# The options that shape the job: given after the script they reach the script, and
+# the job would silently run with one worker, no restarts or another rendezvous.
+SHAPING_OPTIONS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--max-restarts",
+                   "--max_restarts", "--standalone", "--rdzv-backend", "--rdzv_backend",
+                   "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id",
+                   "--node-rank", "--node_rank", "--master-addr", "--master_addr",
+                   "--master-port", "--master_port", NO_VIEW)
+
+
 def check_script(args: argparse.Namespace) -> None:
-    """Refuse a script that is not there before any worker starts: torchrun would start
-    every worker only for each to fail on it, and restart them.
+    """Refuse a script that is not there, or a job-shaping option placed after it,
+    before any worker starts: torchrun would start every worker only for each to fail
+    on it, and restart them (or run a job of another shape).
 
     Raises:
-        ConfigError: names the script and the fix.
+        ConfigError: names the script or the option, and the fix.
     """
+    for arg in args.training_script_args:
+        option = str(arg).split("=", 1)[0]
+        if option in SHAPING_OPTIONS:
+            raise ConfigError(
+                f"{option} comes after the script {args.training_script}, so it would go "
+                f"to the script, not to the launcher; fix: put it before the script "
+                f"(elastictrain run {option} ... {args.training_script} ARGS)")
     if args.module:  # a module name: only the worker's interpreter can resolve it
         return
     script = str(args.training_script)

@@ -18,7 +18,7 @@ from tests.processes.e2e.test_preemption import Job, assert_preempted
 
 pytestmark = pytest.mark.distributed
 
-JOB = str(REPO / "tests" / "e2e" / "fatal_job.py")
+JOB = str(REPO / "tests" / "processes" / "e2e" / "fatal_job.py")
 
 
 def job_env(tmp_path: Path) -> dict[str, str]:
@@ -80,7 +80,7 @@ def test_a_torn_error_file_is_set_aside_and_the_group_restarts(tmp_path: Path) -
     """torch's agent dies on a worker's error file that is not JSON (JSONDecodeError, the
     launcher exits 1 and nothing restarts): elastictrain's agent moves it aside first,
     and the failure counts by its exit code."""
-    job = str(REPO / "tests" / "e2e" / "torn_error_job.py")
+    job = str(REPO / "tests" / "processes" / "e2e" / "torn_error_job.py")
     result = run_cli(["run", "--nproc-per-node=1", "--max-restarts=1",
                       f"--log-dir={tmp_path / 'logs'}", job], tmp_path, timeout=240,
                      **job_env(tmp_path))

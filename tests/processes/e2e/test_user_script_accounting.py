@@ -27,7 +27,7 @@ from tests.helpers import REPO, events, run_cli, started, wait_for
 pytestmark = pytest.mark.distributed
 
 SCRIPT = str(REPO / "examples" / "ddp_resumable.py")
-HOOK = str(REPO / "tests" / "e2e" / "user_script_hook")
+HOOK = str(REPO / "tests" / "processes" / "e2e" / "user_script_hook")
 FINAL_STEP = 48  # 3 epochs of 512 samples, 16 per rank and step, 2 ranks
 
 

@@ -17,7 +17,7 @@ from tests.helpers import REPO, child_env, kill_session
 
 pytestmark = pytest.mark.processes
 
-JOB = REPO / "tests" / "memtier" / "rescue_wait_job.py"
+JOB = REPO / "tests" / "processes" / "memtier" / "rescue_wait_job.py"
 ATTEMPT = (1, 0, -1)  # one process, first attempt, fresh start
 
 

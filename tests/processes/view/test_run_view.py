@@ -17,7 +17,7 @@ from tests.processes.view.terminal import Tmux
 
 pytestmark = pytest.mark.distributed
 
-JOB = REPO / "tests" / "view" / "endless_job.py"
+JOB = REPO / "tests" / "processes" / "view" / "endless_job.py"
 
 
 def descendants(pid: int) -> set[int]:

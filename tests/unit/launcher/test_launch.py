@@ -3,6 +3,7 @@ usage errors, the exit-code meanings, and the agent hook into torchrun."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from elastictrain.core.errors import ConfigError
 from elastictrain.launcher import run_args
 from elastictrain.launcher.launch import standby_modules
 from elastictrain.launcher.run_args import torchrun_argv
+from elastictrain.launcher.run_help import torchrun_parser
 
 DEFAULTS = LaunchDefaults()
 def added(user: list[str], environ: dict[str, str] | None = None,
@@ -96,3 +98,21 @@ def test_the_standby_preloads_the_client_of_an_object_store_the_script_names(
     assert standby_modules(["torch", "s3fs"], script_args) == ["torch", "s3fs"]  # once
 
 
+
+
+@pytest.mark.parametrize("after", [["--nproc-per-node", "2"], ["--nnodes=1:2"],
+                                   ["--max-restarts", "3"], ["--standalone"], ["--no-view"]])
+def test_a_job_shaping_option_after_the_script_is_refused(tmp_path: Path,
+                                                          after: list[str]) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    args = torchrun_parser().parse_args([str(script), "./ckpt", *after])
+    with pytest.raises(ConfigError, match=r"comes after the script .*fix: put it before"):
+        run_args.check_script(args)
+
+
+def test_the_scripts_own_options_pass(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    run_args.check_script(torchrun_parser().parse_args(
+        [str(script), "./ckpt", "--log-dir=x", "--steps", "5", "--nodes", "2"]))
