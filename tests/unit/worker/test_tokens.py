@@ -25,6 +25,7 @@ import elastictrain as et
 from elastictrain.core.errors import ConfigError, ResumeMismatchError
 from elastictrain.storage import FsspecStore, open_store
 from elastictrain.worker.tokens import TokenDataset
+from tests.s3server import S3Bucket
 
 SEQ = 8
 # Uneven shards: samples cross boundaries, one spans three shards (the 5-token shard),
@@ -97,6 +98,28 @@ def test_memory_shards_read_only_their_ranges(tmp_path: Path,
     for i in range(len(files)):
         assert np.array_equal(remote.tokens(i), files.tokens(i))
     assert max(size for *_, size in reads) == 2 * (SEQ + 1)  # never more than a sample
+
+
+@pytest.mark.s3
+def test_s3_shards_are_read_by_ranges(tmp_path: Path, s3: S3Bucket) -> None:
+    store = open_store(s3.url("tokens"), s3.options)
+    local = write_shards(tmp_path, dtype="uint32")
+    for path in local:
+        store.write_bytes(Path(path).name, Path(path).read_bytes())
+    remote = TokenDataset([f"{s3.url('tokens')}/{Path(p).name}" for p in local], SEQ,
+                          "uint32", storage_options=s3.options)
+    files = TokenDataset(local, SEQ, "uint32")
+    assert remote.fingerprint == files.fingerprint
+
+    def gets() -> int:
+        return len(s3.server.faults.seen(lambda r: r.op == "GetObject"))
+
+    before = gets()
+    assert np.array_equal(remote.tokens(4), files.tokens(4))
+    assert gets() - before == 3  # one ranged GET per shard the sample touches
+    for i in range(len(files)):
+        assert np.array_equal(remote.tokens(i), files.tokens(i))
+    assert s3.options["secret"] not in repr(remote) + remote.fingerprint
 
 
 def test_it_pickles_without_open_maps_and_reads_after(tmp_path: Path) -> None:
