@@ -4,6 +4,8 @@ Public API::
 
     rt = elastictrain.init()                       # logging + process group
     sampler = elastictrain.ElasticSampler(len(ds), batch_size, rt.rank, rt.world_size)
+    # token shards for a language model: ds = elastictrain.TokenDataset(paths, seq_len),
+    # ElasticSampler(..., fingerprint=ds.fingerprint)
     snap = elastictrain.SnapshotManager(url, model=ddp, optimizer=opt, sampler=sampler,
                                         ctx=rt.ctx)
     snap.restore(); ...; snap.step(); ...; snap.close(); elastictrain.shutdown()
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from elastictrain.snapshot.manager import ResumeInfo, SnapshotManager
     from elastictrain.worker.data import ElasticSampler, Micro, MicroBatchSampler, optimizer_steps
     from elastictrain.worker.session import Runtime
+    from elastictrain.worker.tokens import TokenDataset
 
 # Public name → the module that defines it.
 _HOMES = {
@@ -41,6 +44,7 @@ _HOMES = {
     "Micro": "elastictrain.worker.data",
     "MicroBatchSampler": "elastictrain.worker.data",
     "optimizer_steps": "elastictrain.worker.data",
+    "TokenDataset": "elastictrain.worker.tokens",
     "ConfigError": "elastictrain.core.errors",
     "ElasticTrainError": "elastictrain.core.errors",
     "SnapshotCorrupt": "elastictrain.core.errors",
@@ -64,6 +68,7 @@ __all__ = [
     "SnapshotCorrupt",
     "SnapshotManager",
     "StorageError",
+    "TokenDataset",
     "__version__",
     "init",
     "load_settings",

@@ -33,6 +33,12 @@ than ``W`` samples per epoch are affected, and
 :meth:`ElasticSampler.epoch_padding` says how many. The padding comes from the
 epoch's start, not from what remains, so it is the same wherever a same-size job
 resumed: a resume at the same world size stays bit-exact.
+
+Identity. A resume checks that the indices mean the same samples: the dataset's
+length, the seed and, when the sampler was given one, the data's ``fingerprint``
+(:attr:`elastictrain.worker.tokens.TokenDataset.fingerprint`, or any string that
+changes with the data); a mismatch is a ``ResumeMismatchError`` before anything
+is loaded.
 """
 
 from __future__ import annotations
@@ -98,6 +104,8 @@ class ElasticSampler(Sampler[int]):
         drop_last: drop, rather than pad, the uneven tail of an epoch.
         global_batch_size: keep this many samples per optimizer step at any world
             size (gradient accumulation); None keeps the per-rank batch.
+        fingerprint: what the indices refer to (``TokenDataset.fingerprint``); saved,
+            and a resume with another one is refused. None: the length alone is checked.
 
     Raises:
         ConfigError: ``global_batch_size`` is not reachable with this world size
@@ -114,6 +122,7 @@ class ElasticSampler(Sampler[int]):
         shuffle: bool = True,
         drop_last: bool = False,
         global_batch_size: int | None = None,
+        fingerprint: str | None = None,
     ) -> None:
         if dataset_len <= 0 or batch_size <= 0:
             raise ValueError(f"dataset_len={dataset_len} and batch_size={batch_size} must be > 0")
@@ -128,6 +137,7 @@ class ElasticSampler(Sampler[int]):
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.global_batch_size = global_batch_size
+        self.fingerprint = fingerprint
         self.epoch = 0
         self.cursor = 0
         self._order: tuple[int, list[int]] | None = None  # (epoch, order), one cached
@@ -237,15 +247,17 @@ class ElasticSampler(Sampler[int]):
             "world_size": self.world_size,
             "batch_size": self.batch_size,
             "global_batch_size": self.global_batch_size,
+            "fingerprint": self.fingerprint,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the saved global cursor; the world size and batch policy may differ.
 
         Raises:
-            ResumeMismatchError: the dataset length or seed differ from the snapshot's.
+            ResumeMismatchError: the data (fingerprint, length) or the seed differ from
+                the snapshot's.
         """
-        check_dataset_len(self.dataset_len, state["dataset_len"])
+        self.check_saved(state)
         if state["seed"] != self.seed or state["shuffle"] != self.shuffle:
             raise ResumeMismatchError(
                 f"sampler seed/shuffle {self.seed}/{self.shuffle} differ from the snapshot's "
@@ -253,6 +265,19 @@ class ElasticSampler(Sampler[int]):
             )
         self.epoch = int(state["epoch"])
         self.cursor = int(state["cursor"])
+
+    def check_saved(self, state: dict[str, Any]) -> None:
+        """Refuse sampler state ``state`` taken over other data (ResumeMismatchError):
+        another fingerprint, then another length."""
+        saved = state.get("fingerprint")  # absent from state saved without one
+        if saved != self.fingerprint:
+            raise ResumeMismatchError(
+                f"the data's fingerprint ({self.fingerprint or 'none'}) differs from the "
+                f"snapshot's ({saved or 'none'}); fix: resume with the data the snapshot was "
+                "taken with (a TokenDataset: the same shard files, names and sizes, in the "
+                "same order, the same dtype and seq_len) and its fingerprint given to "
+                "ElasticSampler, or start a new run in a fresh storage location")
+        check_dataset_len(self.dataset_len, state.get("dataset_len"))
 
     def resume_fields(self, saved: dict[str, Any]) -> dict[str, Any]:
         """What a resume from sampler state ``saved`` changes, for the ``resume`` event."""

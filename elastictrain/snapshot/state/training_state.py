@@ -14,7 +14,7 @@ from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.format.views import InPlace
 from elastictrain.snapshot.state import replica_check
 from elastictrain.snapshot.state.rng import reseed_for_new_world, restore_rng
-from elastictrain.worker.data import ElasticSampler, check_dataset_len
+from elastictrain.worker.data import ElasticSampler
 from elastictrain.worker.dist import DistContext
 
 
@@ -124,11 +124,12 @@ class TrainingState:
 
     # -- what a restore applies ----------------------------------------------------------
     def check_dataset(self, saved_state: dict[str, Any]) -> None:
-        """Refuse a snapshot of another dataset (ResumeMismatchError) before anything
-        is applied or trained."""
+        """Refuse a snapshot of other data (ResumeMismatchError: another fingerprint or
+        length) before anything is applied or trained."""
         if self.sampler is not None:
-            saved = saved_state.get("sampler") or {}
-            check_dataset_len(self.sampler.dataset_len, saved.get("dataset_len"))
+            saved = saved_state.get("sampler")
+            if saved is not None:  # none at all: apply() says what to do
+                self.sampler.check_saved(saved)
 
     def in_place(self) -> InPlace:
         """The model's tensors as targets a local restore reads straight into (the copy
