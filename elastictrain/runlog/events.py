@@ -32,6 +32,7 @@ from pathlib import Path
 from elastictrain.core.config import Settings
 from elastictrain.core.env import LAUNCH_ID_VAR, getenv
 from elastictrain.core.localfiles import user_dir_name
+from elastictrain.core.shutdown_hooks import before_interpreter_shutdown
 from elastictrain.storage import Store, open_store
 
 EVENTS_DIR = "events"
@@ -99,13 +100,18 @@ class EventSink:
     upload: Uploader | None
 
 
+# Tries after the first of one event upload.
+UPLOAD_RETRIES = 1
+
+
 def open_sink(settings: Settings, run_id: str, name: str, *, whole_dir: bool = False) -> EventSink:
     """The event file ``name`` of run ``run_id``, with its uploader on object storage
     (``whole_dir``: the uploader also copies the other files of the directory)."""
     path = run_events_dir(settings, run_id) / name
     if not is_remote(settings.storage.url):
         return EventSink(path, None)
-    store = open_store(settings.storage)
+    # Best effort, so few retries: the next upload carries the whole file anyway.
+    store = open_store(settings.storage.model_copy(update={"retries": UPLOAD_RETRIES}))
     return EventSink(path, Uploader(store, f"{EVENTS_DIR}/{run_id}",
                                     settings.log.upload_interval_s, whole_dir=whole_dir))
 
@@ -118,7 +124,9 @@ class Uploader:
     it saw SIGKILLed still reach the storage when the agent exits.
     ``maybe_upload`` is called after each event and returns at once: the upload runs
     in a background thread, one at a time, so the training loop never waits on
-    object storage. ``close`` uploads the final content and waits for it.
+    object storage. ``close`` uploads the final content and waits for it; the
+    interpreter's exit does the same, before the thread pools that an object store's
+    client needs stop (``core/shutdown_hooks.py``), once: later closes do nothing.
     """
 
     def __init__(self, store: Store, prefix: str, interval_s: float,
@@ -131,9 +139,13 @@ class Uploader:
         self._sent: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._last_path: Path | None = None
+        self._exited = False
+        before_interpreter_shutdown(self._at_exit)
 
     def maybe_upload(self, path: Path) -> None:
         now = time.monotonic()
+        self._last_path = path
         with self._lock:
             busy = self._thread is not None and self._thread.is_alive()
             if busy or now - self._last < self.interval_s:
@@ -148,7 +160,13 @@ class Uploader:
             thread = self._thread
         if thread is not None:
             thread.join()
-        self._upload(path)
+        if not self._exited:
+            self._upload(path)
+
+    def _at_exit(self) -> None:
+        if self._last_path is not None and not self._exited:
+            self.close(self._last_path)
+        self._exited = True
 
     def _upload(self, path: Path) -> None:
         from elastictrain.core.errors import StorageError
