@@ -13,7 +13,6 @@ import os
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO
@@ -31,7 +30,6 @@ from elastictrain.view.tail import EventTail
 
 REFRESH_S = 0.25
 SHOWN_LINES = 12
-OUTPUT_LINES = 8  # the workers' own output lines shown under the events' (elastictrain run)
 _STYLES = {"failure": "bold red", "restart": "yellow", "resume": "green",
            "membership": "magenta", "preempt": "cyan", "memory": "yellow", "end": "bold"}
 
@@ -45,11 +43,9 @@ def view_wanted(stream: IO[str] | None = None, *, json_output: bool = False,
 
 
 def render(state: RunState, title: str, footer: str | None = None,
-           now: float | None = None, rows: Sequence[tuple[str, str]] = (),
-           output: Sequence[str] = ()) -> RenderableType:
+           now: float | None = None, rows: Sequence[tuple[str, str]] = ()) -> RenderableType:
     """The status area for ``state`` (also used by ``status`` on a terminal); ``rows``:
-    more (label, text) rows under the snapshot's; ``output``: the workers' own recent
-    lines, under the events'."""
+    more (label, text) rows under the snapshot's."""
     now = now or time.time()
     head = Text.assemble((title, "bold"), f"  attempt {state.attempt}",
                          f"  world size {state.world_size or '?'}",
@@ -79,8 +75,6 @@ def render(state: RunState, title: str, footer: str | None = None,
         lines.add_row(Text(stamp, style="dim"), Text(line.text, style=_STYLES.get(line.kind, ""),
                                                      overflow="fold"))
     parts: list[RenderableType] = [head, grid, lines]
-    if output:
-        parts.append(Text("\n".join(output[-OUTPUT_LINES:]), overflow="fold"))
     if footer:
         parts.append(Text(footer, style="dim"))
     return Group(*parts)
@@ -113,7 +107,8 @@ class LiveView:
         console: where to draw (default: stdout).
         rows: more (label, text) rows of the area (e.g. where the output goes).
         launch: show only the events of this launch id (``elastictrain.runlog.events``).
-        output: the workers' output to show under the events (``elastictrain run``).
+        output: the workers' output to print above the area as it comes, where it
+            scrolls as on a terminal without a view (``elastictrain run``).
     """
 
     def __init__(self, store: Store, root: str, title: str, total_steps: int | None = None,
@@ -122,7 +117,6 @@ class LiveView:
                  output: OutputTail | None = None) -> None:
         self.state = RunState(total_steps=total_steps)
         self._output = output
-        self.output_lines: deque[str] = deque(maxlen=OUTPUT_LINES)
         self._tail = EventTail(store, root)
         self._title, self._footer, self._rows, self._launch = title, footer, rows, launch
         self._live = Live(console=console, auto_refresh=False, transient=False,
@@ -156,15 +150,20 @@ class LiveView:
     def _refresh(self, *, final: bool = False) -> None:
         with self._lock:
             if self._output is not None:
-                self.output_lines.extend(self._output.poll(final=final))
+                self._print_output(self._output.poll(final=final))
             try:
                 for event in self._tail.poll():
                     if self._launch is None or event.get("launch_id") == self._launch:
                         self.state.apply(event)
             except OSError:
                 pass  # a listing raced a file being created; the next poll sees it
-            self._live.update(render(self.state, self._title, self._footer, rows=self._rows,
-                                     output=list(self.output_lines)), refresh=True)
+            self._live.update(render(self.state, self._title, self._footer, rows=self._rows),
+                              refresh=True)
+
+    def _print_output(self, lines: list[str]) -> None:
+        """Lines printed while the area is live go above it (rich's ``Live``)."""
+        if lines:
+            self._live.console.print(Text("\n".join(lines), overflow="fold"), soft_wrap=False)
 
 
 @contextmanager

@@ -3,8 +3,9 @@
 While the view is on, torchrun writes each worker's stdout and stderr to files
 (``<log dir>/<run id>_<random>/attempt_<N>/<local rank>/stdout.log``, ``stderr.log``).
 :class:`OutputTail` reads the new lines of the chosen local ranks' files, so that the
-user's ``print()`` reaches the terminal, one line each, prefixed by the rank (as
-torchrun's ``--tee`` with ``--local-ranks-filter`` would print them without a view).
+user's ``print()`` reaches the terminal (above the view's area, where it scrolls),
+one line each, prefixed by the rank, as torchrun's ``--tee`` with
+``--local-ranks-filter`` would print them without a view.
 elastictrain's own event lines (JSON, already drawn by the view) are left out.
 """
 
