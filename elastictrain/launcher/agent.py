@@ -71,12 +71,7 @@ from elastictrain.launcher.policy import (
 from elastictrain.launcher.proctree import tree_cpu_ticks
 from elastictrain.launcher.standby.client import Standby
 from elastictrain.launcher.standby.context import start_processes_with
-from elastictrain.runlog.failure import (
-    ERROR_FIELDS,
-    OUTPUT_TAIL_BYTES,
-    error_from_output,
-    fix_line,
-)
+from elastictrain.runlog.failure import ERROR_FIELDS, error_from_output_file, fix_line
 
 log = get_logger("elastictrain.agent")
 
@@ -337,14 +332,15 @@ class ElasticTrainAgent(LocalElasticAgent):
             self._stop_crash_loop()
 
     def _worker_error(self, rank: int, failure: ProcessFailure) -> dict[str, Any] | None:
-        """What the worker wrote to its error file before it died (runtime.record_failure),
-        with its rank and output file; None when it wrote nothing (a signal, an OOM kill,
-        a script without ``elastictrain.init``)."""
+        """What the worker wrote to its error file before it died (runtime.record_failure;
+        before ``init()``, the standby's record), else the last traceback in its stderr
+        file (when torchrun redirected it), with its rank and output file; None when
+        neither says (a signal, an OOM kill, output on the terminal)."""
         data = getattr(failure, "error_file_data", None)
         ours = data.get("elastictrain") if isinstance(data, dict) else None
         output = torch_hooks.stderr_files(self).get(failure.local_rank)
         if not isinstance(ours, dict):  # died before init(): its traceback, if redirected
-            ours = None if not output else error_from_output(_file_end(str(output)))
+            ours = error_from_output_file(str(output)) if output else None
             if ours is None:
                 return None
             ours["ts"] = float(getattr(failure, "timestamp", 0) or 0)
@@ -585,17 +581,6 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _worker_codes(self) -> dict[int, int | None]:
         """pid -> exit code (None while running) of the current workers."""
         return {h.proc.pid: h.proc.poll() for h in self._handlers().values()}
-
-
-def _file_end(path: str, size: int = OUTPUT_TAIL_BYTES) -> str:
-    """The last ``size`` bytes of a worker's output file, as text ("" if unreadable)."""
-    try:
-        with open(path, "rb") as file:
-            file.seek(0, 2)
-            file.seek(max(0, file.tell() - size))
-            return file.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
 
 
 @contextmanager

@@ -113,6 +113,19 @@ def failure_lines(error: Mapping[str, Any] | None, crash_loop: int | None = None
     return lines
 
 
+def error_from_output_file(path: str) -> dict[str, Any] | None:
+    """:func:`error_from_output` of the last ``OUTPUT_TAIL_BYTES`` of a worker's output
+    file (None when it cannot be read)."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(0, os.SEEK_END)
+            file.seek(max(0, file.tell() - OUTPUT_TAIL_BYTES))
+            text = file.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    return error_from_output(text)
+
+
 def write_error_file(path: str, failure: Mapping[str, Any], stack: str) -> None:
     """Write ``failure`` to torchrun's error file of this worker (``path``), in torch's
     own format (its ``message``; torchrun's failure report prints ``py_callstack``)
