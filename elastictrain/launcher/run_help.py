@@ -29,8 +29,11 @@ Start this node's workers of a training job under torchrun with elastictrain's
 agent and defaults. A failed worker group is restarted (--max-restarts) and
 resumes from the newest snapshot; SIGTERM, SIGUSR1 or Ctrl-C to the launcher
 is passed to the workers as a preemption notice (a final snapshot, then exit
-75); a worker that exits 78 ends the run at once, without restarts. On a
-terminal a live view shows the run and the workers' output goes to files.
+75); a worker that exits 78, or the same error at the same place attempt
+after attempt (a crash loop), ends the run without more restarts. On a
+terminal a live view shows the run and rank 0's output (--view-ranks), and
+the workers' output goes to files. A failed run ends with a summary naming
+the first failing worker's error, its traceback's end and its log.
 
 Every option below may also be set as PET_<OPTION> in the environment (e.g.
 PET_NNODES=1:2), as with torchrun. Defaults marked "elastictrain" come from the
