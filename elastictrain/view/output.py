@@ -68,7 +68,10 @@ class OutputTail:
 
     def __post_init__(self) -> None:
         for path in self._files():
-            self._offsets[path] = path.stat().st_size
+            try:
+                self._offsets[path] = path.stat().st_size
+            except OSError:  # gone since the listing: nothing of it to skip
+                continue
 
     def _files(self) -> list[Path]:
         if self.ranks is not None and not self.ranks:
