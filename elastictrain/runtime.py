@@ -31,13 +31,10 @@ read the workers' events there, beside the agent's).
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
-import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -46,6 +43,7 @@ from elastictrain.core.config import Settings, load_settings
 from elastictrain.core.env import WorkerEnv
 from elastictrain.core.errors import EXIT_FATAL, ElasticTrainError
 from elastictrain.runlog import events
+from elastictrain.runlog.failure import traceback_tail, write_error_file
 from elastictrain.snapshot.memory import rescue
 from elastictrain.worker import preempt, session, watchdog
 from elastictrain.worker.dist import destroy_process_group, init_process_group
@@ -159,9 +157,11 @@ def describe_failure(exc: BaseException, tb: TracebackType | None) -> dict[str, 
     file:line it was raised at, the step, and this worker's event file."""
     frames = traceback.extract_tb(tb)
     log_file = et_log.events_file()
+    formatted = "".join(traceback.format_tb(tb) + traceback.format_exception_only(exc))
     return {"error": type(exc).__name__, "message": str(exc)[:2000],
             "where": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None,
             "failed_step": structlog_step(),
+            "traceback": traceback_tail(formatted.splitlines()),
             "log_file": None if log_file is None else os.path.abspath(log_file)}
 
 
@@ -171,29 +171,13 @@ ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
 
 def record_failure(failure: dict[str, Any], tb: TracebackType | None,
                    *, with_traceback: bool = True) -> None:
-    """Write ``failure`` to torchrun's error file for this worker, in torch's own
-    format (its ``message``; torchrun's failure report prints ``py_callstack``) plus
-    ours under ``elastictrain`` (agent.py reads it). Without ``with_traceback`` (our
-    own errors, whose message says what to fix) the report gets one line, not a
-    traceback. Best effort: the exit must still happen."""
+    """Write ``failure`` to torchrun's error file for this worker
+    (``runlog.failure.write_error_file``). Without ``with_traceback`` (our own errors,
+    whose message says what to fix) torchrun's report gets one line, not a traceback."""
     path = os.environ.get(ERROR_FILE_VAR)
     if not path:
         return
     headline = f"{failure['error']}: {failure['message']}"
     stack = ("Traceback (most recent call last):\n" + "".join(traceback.format_tb(tb))
              + headline if with_traceback else f"{headline} (at {failure['where']})")
-    data = {"message": {"message": headline,
-                        "extraInfo": {"py_callstack": stack,
-                                      "timestamp": str(int(time.time()))}},
-            "elastictrain": {**failure, "ts": time.time()}}
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        # Whole or absent, never torn: the agent reads it once this process exits, and
-        # a kill during the write would otherwise leave it half written.
-        partial = Path(f"{path}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(data, default=str), encoding="utf-8")
-        partial.replace(path)
-    except OSError:
-        pass
-
-
+    write_error_file(path, failure, stack)

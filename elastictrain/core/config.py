@@ -260,8 +260,9 @@ class LaunchDefaults(_Model):
     rescue_start_timeout_s: float = Field(default=5.0, gt=0)
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     # A crash loop: this many attempts in a row whose first failing worker raised the
-    # same error (type, message, file:line) at the same step: a restart cannot help,
-    # the launcher stops with 78 instead of using up its restarts. 0: never stop early.
+    # same error (type, message, file:line) at the same step, or before et.init() the
+    # same type at the same file:line: a restart cannot help, the launcher stops with
+    # 78 instead of using up its restarts. 0: never stop early.
     crash_loop_failures: int = Field(default=2, ge=0)
     # Workers are forked from a standby process that imported these modules once, so
     # a restarted worker does not pay torch's imports again (docs/recovery.md).

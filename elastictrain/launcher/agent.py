@@ -71,7 +71,7 @@ from elastictrain.launcher.policy import (
 from elastictrain.launcher.proctree import tree_cpu_ticks
 from elastictrain.launcher.standby.client import Standby
 from elastictrain.launcher.standby.context import start_processes_with
-from elastictrain.runlog.failure import ERROR_FIELDS, fix_line
+from elastictrain.runlog.failure import ERROR_FIELDS, error_from_output_file, fix_line
 
 log = get_logger("elastictrain.agent")
 
@@ -332,14 +332,18 @@ class ElasticTrainAgent(LocalElasticAgent):
             self._stop_crash_loop()
 
     def _worker_error(self, rank: int, failure: ProcessFailure) -> dict[str, Any] | None:
-        """What the worker wrote to its error file before it died (runtime.record_failure),
-        with its rank and output file; None when it wrote nothing (a signal, an OOM kill,
-        a script without ``elastictrain.init``)."""
+        """What the worker wrote to its error file before it died (runtime.record_failure;
+        before ``init()``, the standby's record), else the last traceback in its stderr
+        file (when torchrun redirected it), with its rank and output file; None when
+        neither says (a signal, an OOM kill, output on the terminal)."""
         data = getattr(failure, "error_file_data", None)
         ours = data.get("elastictrain") if isinstance(data, dict) else None
-        if not isinstance(ours, dict):
-            return None
         output = torch_hooks.stderr_files(self).get(failure.local_rank)
+        if not isinstance(ours, dict):  # died before init(): its traceback, if redirected
+            ours = error_from_output_file(str(output)) if output else None
+            if ours is None:
+                return None
+            ours["ts"] = float(getattr(failure, "timestamp", 0) or 0)
         return {**ours, "worker_rank": rank, "output_file": str(output) if output else None}
 
     def _stop_crash_loop(self) -> None:

@@ -56,6 +56,7 @@ from elastictrain.launcher.run_args import (
     given_options,
     shutdown_timeout_s,
     take_no_view,
+    take_view_ranks,
     torchrun_argv,
 )
 from elastictrain.launcher.run_help import torchrun_parser
@@ -164,8 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     no_view, argv = take_no_view(argv)
+    view_ranks, argv = take_view_ranks(argv)
     try:  # the command line first: its errors are usage errors (2)
         check_script(torchrun_parser().parse_args(argv))
+        ranks = view_output_ranks(view_ranks)
     except ConfigError as exc:
         return usage_error(exc)
     settings = load_settings()  # validated before any worker starts (ConfigError: 78)
@@ -198,12 +201,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     events_dir = run_events_dir(settings, run_id)
     added, log_dir = worker_log_args(given, args.log_dir, events_dir)
     output = RunOutput(events_dir, log_dir, events_dir / f"launcher-{launch}.log")
-    with run_view(output, run_id, launch) as view:
+    with run_view(output, run_id, launch, ranks) as view:
         code, agent = _run(added + full, args, settings, run_id)
     why = failure_summary(agent) if code != EXIT_OK else []
     print("\n".join([summary(view.state, code, launch_meaning(code, agent), output), *why]),
           flush=True)
     return code
+
+
+def view_output_ranks(spec: str) -> frozenset[int] | None:
+    """``--view-ranks`` as the local ranks the view shows the output of (None: all).
+
+    Raises:
+        ConfigError: a value that is not one (a usage error).
+    """
+    from elastictrain.view.output import parse_ranks
+
+    try:
+        return parse_ranks(spec)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; fix: e.g. --view-ranks 0,1") from exc
 
 
 def standby_modules(preload: list[str], script_args: Sequence[str]) -> list[str]:

@@ -162,12 +162,25 @@ class ExitWatch:
         self.seen.clear()
 
 
+def crash_signature(error: Mapping[str, Any] | None) -> tuple[str, ...] | None:
+    """What must repeat for a crash loop: the error's type, message, place and step; for
+    one before ``init()`` (read from the worker's output: ``before_init``, no step
+    reached) its type and place only, as its message may name passing details (a
+    port, a pid). None for no error, or one that is not the script's."""
+    if error is None or error.get("error") in EXTERNAL_ERRORS:
+        return None
+    if error.get("before_init"):
+        return (str(error.get("error")), str(error.get("where")), "before init")
+    return tuple(str(error.get(k)) for k in ("error", "message", "where", "failed_step"))
+
+
 @dataclass
 class CrashLoop:
     """Identical failures in a row: the first failing worker's error (type, message,
-    place, step) repeated ``limit`` times means no progress. A failure at another step,
-    another error, a failure without a reported error (a signal) or the loss of another
-    node (``EXTERNAL_ERRORS``: the fleet's fault, not the script's) starts over."""
+    place, step; before ``init()``: type and place) repeated ``limit`` times means no
+    progress. A failure at another step, another error, a failure without a reported
+    error (a signal) or the loss of another node (``EXTERNAL_ERRORS``: the fleet's
+    fault, not the script's) starts over."""
 
     limit: int
     signature: tuple[str, ...] | None = None
@@ -175,8 +188,7 @@ class CrashLoop:
 
     def record(self, error: Mapping[str, Any] | None) -> bool:
         """Count one failed attempt; True when the run is to stop as a crash loop."""
-        signature = None if error is None or error.get("error") in EXTERNAL_ERRORS else \
-            tuple(str(error.get(k)) for k in ("error", "message", "where", "failed_step"))
+        signature = crash_signature(error)
         if signature is not None and signature == self.signature:
             self.count += 1
         else:

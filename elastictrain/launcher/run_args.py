@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the agent imports torch's launcher: only when a run starts
 
 # Kept importable for callers of the walking skeleton; the value lives in config.
 
-from elastictrain.launcher.run_help import NO_VIEW, torchrun_parser
+from elastictrain.launcher.run_help import NO_VIEW, VIEW_RANKS, torchrun_parser
 
 _UNSET = object()
 
@@ -32,7 +32,8 @@ SHAPING_OPTIONS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--max-re
                    "--max_restarts", "--standalone", "--rdzv-backend", "--rdzv_backend",
                    "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id",
                    "--node-rank", "--node_rank", "--master-addr", "--master_addr",
-                   "--master-port", "--master_port", NO_VIEW)
+                   "--master-port", "--master_port", NO_VIEW,
+                   VIEW_RANKS)
 
 
 def check_script(args: argparse.Namespace) -> None:
@@ -71,6 +72,23 @@ def take_no_view(argv: Sequence[str]) -> tuple[bool, list[str]]:
     n_options = len(argv) - len(args.training_script_args) - 1
     options = list(argv[:n_options])
     return NO_VIEW in options, [a for a in options if a != NO_VIEW] + list(argv[n_options:])
+
+
+def take_view_ranks(argv: Sequence[str]) -> tuple[str, list[str]]:
+    """``--view-ranks`` among the launcher's options (default ``0``), and ``argv``
+    without it (the script's own arguments are left alone)."""
+    args = torchrun_parser().parse_args(list(argv))
+    n_options = len(argv) - len(args.training_script_args) - 1
+    options, kept, value = list(argv[:n_options]), [], "0"
+    while options:
+        option = options.pop(0)
+        if option == VIEW_RANKS and options:
+            value = options.pop(0)
+        elif option.startswith(f"{VIEW_RANKS}="):
+            value = option.split("=", 1)[1]
+        else:
+            kept.append(option)
+    return value, kept + list(argv[n_options:])
 
 
 def given_options(parser: argparse.ArgumentParser, argv: Sequence[str],

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # the agent imports torch's launcher: only when a run starts
 # Kept importable for callers of the walking skeleton; the value lives in config.
 
 NO_VIEW = "--no-view"
+VIEW_RANKS = "--view-ranks"
 
 
 # -- torchrun's command line with our defaults ----------------------------------------------
@@ -28,8 +29,11 @@ Start this node's workers of a training job under torchrun with elastictrain's
 agent and defaults. A failed worker group is restarted (--max-restarts) and
 resumes from the newest snapshot; SIGTERM, SIGUSR1 or Ctrl-C to the launcher
 is passed to the workers as a preemption notice (a final snapshot, then exit
-75); a worker that exits 78 ends the run at once, without restarts. On a
-terminal a live view shows the run and the workers' output goes to files.
+75); a worker that exits 78, or the same error at the same place attempt
+after attempt (a crash loop), ends the run without more restarts. On a
+terminal a live view shows the run and rank 0's output (--view-ranks), and
+the workers' output goes to files. A failed run ends with a summary naming
+the first failing worker's error, its traceback's end and its log.
 
 Every option below may also be set as PET_<OPTION> in the environment (e.g.
 PET_NNODES=1:2), as with torchrun. Defaults marked "elastictrain" come from the
@@ -39,14 +43,16 @@ torchrun's own."""
 RUN_EXIT_CODES = """\
 exit codes:
   0    finished
-  1    failed: the restarts are used up; the workers' errors are in their output
+  1    failed: the restarts are used up; the summary shows the first failing
+       worker's error and its log
   2    usage error: a bad option, a script that does not exist, several nodes
        without --rdzv-endpoint
   75   preempted, a final snapshot committed: the same command resumes from it
   76   preempted, the final snapshot did not commit: the same command resumes
        from the newest committed one
-  78   fatal, do not retry: invalid settings, or a worker exited 78 (bad
-       config, resume mismatch, access denied)
+  78   fatal, do not retry: invalid settings, a worker exited 78 (bad
+       config, resume mismatch, access denied), or a crash loop (the same error
+       at the same place in launch.crash_loop_failures attempts in a row)
   128+N  the launcher was killed by signal N"""
 
 # Our one-line summaries of torchrun's options (its own texts are in `torchrun --help`).
@@ -141,6 +147,7 @@ def run_help() -> str:
     own = shown.add_argument_group("elastictrain options")
     own.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     own.add_argument(NO_VIEW, action="store_true", help=_NO_VIEW_HELP)
+    own.add_argument(VIEW_RANKS, metavar="RANKS", help=_VIEW_RANKS_HELP)
     defaults = shown.add_argument_group("torchrun options with elastictrain's defaults")
     others = shown.add_argument_group("torchrun's other options",
                                       "torchrun's defaults; their full texts: torchrun --help")
@@ -180,6 +187,12 @@ _NO_VIEW_HELP = ("no live view on a terminal: the workers' output and the launch
                  "none when the output is not one)")
 
 
+_VIEW_RANKS_HELP = ("the local ranks whose output (stdout and stderr: your print()s) the "
+                    "live view shows, each line prefixed by its rank: 0,1, all or none "
+                    "(default: 0); every rank's output is in its files either way, and "
+                    "without the view it goes to the terminal as with torchrun")
+
+
 def torchrun_parser() -> argparse.ArgumentParser:
     """torchrun's own argument parser (its options, ``PET_*`` variables included), named
     for our command, with our ``--no-view`` and our help text."""
@@ -190,6 +203,7 @@ def torchrun_parser() -> argparse.ArgumentParser:
                         add_help=False)
     # Ours, not torchrun's: main takes it out of the command line before torchrun parses it.
     parser.add_argument(NO_VIEW, action="store_true", help=_NO_VIEW_HELP)
+    parser.add_argument(VIEW_RANKS, metavar="RANKS", default="0", help=_VIEW_RANKS_HELP)
     for action in parser._actions:  # name them in argparse's errors as the usage does
         if action.dest in ("training_script", "training_script_args"):
             action.metavar = "SCRIPT" if action.dest == "training_script" else "ARGS"

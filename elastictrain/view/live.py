@@ -25,6 +25,7 @@ from rich.text import Text
 
 from elastictrain.storage.api import Store
 from elastictrain.view.model import RunState
+from elastictrain.view.output import OutputTail
 from elastictrain.view.tail import EventTail
 
 REFRESH_S = 0.25
@@ -70,7 +71,9 @@ def render(state: RunState, title: str, footer: str | None = None,
     lines = Table.grid(padding=(0, 1))
     for line in list(state.lines)[-SHOWN_LINES:]:
         stamp = time.strftime("%H:%M:%S", time.localtime(line.ts))
-        lines.add_row(Text(stamp, style="dim"), Text(line.text, style=_STYLES.get(line.kind, "")))
+        # Folded, not cut: a failure's log path is to be read whole.
+        lines.add_row(Text(stamp, style="dim"), Text(line.text, style=_STYLES.get(line.kind, ""),
+                                                     overflow="fold"))
     parts: list[RenderableType] = [head, grid, lines]
     if footer:
         parts.append(Text(footer, style="dim"))
@@ -104,12 +107,16 @@ class LiveView:
         console: where to draw (default: stdout).
         rows: more (label, text) rows of the area (e.g. where the output goes).
         launch: show only the events of this launch id (``elastictrain.runlog.events``).
+        output: the workers' output to print above the area as it comes, where it
+            scrolls as on a terminal without a view (``elastictrain run``).
     """
 
     def __init__(self, store: Store, root: str, title: str, total_steps: int | None = None,
                  footer: str | None = None, console: Console | None = None,
-                 rows: Sequence[tuple[str, str]] = (), launch: str | None = None) -> None:
+                 rows: Sequence[tuple[str, str]] = (), launch: str | None = None,
+                 output: OutputTail | None = None) -> None:
         self.state = RunState(total_steps=total_steps)
+        self._output = output
         self._tail = EventTail(store, root)
         self._title, self._footer, self._rows, self._launch = title, footer, rows, launch
         self._live = Live(console=console, auto_refresh=False, transient=False,
@@ -133,15 +140,17 @@ class LiveView:
         self._done.set()
         self._thread.join(timeout=5)
         self._footer = None  # the hint was for while the job runs
-        self._refresh()
+        self._refresh(final=True)
         self._live.stop()
 
     def _run(self) -> None:
         while not self._done.wait(REFRESH_S):
             self._refresh()
 
-    def _refresh(self) -> None:
+    def _refresh(self, *, final: bool = False) -> None:
         with self._lock:
+            if self._output is not None:
+                self._print_output(self._output.poll(final=final))
             try:
                 for event in self._tail.poll():
                     if self._launch is None or event.get("launch_id") == self._launch:
@@ -150,6 +159,11 @@ class LiveView:
                 pass  # a listing raced a file being created; the next poll sees it
             self._live.update(render(self.state, self._title, self._footer, rows=self._rows),
                               refresh=True)
+
+    def _print_output(self, lines: list[str]) -> None:
+        """Lines printed while the area is live go above it (rich's ``Live``)."""
+        if lines:
+            self._live.console.print(Text("\n".join(lines), overflow="fold"), soft_wrap=False)
 
 
 @contextmanager

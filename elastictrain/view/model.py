@@ -59,6 +59,7 @@ class RunState:
     memory_degraded: dict[str, str] = field(default_factory=dict)
     _samples: deque[tuple[float, int]] = field(default_factory=deque)
     _notice_ts: float | None = None
+    _failure_shown: tuple[Any, ...] | None = None  # the error whose traceback was shown
 
     def apply(self, event: dict[str, Any]) -> None:
         """Fold one event into the state (events of a run, in time order)."""
@@ -169,14 +170,30 @@ _Out = tuple[str, str] | None
 def _worker_failed(state: RunState, e: dict[str, Any]) -> _Out:
     how = f"killed by {e['signal']}" if e.get("signal") else \
         f"exited {e.get('exit_code')} ({e.get('meaning')})"
-    if e.get("error"):  # the worker's own error (its error file, read by the agent)
+    if e.get("error"):  # the worker's own error (its error file or output, read by the agent)
         how += f": {e['error']} at {e.get('where')}"
-    return "failure", f"worker rank {e.get('worker_rank')} {how}"
+    return "failure", f"worker rank {e.get('worker_rank')} {how}" + _failure_detail(state, e)
+
+
+def _failure_detail(state: RunState, e: dict[str, Any]) -> str:
+    """Under the first failing worker's line: the end of its traceback and its log, once
+    for an error seen again attempt after attempt."""
+    if not e.get("first") or not (e.get("traceback") or e.get("output_file")):
+        return ""
+    shown = (e.get("error"), e.get("where"), e.get("failed_step"))
+    if shown == state._failure_shown:
+        return " (the same error as before)"
+    state._failure_shown = shown
+    lines = [str(line).rstrip() for line in e.get("traceback") or []]
+    if e.get("output_file"):
+        lines.append(f"log: {e['output_file']}")
+    return "".join(f"\n  {line}" for line in lines)
 
 
 def _crash_loop(state: RunState, e: dict[str, Any]) -> _Out:
+    when = "before any step" if e.get("before_init") else f"step {e.get('failed_step')}"
     return "failure", (f"crash loop: {e.get('failures')} attempts failed with {e.get('error')} "
-                       f"at {e.get('where')} (step {e.get('failed_step')}); not restarted")
+                       f"at {e.get('where')} ({when}); not restarted")
 
 
 def _demo_kill(state: RunState, e: dict[str, Any]) -> _Out:

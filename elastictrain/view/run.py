@@ -25,6 +25,7 @@ from rich.console import Console
 from elastictrain.storage import open_store
 from elastictrain.view.live import LiveView
 from elastictrain.view.model import RunState
+from elastictrain.view.output import OutputTail
 
 WORKER_LOGS_DIR = "torchelastic"  # under the run's events dir; the event tail skips it
 
@@ -88,16 +89,18 @@ def output_to(path: Path) -> Iterator[IO[str]]:
 
 
 @contextmanager
-def run_view(output: RunOutput, run_id: str, launch: str) -> Iterator[LiveView]:
+def run_view(output: RunOutput, run_id: str, launch: str,
+             ranks: frozenset[int] | None = frozenset({0})) -> Iterator[LiveView]:
     """The live view of launch ``launch`` of run ``run_id`` while the block runs, with the
-    job's output in files (``output``). Events of earlier launches of the run (a requeue
+    job's output in files (``output``), the new lines of local ranks ``ranks`` (None:
+    all) shown under the events. Events of earlier launches of the run (a requeue
     reuses the run id and its events dir) are not shown."""
     output.events_dir.mkdir(parents=True, exist_ok=True)
     with output_to(output.launcher_log) as terminal:
         view = LiveView(open_store(str(output.events_dir)), "", f"elastictrain run {run_id}",
                         footer="Ctrl-C stops the job: final snapshot, then exit 75",
                         console=Console(file=terminal), rows=output.rows(),
-                        launch=launch)
+                        launch=launch, output=OutputTail(Path(output.worker_logs), ranks))
         view.start()
         try:
             yield view

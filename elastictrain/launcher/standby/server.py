@@ -40,6 +40,12 @@ from typing import Any, NoReturn
 
 from setproctitle import setproctitle
 
+from elastictrain.core.env import getenv
+from elastictrain.runlog.failure import record_uncaught
+
+# torchrun gives each worker this file; its agent reads it when the worker fails.
+ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
+
 PYTHON_FLAGS = ("-u",)  # what torchrun puts before the script; the standby runs with -u
 
 
@@ -247,6 +253,8 @@ def run_python(argv: list[str]) -> int:
         raise
     except BaseException as exc:
         _LEFT_BEHIND.append(exc)
+        # Before the hook: init()'s hook, if the script got that far, records it again.
+        record_uncaught(getenv(ERROR_FILE_VAR), exc, exc.__traceback__)
         return _uncaught(type(exc), exc, exc.__traceback__)
 
 

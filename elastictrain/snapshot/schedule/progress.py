@@ -60,4 +60,7 @@ class ProgressReport:
         if self._every_s is None or now - self._last < self._every_s:
             return
         self._last = now
-        log.info("train.progress", loss=None if loss is None else round(float(loss), 6))
+        # detach(): torch warns when a tensor that requires grad becomes a float, and
+        # that warning would reach the user's terminal (rank 0's output in the view).
+        value = loss.detach() if hasattr(loss, "detach") else loss
+        log.info("train.progress", loss=None if loss is None else round(float(value), 6))

@@ -73,8 +73,11 @@ def test_run_shows_the_live_view_and_ctrl_c_stops_with_a_final_snapshot(
         assert (ckpt / layout.step_dir(step) / layout.MANIFEST).exists()
         assert "elastictrain run: exit 75: stopped after a final snapshot" in screen, screen
         assert f"final snapshot:  step {step}" in screen, screen
-        # Nothing of the job's own output tore the area: it is in the files named.
-        assert '"event"' not in screen and "rank 0: training from step" not in screen, screen
+        # The job's own output is in the files named; rank 0's print is shown above the
+        # area, prefixed by its rank (rank 1's is not, by default), and no event as JSON.
+        assert '"event"' not in screen, screen
+        assert "[rank 0] rank 0: training from step 0" in screen, screen
+        assert "rank 1: training from step" not in screen, screen
         assert any("rank 0: training from step 0" in p.read_text()
                    for p in ev.rglob("torchelastic/*/attempt_0/0/stdout.log"))
         wait_for(lambda: not any(pid_alive(p) for p in pids), 30,

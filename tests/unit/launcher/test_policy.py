@@ -82,6 +82,13 @@ def _error(step: int, message: str = "Numpy is not available",
     return {"error": kind, "message": message, "where": "onepass.py:282", "failed_step": step}
 
 
+def _early(message: str = "No module named 'tokenizers'", where: str = "job.py:4",
+           kind: str = "ModuleNotFoundError") -> dict[str, Any]:
+    """A failure before init(), as the agent reads it from the worker's output."""
+    return {"error": kind, "message": message, "where": where, "failed_step": None,
+            "before_init": True}
+
+
 @pytest.mark.parametrize(("limit", "errors", "stops_at"), [
     (2, [_error(0), _error(0)], 1),  # the same error at the same step twice
     (3, [_error(0), _error(0), _error(0)], 2),
@@ -90,6 +97,15 @@ def _error(step: int, message: str = "Numpy is not available",
     (2, [_error(0), None, _error(0)], None),  # a signal (no report) starts over
     (2, [_error(15, kind="PeerNodeLost")] * 3, None),  # the fleet's fault, not the script's
     (0, [_error(0)] * 5, None),  # 0: never
+    # Before init() (read from the worker's output, no step): the same type and place
+    (2, [_early(), _early()], 1),
+    (3, [_early(), _early(), _early()], 2),
+    (2, [_early("port 29500 in use"), _early("port 29501 in use")], 1),  # message aside
+    (2, [_early(where="job.py:4"), _early(where="job.py:9"), _early(where="job.py:9")], 2),
+    (2, [_early(kind="ImportError"), _early(), _early()], 2),  # another type starts over
+    (2, [_early(), _error(0, kind="ModuleNotFoundError")], None),  # init() was reached
+    (2, [_early(), None, _early()], None),  # a signal between them
+    (0, [_early()] * 5, None),
 ])
 def test_a_crash_loop_is_the_same_error_at_the_same_step(
         limit: int, errors: list[dict[str, Any] | None], stops_at: int | None) -> None:
