@@ -6,10 +6,11 @@ then filled one tensor at a time at its place in the file.
 them. Checked at the end with the ``safetensors`` package's own reader.
 
 ``torch``: the file ``torch.save`` would write for ``{"model": …, "optimizer": …,
-"elastictrain": …}``, made by ``torch.save`` itself from placeholder tensors that hold
-no memory (``skip_data`` with fake tensors), so that ``torch.load(weights_only=True)``
-reads it as any other; each tensor's bytes then go into its record, and each record's
-CRC-32 into the zip's directory, so the archive checks out in any zip tool.
+"elastictrain": …}``, one storage per tensor, made by ``torch.save`` itself (under
+``skip_data``) from placeholder tensors that hold no memory, so that
+``torch.load(weights_only=True)`` reads it as any other; each tensor's bytes then go
+into its record, and each record's CRC-32 into the zip's directory, so the archive
+checks out in any zip tool.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import os
 import struct
 import zipfile
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, cast
 
 import torch
 
@@ -170,14 +171,11 @@ class TorchWriter:
 
     def __init__(self, fd: int, path: str, tree: dict[str, Any],
                  meta: dict[str, Any]) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         self._fd, self._path = fd, path
-        refs = [ref for _, ref in tensor_refs(tree)]
-        with FakeTensorMode():
-            fakes = {ref: torch.empty(ref.shape, dtype=ref.dtype) for ref in refs}
-        with torch.serialization.skip_data(materialize_fake_tensors=True):
-            torch.save({**_substituted(tree, fakes), "elastictrain": meta}, path)
+        placeholders = _placeholders([ref for _, ref in tensor_refs(tree)], f"{path}.layout")
+        with torch.serialization.skip_data():
+            torch.save({**_substituted(tree, placeholders), "elastictrain": meta}, path)
+        del placeholders  # unmapped
         self._offsets = _record_offsets(path, tree)
         self._crcs: dict[int, int] = {}
 
@@ -207,15 +205,37 @@ class TorchWriter:
                 position += _CENTRAL.size + fixed[12] + fixed[13] + fixed[14]
 
 
-def _substituted(tree: Any, fakes: dict[TensorRef, torch.Tensor]) -> Any:
+def _placeholders(refs: list[TensorRef], scratch: str) -> dict[TensorRef, torch.Tensor]:
+    """A tensor of each ref's dtype and shape, with storage of its own that holds no
+    memory: a shared mapping of a sparse scratch file, never touched (``torch.save``
+    under ``skip_data`` reads only the storages' sizes). The file is gone on return."""
+    largest = max((ref.nbytes for ref in refs), default=0)
+    with open(scratch, "wb") as f:
+        f.truncate(largest)  # sparse: no blocks on disk
+    try:
+        made = {}
+        for ref in refs:
+            if ref.nbytes == 0:
+                made[ref] = torch.empty(ref.shape, dtype=ref.dtype)
+                continue
+            storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(
+                scratch, shared=True, nbytes=ref.nbytes))
+            stride = torch.empty(ref.shape, device="meta").stride()
+            made[ref] = torch.empty(0, dtype=ref.dtype).set_(storage, 0, ref.shape, stride)
+        return made
+    finally:
+        os.unlink(scratch)  # the mappings keep it until they are released
+
+
+def _substituted(tree: Any, placeholders: dict[TensorRef, torch.Tensor]) -> Any:
     if isinstance(tree, TensorRef):
-        return fakes[tree]
+        return placeholders[tree]
     if isinstance(tree, dict):
-        return {k: _substituted(v, fakes) for k, v in tree.items()}
+        return {k: _substituted(v, placeholders) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [_substituted(v, fakes) for v in tree]
+        return [_substituted(v, placeholders) for v in tree]
     if isinstance(tree, tuple):
-        return tuple(_substituted(v, fakes) for v in tree)
+        return tuple(_substituted(v, placeholders) for v in tree)
     return tree
 
 
