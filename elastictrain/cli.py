@@ -291,15 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: not written)")
     demo.set_defaults(func=_demo)
 
-    snaps = _command(sub, "snapshots", "list, verify, inspect or prune a run's snapshots",
+    snaps = _command(sub, "snapshots", "list, verify, inspect, prune or export a run's "
+                     "snapshots",
                      "Read and tidy the snapshots under a run's storage root (the --storage "
                      "of demo or run, which holds snapshots/). A snapshot is committed "
                      "(its manifest is there), partial (no manifest: never committed, "
                      "restore skips it) or corrupt.",
-                     epilog="exit codes: 0 done; 1 verify found a corrupt snapshot or none "
-                     "that verifies, or storage failed; 2 bad input (a storage location "
-                     "that is malformed, missing or not a directory, a step that is not "
-                     "there).")
+                     epilog="exit codes: 0 done; 1 verify or export found a corrupt "
+                     "snapshot or none that verifies, or storage failed; 2 bad input (a "
+                     "storage location that is malformed, missing or not a directory, a "
+                     "step that is not there).")
     snap_sub = snaps.add_subparsers(dest="snap_cmd", required=True, metavar="ACTION")
     for name, summary in [
             ("list", "every snapshot, newest first: unverified (committed; verify reads "
