@@ -29,6 +29,7 @@ from elastictrain.snapshot.export.contents import model_names
 from elastictrain.snapshot.format.reader import read_manifest
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.storage import open_store
+from tests.planted import plant_snapshot
 from tests.small_job import build, train
 
 HAVE_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
@@ -157,6 +158,38 @@ def _train_steps(model: torch.nn.Module, opt: Any, snap: SnapshotManager, steps:
         opt.zero_grad()
         snap.step()
     snap.close()
+
+
+def test_views_that_overlap_or_stride_and_other_dtypes_come_out_as_saved(
+        tmp_path: Path) -> None:
+    """A payload's tensors may share bytes, stride, hold none: each comes out whole and
+    contiguous, and the checksum over the single pass still matches."""
+    base = torch.arange(24, dtype=torch.float32)
+    model = {"a": base[0:8], "b": base[4:12].view(2, 4), "t": base[:12].view(3, 4).t(),
+             "s": base[5], "e": base[0:0].view(0, 3), "h": torch.randn(3).bfloat16(),
+             "m": torch.tensor([True, False]), "i": torch.arange(5, dtype=torch.int64)}
+    plant_snapshot(open_store(str(tmp_path / "run")), 1, {"format": 1, "model": model,
+                                                          "optimizer": None})
+    expected = {k: v.contiguous() for k, v in model.items()}
+    et.export(str(tmp_path / "run"), tmp_path / "m.pt", format="torch")
+    same_tensors(expected, torch.load(tmp_path / "m.pt", weights_only=True)["model"])
+    if HAVE_SAFETENSORS:
+        from safetensors.torch import load_file
+
+        et.export(str(tmp_path / "run"), tmp_path / "m.safetensors")
+        same_tensors(expected, load_file(tmp_path / "m.safetensors"))
+
+
+def test_a_dtype_safetensors_cannot_name_is_refused_with_the_fix(tmp_path: Path) -> None:
+    plant_snapshot(open_store(str(tmp_path / "run")), 1, {
+        "format": 1, "model": {"z": torch.zeros(2, dtype=torch.complex128)}})
+    if HAVE_SAFETENSORS:
+        with pytest.raises(ConfigError, match=r"complex128 .* fix: --format torch"):
+            et.export(str(tmp_path / "run"), tmp_path / "m.safetensors")
+        assert not (tmp_path / "m.safetensors").exists()
+    et.export(str(tmp_path / "run"), tmp_path / "m.pt", format="torch")
+    assert torch.load(tmp_path / "m.pt", weights_only=True)["model"]["z"].dtype == \
+        torch.complex128
 
 
 def test_names_of_a_ddp_wrapped_model(tmp_path: Path, one_rank_group: None) -> None:
