@@ -75,6 +75,7 @@ class ReplicatedSource:
         self._files = contextlib.ExitStack()
         try:
             local = store.local_path(path)
+            spooled = local is None
             if local is None:
                 local = _spool(store, path, self._entry, self._where)
                 self._files.callback(os.unlink, local)
@@ -85,7 +86,8 @@ class ReplicatedSource:
                 raise SnapshotUnloadable(f"{self._where}: the checksum verifies but the "
                                          "payload is no torch file of tensors that this "
                                          "elastictrain reads; nothing was exported")
-            f = self._files.enter_context(_opened(store, path, local, self._where))
+            f = self._files.enter_context(open(local, "rb") if spooled else  # noqa: SIM115
+                                          _through_store(store, path, self._where))
         except BaseException:
             self._files.close()
             raise
@@ -122,13 +124,8 @@ class ReplicatedSource:
 
 
 @contextlib.contextmanager
-def _opened(store: Store, path: str, local: str, where: str) -> Iterator[BinaryIO]:
-    """The payload: through the store where it is local (its faults and errors apply),
-    else the local copy."""
-    if store.local_path(path) is None:
-        with open(local, "rb") as f:
-            yield f
-        return
+def _through_store(store: Store, path: str, where: str) -> Iterator[BinaryIO]:
+    """A local payload, opened through its store (whose faults and errors apply)."""
     try:
         with store.open_read(path) as f:
             yield f
