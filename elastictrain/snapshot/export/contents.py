@@ -104,9 +104,11 @@ def model_names(names: list[str]) -> dict[str, str]:
     renamed = {name: ".".join(p) for name, p in zip(names, parts, strict=True)}
     if len(set(renamed.values())) != len(renamed):
         clash = sorted(n for n in renamed.values() if list(renamed.values()).count(n) > 1)
-        raise SnapshotUnloadable(f"the model's state holds both a wrapped and an unwrapped "
-                                 f"copy of {clash[0]!r}; fix: export with an elastictrain "
-                                 "that saved it, or load the snapshot itself")
+        raise SnapshotUnloadable(f"the model's state holds {clash[0]!r} both inside and "
+                                 "outside a wrapper's name (module., _orig_mod.), so two "
+                                 "tensors would get one name; fix: restore it into the "
+                                 "model with SnapshotManager.restore, which keeps the "
+                                 "saved names")
     return renamed
 
 
@@ -121,7 +123,8 @@ def select(tree: dict[str, Any], *, with_optimizer: bool, where: str) -> dict[st
     """
     model = tree.get("model")
     if not isinstance(model, dict) or not model:
-        raise SnapshotUnloadable(f"{where}: the snapshot holds no model state to export")
+        raise SnapshotUnloadable(f"{where}: the snapshot holds no model state to export; "
+                                 "fix: export a snapshot SnapshotManager took with a model")
     names = model_names([str(k) for k in model])
     chosen: dict[str, Any] = {"model": {names[str(k)]: v for k, v in model.items()}}
     if with_optimizer:

@@ -85,7 +85,9 @@ class ReplicatedSource:
                 verify_snapshot(store, manifest.step, manifest=manifest)
                 raise SnapshotUnloadable(f"{self._where}: the checksum verifies but the "
                                          "payload is no torch file of tensors that this "
-                                         "elastictrain reads; nothing was exported")
+                                         "elastictrain reads; nothing was exported; fix: "
+                                         "export it with the elastictrain version that "
+                                         "wrote it (elastictrain snapshots inspect)")
             f = self._files.enter_context(open(local, "rb") if spooled else  # noqa: SIM115
                                           _through_store(store, path, self._where))
         except BaseException:

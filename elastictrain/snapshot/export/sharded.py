@@ -102,8 +102,9 @@ class ShardedSource:
         mappings = self._metadata.planner_data
         if not isinstance(mappings, dict) or not mappings:
             raise SnapshotUnloadable(f"{self._where}: the DCP metadata has no mapping from "
-                                     "flattened names to the state (saved unflattened?); "
-                                     "it cannot be exported")
+                                     "flattened names to the state (saved unflattened?), "
+                                     "so the state cannot be rebuilt; fix: restore it into "
+                                     "the model with SnapshotManager.restore")
         return {str(k): tuple(v) for k, v in mappings.items()}
 
     def _value(self, fqn: str) -> Any:
