@@ -9,6 +9,7 @@ Public API::
     snap = elastictrain.SnapshotManager(url, model=ddp, optimizer=opt, sampler=sampler,
                                         ctx=rt.ctx)
     snap.restore(); ...; snap.step(); ...; snap.close(); elastictrain.shutdown()
+    elastictrain.export(url, "model.safetensors")  # a verified snapshot's model, one file
 
 The names are imported on first use (PEP 562), so that the ``elastictrain`` command's
 operator subcommands (status, goodput, snapshots, events) and any ``elastictrain.*``
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
         StorageError,
     )
     from elastictrain.runtime import init, shutdown
+    from elastictrain.snapshot.export.api import export
     from elastictrain.snapshot.manager import ResumeInfo, SnapshotManager
     from elastictrain.worker.data import ElasticSampler, Micro, MicroBatchSampler, optimizer_steps
     from elastictrain.worker.session import Runtime
@@ -54,6 +56,7 @@ _HOMES = {
     "shutdown": "elastictrain.runtime",
     "ResumeInfo": "elastictrain.snapshot.manager",
     "SnapshotManager": "elastictrain.snapshot.manager",
+    "export": "elastictrain.snapshot.export.api",
 }
 
 __all__ = [
@@ -70,6 +73,7 @@ __all__ = [
     "StorageError",
     "TokenDataset",
     "__version__",
+    "export",
     "init",
     "load_settings",
     "optimizer_steps",

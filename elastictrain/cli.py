@@ -91,6 +91,11 @@ def _snapshots(args: argparse.Namespace) -> int:
         row = ops.inspect_snapshot(store, args.step)
         print(json.dumps(row) if args.json else ops.format_inspect(row))
         return 0
+    elif args.snap_cmd == "export":
+        row = ops.export_snapshot(store, args.out, step=args.step, fmt=args.format,
+                                  with_optimizer=args.with_optimizer, force=args.force)
+        print(json.dumps(row) if args.json else ops.format_row(row))
+        return 0
     else:
         rows = ops.prune_snapshots(store, args.keep, dry_run=args.dry_run)
     if not rows and args.snap_cmd in ("list", "verify"):
@@ -200,6 +205,30 @@ def _storage_options(parser: argparse.ArgumentParser) -> None:
                         "(default: none, the ELASTICTRAIN_STORAGE__* settings apply)")
 
 
+def _export_options(cmd: argparse.ArgumentParser) -> None:
+    cmd.description = (
+        "Write the model (with --with-optimizer also the optimizer) of a verified snapshot "
+        "to one file, from a replicated (DDP) or sharded (FSDP2) snapshot taken at any "
+        "world size, its tensors named as the unwrapped model's state_dict() names them. "
+        "The snapshot is read a tensor at a time; the file appears only once complete "
+        "and the snapshot verified. Nothing in the storage is written. Docs: "
+        "docs/export.md")
+    cmd.epilog = ("exit codes: 0 written; 1 the snapshot does not verify (partial, "
+                  "missing or damaged) or storage failed; 2 bad input (the storage, a step "
+                  "that is not there, --out exists or its directory does not, safetensors "
+                  "not installed).")
+    cmd.add_argument("--step", type=int, default=None,
+                     help="the snapshot's step (default: the newest that verifies)")
+    cmd.add_argument("--format", choices=("safetensors", "torch"), required=True,
+                     help="safetensors (needs elastictrain[safetensors]) or torch (a "
+                     "torch.load(weights_only=True) file of model, optimizer, elastictrain)")
+    cmd.add_argument("--out", required=True, metavar="PATH", help="the file to write")
+    cmd.add_argument("--with-optimizer", action="store_true",
+                     help="also the optimizer's state")
+    cmd.add_argument("--force", action="store_true",
+                     help="replace --out if it exists (default: refuse)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = SuggestingParser(
         prog="elastictrain", formatter_class=HelpFormatter,
@@ -262,15 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: not written)")
     demo.set_defaults(func=_demo)
 
-    snaps = _command(sub, "snapshots", "list, verify, inspect or prune a run's snapshots",
+    snaps = _command(sub, "snapshots", "list, verify, inspect, prune or export a run's "
+                     "snapshots",
                      "Read and tidy the snapshots under a run's storage root (the --storage "
                      "of demo or run, which holds snapshots/). A snapshot is committed "
                      "(its manifest is there), partial (no manifest: never committed, "
                      "restore skips it) or corrupt.",
-                     epilog="exit codes: 0 done; 1 verify found a corrupt snapshot or none "
-                     "that verifies, or storage failed; 2 bad input (a storage location "
-                     "that is malformed, missing or not a directory, a step that is not "
-                     "there).")
+                     epilog="exit codes: 0 done; 1 verify or export found a corrupt "
+                     "snapshot or none that verifies, or storage failed; 2 bad input (a "
+                     "storage location that is malformed, missing or not a directory, a "
+                     "step that is not there).")
     snap_sub = snaps.add_subparsers(dest="snap_cmd", required=True, metavar="ACTION")
     for name, summary in [
             ("list", "every snapshot, newest first: unverified (committed; verify reads "
@@ -278,7 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("verify", "check every payload against its manifest; exit 1 if any is "
              "corrupt or none verifies"),
             ("inspect", "one snapshot's manifest: versions, world size, payload objects"),
-            ("prune", "delete all but the newest --keep verified snapshots")]:
+            ("prune", "delete all but the newest --keep verified snapshots"),
+            ("export", "write a verified snapshot's model (and optimizer) to one "
+             "safetensors or torch file")]:
         cmd = _command(snap_sub, name, summary, summary[0].upper() + summary[1:] + ".")
         cmd.add_argument("storage", nargs="?" if name == "list" else None,
                          help="run root: a directory or a URL (s3://bucket/run)")
@@ -300,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "newer than the newest verified are kept too")
             cmd.add_argument("--dry-run", action="store_true",
                              help="list what would be deleted and kept; delete nothing")
+        if name == "export":
+            _export_options(cmd)
     snaps.set_defaults(func=_snapshots)
 
     chaos = _command(

@@ -11,6 +11,11 @@ the optimizer, the batch, the storage faults and where the job stops for the tes
   root, a CPU mesh of the world size) instead of DDP; rank 0 logs ``params.digest`` of
   the full parameters (gathered) at the end, as the manager does for replicated state;
   with DDP every rank logs ``params.rank_digest`` of its own replica at the end.
+  ``--shard-last-dim1``: the last linear layer's weight sharded along its second
+  dimension (as tensor parallelism splits one), the others along their first.
+* ``--full-state FILE``: at the end (before ``close()``) rank 0 writes the whole model and
+  optimizer state, ``torch.save({"model", "optimizer"})``: the unwrapped model's and the
+  optimizer's ``state_dict()``, or for FSDP2 DCP's full ``get_state_dict`` (gathered).
 * ``--every``, ``--memory-every``, ``--memory-dir``, ``--persister``: the snapshot
   policy; what is not given comes from ``ELASTICTRAIN_*`` (the manager is built without
   ``ctx`` or ``config``, as a user script would).
@@ -90,6 +95,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "which more than two ranks' gradients are summed) is the same in "
                         "every process: bit-exact at any world size")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (sharded state), not DDP")
+    p.add_argument("--shard-last-dim1", action="store_true",
+                   help="FSDP2: the last linear layer's weight sharded along dimension 1")
+    p.add_argument("--full-state", type=Path, help="rank 0 writes the full state here")
     p.add_argument("--width", type=int, default=8, help="features of the linear model")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
@@ -155,18 +163,37 @@ def model_of(args: argparse.Namespace) -> torch.nn.Module:
     return net
 
 
-def sharded(net: torch.nn.Module, world_size: int) -> torch.nn.Module:
-    """FSDP2 over every rank (CPU, gloo): each linear layer and the root. (Imported here:
+def sharded(net: torch.nn.Module, world_size: int,
+            last_dim1: bool = False) -> torch.nn.Module:
+    """FSDP2 over every rank (CPU, gloo): each linear layer and the root (with
+    ``last_dim1`` the last layer's weight split along dimension 1). (Imported here:
     FSDP2 and DCP cost a DDP job's every worker a second of start-up.)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     mesh = init_device_mesh("cpu", (world_size,))
-    for layer in net.modules():
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
+    layers = [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
+    for layer in layers:
+        along_dim1 = last_dim1 and layer is layers[-1]
+        fully_shard(layer, mesh=mesh, shard_placement_fn=(
+            lambda p: Shard(1) if p.dim() > 1 else None) if along_dim1 else None)
     fully_shard(net, mesh=mesh)
     return net
+
+
+def write_full_state(path: Path, model: torch.nn.Module, net: torch.nn.Module, opt: Any,
+                     fsdp: bool, rank: int) -> None:
+    """(every rank: FSDP2 gathers) rank 0 writes the whole model and optimizer state."""
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_state, optim_state = get_state_dict(
+            model, [opt], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        model_state, optim_state = net.state_dict(), opt.state_dict()
+    if rank == 0:
+        torch.save({"model": model_state, "optimizer": optim_state}, path)
 
 
 def full_digest(model: torch.nn.Module, rank: int) -> None:
@@ -244,7 +271,7 @@ def train(args: argparse.Namespace, rt: Any) -> None:
         np.random.seed(rank)
     net = model_of(args)
     if args.fsdp:
-        model = sharded(net, rt.ctx.world_size)
+        model = sharded(net, rt.ctx.world_size, args.shard_last_dim1)
     else:
         model = DistributedDataParallel(net) if rt.ctx.initialized else net
     opt: torch.optim.Optimizer = (torch.optim.AdamW if args.optimizer == "adamw"
@@ -296,6 +323,8 @@ def train(args: argparse.Namespace, rt: Any) -> None:
             time.sleep(args.eval_s)  # the evaluation's time (a workload, not a wait)
     if args.final_save:
         snap.save()
+    if args.full_state:
+        write_full_state(args.full_state, model, net, opt, args.fsdp, rank)
     if args.fsdp:
         full_digest(model, rank)
     else:  # every replica's own: the tests check that every rank ends on one state

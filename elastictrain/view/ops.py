@@ -1,5 +1,5 @@
-"""Operator tooling behind ``elastictrain snapshots …``: list, verify, inspect, prune;
-and ``snapshots list --memory``: what this user holds in this node's memory.
+"""Operator tooling behind ``elastictrain snapshots …``: list, verify, inspect, prune,
+export; and ``snapshots list --memory``: what this user holds in this node's memory.
 
 A snapshot directory is in one of three states, named the same by every command:
 ``committed`` (its manifest is there; ``verify`` then says ``ok`` or ``corrupt``),
@@ -184,12 +184,29 @@ def prune_snapshots(store: Store, keep: int, *, dry_run: bool = False) -> list[d
         for s in plan.kept]
 
 
+def export_snapshot(store: Store, out: str, *, step: int | None, fmt: str,
+                    with_optimizer: bool, force: bool) -> dict[str, Any]:
+    """``export``: the model (and optimizer) of a verified snapshot as one file
+    (snapshot/export/); one row saying what was written."""
+    from elastictrain.snapshot.export.api import export  # torch: this command only
+
+    done = export(store, out, step=step, format=fmt, with_optimizer=with_optimizer,
+                  force=force)
+    return {"step": done.step, "status": "exported", "format": done.format, "out": done.path,
+            "contents": ",".join(done.contents), "tensors": done.tensors,
+            "size_bytes": done.size_bytes}
+
+
+def format_row(row: dict[str, Any]) -> str:
+    return "  ".join(f"{k}={v}" for k, v in row.items())
+
+
 def print_rows(rows: list[dict[str, Any]], *, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return
     for row in rows:
-        sys.stdout.write("  ".join(f"{k}={v}" for k, v in row.items()) + "\n")
+        sys.stdout.write(format_row(row) + "\n")
 
 
 def memory_rows() -> list[dict[str, Any]]:

@@ -1,11 +1,12 @@
-"""A base install (no s3fs, no matplotlib: the extras) does everything the README promises.
+"""A base install (no s3fs, no matplotlib, no safetensors: the extras) does everything the
+README promises.
 
 Each child process runs with an import path on which the extras' packages are not
 found, exactly as on a machine where they were never installed (``find_spec`` returns
 None, ``import`` raises ModuleNotFoundError), and its workers inherit that. Covered:
 save, durable and in-place restore, the memory tier and the rescue (the demo with a
-worker killed), sharded FSDP2 save and restore, and the snapshot CLI; each missing
-extra is named in one line where a command needs it.
+worker killed), sharded FSDP2 save and restore, and the snapshot CLI (an export in the
+torch format among it); each missing extra is named in one line where a command needs it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.helpers import REPO, events, run_cli
 
 pytestmark = pytest.mark.distributed
 
-ABSENT = ("s3fs", "matplotlib")
+ABSENT = ("s3fs", "matplotlib", "safetensors")
 
 _SITECUSTOMIZE = f'''
 import sys
@@ -112,3 +113,11 @@ def test_each_missing_extra_is_named_in_one_line(
                     str(tmp_path / "p.png")], tmp_path, PYTHONPATH=without_extras)
     assert plot.returncode != 0 and not (tmp_path / "p.png").exists()
     assert "elastictrain[plot]" in plot.stderr and len(plot.stderr.strip().splitlines()) == 1
+    storage = str(tmp_path / "d")
+    st = run_cli(["snapshots", "export", storage, "--format", "safetensors", "--out",
+                  str(tmp_path / "m.safetensors")], tmp_path, PYTHONPATH=without_extras)
+    assert st.returncode == 2 and not (tmp_path / "m.safetensors").exists()
+    assert "elastictrain[safetensors]" in st.stderr and len(st.stderr.strip().splitlines()) == 1
+    pt = run_cli(["snapshots", "export", storage, "--format", "torch", "--out",
+                  str(tmp_path / "m.pt")], tmp_path, PYTHONPATH=without_extras)
+    assert pt.returncode == 0 and (tmp_path / "m.pt").exists(), pt.stderr[-2000:]

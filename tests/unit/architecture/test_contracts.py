@@ -73,12 +73,14 @@ def test_no_module_is_over_600_lines() -> None:
 
 
 # snapshot/, highest first: the manager and its parts at snapshot/'s root compose the
-# tiers (they hand the durable restore the memory tier's load); sharded state rides on
-# the memory and durable tiers; every tier stands on the state it saves, its schedule
-# and the format.
+# tiers (they hand the durable restore the memory tier's load); the export reads what
+# the tiers below wrote (an operator's tool: none of them imports it); sharded state
+# rides on the memory and durable tiers; every tier stands on the state it saves, its
+# schedule and the format.
 SNAPSHOT_LAYERS: list[grimp.Layer | str] = [
     grimp.Layer("manager", "manager_setup", "node_memory", "rescuer", "copy_fence",
                 "preempt_exit", independent=False),
+    "export",  # reads committed snapshots, replicated and sharded; no tier imports it
     "sharded",
     "memory",
     "durable",
