@@ -41,8 +41,8 @@ def test_the_last_upload_at_exit_is_one_request_and_quick(s3: S3Bucket,
     ended = time.time()
     assert done.returncode == 0, done.stderr[-3000:]
     exit_s = ended - float(done.stdout.split()[-1])
-    keys = [k for k in s3.keys() if k.endswith(".jsonl")]
-    assert len(keys) == 1, (s3.keys(), s3.url(), exit_s, done.stderr[-2000:])
+    keys = [k for k in s3.keys("run/events/") if k.endswith(".jsonl")]
+    assert len(keys) == 1, (keys, exit_s, done.stderr[-2000:])
     body = s3.server.client().get_object(Bucket=s3.name, Key=keys[0])["Body"].read()
     assert any(e["event"] == "script.last_event" for e in parse_event_lines(body.decode()))
     assert exit_s < 2.0, f"the process took {exit_s:.1f} s to exit after its last line"
