@@ -20,7 +20,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from elastictrain.core.errors import ElasticTrainError
 
-CHECKED_TORCH = ("2.13",)
+CHECKED_TORCH = ("2.13", "2.14")
 
 
 @contextmanager
