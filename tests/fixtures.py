@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import structlog
 
 from elastictrain.core.config import PreemptConfig, WatchdogConfig
 from elastictrain.worker import preempt, watchdog
@@ -70,3 +71,11 @@ def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root.mkdir(mode=0o1777)
     monkeypatch.setenv("ELASTICTRAIN_SHM", str(root))
     return root
+
+
+@pytest.fixture
+def logging_reset() -> Iterator[None]:
+    """Logging as it was before the test: for a test that calls the CLI's ``main()``
+    (it points the log at the test's captured stderr)."""
+    yield
+    structlog.reset_defaults()

@@ -5,11 +5,9 @@ line on stderr and nothing written."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 import torch
 
 from elastictrain.cli import main
@@ -18,12 +16,8 @@ from elastictrain.storage import open_store
 from tests.planted import plant_snapshot
 from tests.small_job import build, train
 
-
-@pytest.fixture(autouse=True)
-def _logging_reset() -> Iterator[None]:
-    """main() points the log at this test's captured stderr: undo it for the next test."""
-    yield
-    structlog.reset_defaults()
+# main() points the log at the test's captured stderr: undone after each test.
+pytestmark = pytest.mark.usefixtures("logging_reset")
 
 
 @pytest.fixture

@@ -3,23 +3,17 @@ deletes nothing, and the rows are the only output (no log lines on stderr)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 
 from elastictrain.cli import main
 from elastictrain.snapshot.format.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
 from tests.small_job import build, train
 
-
-@pytest.fixture(autouse=True)
-def _logging_reset() -> Iterator[None]:
-    """main() points the log at this test's captured stderr: undo it for the next test."""
-    yield
-    structlog.reset_defaults()
+# main() points the log at the test's captured stderr: undone after each test.
+pytestmark = pytest.mark.usefixtures("logging_reset")
 
 
 @pytest.fixture
