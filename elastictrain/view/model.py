@@ -59,6 +59,7 @@ class RunState:
     memory_degraded: dict[str, str] = field(default_factory=dict)
     _samples: deque[tuple[float, int]] = field(default_factory=deque)
     _notice_ts: float | None = None
+    _resumed_at: int = 0  # the step the current attempt resumed from
     _failure_shown: tuple[Any, ...] | None = None  # the error whose traceback was shown
 
     def apply(self, event: dict[str, Any]) -> None:
@@ -91,6 +92,7 @@ class RunState:
         if attempt != self.attempt:
             self._samples.clear()  # the rate of one attempt; a restart starts it over
             self.rank_steps.clear()
+            self._resumed_at = 0
         self.attempt = max(self.attempt, attempt)
         if isinstance(world_size, int):
             self.world_size = world_size
@@ -106,7 +108,13 @@ class RunState:
             self.rank_steps[rank] = step if name == "resume" else \
                 max(step, self.rank_steps.get(rank, 0))
             self.step = max(self.rank_steps.values())
-            self._sample(ts, self.step)
+            if name == "resume":
+                # Where the attempt starts (worker.start's step 0 and the resume's jump
+                # are no progress); the rate counts from the attempt's first step on.
+                self._samples.clear()
+                self._resumed_at = self.step
+            elif self.step > self._resumed_at:
+                self._sample(ts, self.step)
         if name == "train.progress" and event.get("loss") is not None:
             self.loss = float(event["loss"])
         elif name == "snapshot.committed":

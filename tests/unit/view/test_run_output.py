@@ -115,3 +115,23 @@ def test_every_exit_code_has_a_meaning(code: int, says: str) -> None:
     assert says in exit_meaning(code)
 
 
+
+
+def test_after_a_restart_the_rate_is_the_new_attempts_from_its_first_step() -> None:
+    """A restarted attempt's worker.start (step 0) and resume (step 150) are no progress:
+    the rate is what the attempt trains after its first step, 14 steps/s here."""
+    state = RunState()
+    for ts, step in ((1.0, 10), (11.0, 150)):  # attempt 0: 14 steps/s
+        state.apply({"event": "train.progress", "rank": 0, "restart_count": 0, "step": step,
+                     "ts": ts})
+    state.apply({"event": "agent.attempt_started", "role": "agent", "restart_count": 1,
+                 "world_size": 2, "ts": 20.0})
+    state.apply({"event": "worker.start", "rank": 0, "restart_count": 1, "step": 0,
+                 "ts": 30.0})
+    state.apply({"event": "resume", "rank": 0, "restart_count": 1, "step": 150,
+                 "from_step": 150, "ts": 31.0})
+    for ts, step in ((32.0, 151), (34.0, 179)):  # the first step, then 14 steps/s
+        state.apply({"event": "train.progress", "rank": 0, "restart_count": 1, "step": step,
+                     "ts": ts})
+    assert state.step == 179
+    assert state.rate == 14.0
