@@ -6,6 +6,7 @@ in-process test (tests/processes/snapshot/) and the torchrun job
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,14 +58,17 @@ def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, data: StatefulDataLoader,
-          snap: et.SnapshotManager, epochs: int, stop_at: int | None = None
-          ) -> list[torch.Tensor]:
+          snap: et.SnapshotManager, epochs: int, stop_at: int | None = None,
+          in_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """The recipe's loop (docs/elastic-resume.md#per-rank-state); returns every batch's
-    inputs. ``stop_at``: leave after that step, as a killed worker would."""
+    inputs. ``stop_at``: leave after that step, as a killed worker would; ``in_step``:
+    called with the step under way between its forward and its backward."""
     seen = []
     while snap.epoch < epochs:
         for x, y in data:
             loss = torch.nn.functional.mse_loss(model(x), y)
+            if in_step is not None:
+                in_step(snap.step_count + 1)
             opt.zero_grad()
             loss.backward()
             opt.step()
