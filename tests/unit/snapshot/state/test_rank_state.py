@@ -90,6 +90,21 @@ def test_the_memory_tier_holds_the_state_too(tmp_path: Path) -> None:
     snap.close()
 
 
+@pytest.mark.parametrize("tier", ["durable", "memory"])
+def test_a_sharded_save_holds_the_state_too(tmp_path: Path, tier: str) -> None:
+    """Through DCP: in the training state object beside the shards (``train-<token>.pt``)."""
+    mem = {"memory_every": 1, "memory_dir": str(tmp_path / "mem")} if tier == "memory" else {}
+    policy = {"sharded": True, "every_steps": 3, **mem}
+    counted(str(tmp_path / "run"), Counter(), 7, save_on_close=False, **policy).wait()
+    again = Counter()
+    *_, snap = build(str(tmp_path / "run"), state={"counter": again}, **policy)
+    info = snap.restore()
+    step = 7 if tier == "memory" else 6
+    assert (info.from_step, info.tier) == (step, tier)
+    assert again.seen == step and snap.rank_extras == {"last": step}
+    snap.close()
+
+
 def test_an_unsafe_state_is_refused_at_save_naming_the_object(tmp_path: Path) -> None:
     class Unsafe(Counter):
         def state_dict(self) -> dict[str, Any]:
