@@ -5,6 +5,7 @@ checked at save, refused at another world size unless the object can take it."""
 from __future__ import annotations
 
 import pathlib
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,12 @@ import torch
 
 import elastictrain as et
 from elastictrain.core.errors import ConfigError, ResumeMismatchError, UnsafeStateError
+from elastictrain.snapshot.memory.peer_restore import receive_copy, send_copy
 from elastictrain.snapshot.state.rank_state import RankState, saved_names
+from elastictrain.storage import open_store
 from elastictrain.worker.dist import DistContext
 from tests.small_job import build, train
+from tests.unit.snapshot.memory.test_peer_units import Wire, _both
 
 
 class Counter:
@@ -102,6 +106,27 @@ def test_a_sharded_save_holds_the_state_too(tmp_path: Path, tier: str) -> None:
     step = 7 if tier == "memory" else 6
     assert (info.from_step, info.tier) == (step, tier)
     assert again.seen == step and snap.rank_extras == {"last": step}
+    snap.close()
+
+
+def test_a_peer_copy_holds_the_state_too(tmp_path: Path) -> None:
+    """A node's memory snapshot, copied to another node's memory, restores the state."""
+    mem = {"memory_every": 1, "memory_dir": str(tmp_path / "mem")}
+    counted(str(tmp_path / "run"), Counter(), 7, save_on_close=False, **mem).wait()
+    wire = Wire()
+    (tmp_path / "new").mkdir(mode=0o700)  # a memory directory is private
+    copied = open_store(str(tmp_path / "new"))
+    assert _both(lambda: send_copy(wire.end(0), open_store(str(tmp_path / "mem")), 7, 1),
+                 lambda: receive_copy(wire.end(1), copied, 7, 0)) is True
+    # The other node's memory directory of this run, holding only the copy.
+    shutil.copy(tmp_path / "mem" / "IDENTITY.json", tmp_path / "new" / "IDENTITY.json")
+    shutil.rmtree(tmp_path / "mem")
+    again = Counter()
+    *_, snap = build(str(tmp_path / "run"), state={"counter": again}, memory_every=1,
+                     memory_dir=str(tmp_path / "new"))
+    info = snap.restore()
+    assert (info.from_step, info.tier) == (7, "memory")
+    assert again.seen == 7 and snap.rank_extras == {"last": 7}
     snap.close()
 
 
