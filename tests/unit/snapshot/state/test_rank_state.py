@@ -168,13 +168,17 @@ def _saved_at_world_1(tmp_path: Path, counter: Counter) -> str:
 
 def test_another_world_size_is_refused_for_per_rank_state(tmp_path: Path) -> None:
     url = _saved_at_world_1(tmp_path, Counter())
-    snap = et.SnapshotManager(url, model=torch.nn.Linear(3, 1), state={"counter": Counter()},
-                              ctx=ctx(0, 2))
+    model, counter = torch.nn.Linear(3, 1), Counter()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    snap = et.SnapshotManager(url, model=model, state={"counter": counter}, ctx=ctx(0, 2))
     with pytest.raises(ResumeMismatchError) as raised:
         snap.restore()
     message = str(raised.value)
     assert "\n" not in message and "state['counter']" in message
     assert "world size 1" in message and "world size 2" in message and "fix:" in message
+    # Refused before anything was loaded.
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert counter.loaded == [] and counter.seen == 0
 
 
 def test_an_object_that_can_be_resized_is_handed_its_rank_state(tmp_path: Path) -> None:
