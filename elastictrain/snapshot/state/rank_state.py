@@ -86,14 +86,16 @@ class RankState:
                 f"cannot be split for world size {world_size}; fix: resume with "
                 f"{saved_world} ranks, or keep such values in snap.extras")
 
-    def apply(self, entry: dict[str, Any] | None, saved_world: int, world_size: int) -> None:
-        """Load this rank's saved ``entry`` (its RNG entry's ``rank_state``; None: the
-        snapshot holds none for this rank). Objects the snapshot has no state for keep
-        theirs."""
+    def apply(self, entry: dict[str, Any] | None, saved: dict[str, Any] | None,
+              saved_world: int, world_size: int) -> None:
+        """Load this rank's saved ``entry`` (its RNG entry; None: the snapshot holds none
+        for this rank). ``saved``: the payload's ``rank_state`` (what any rank saved).
+        Objects the snapshot has no state for keep theirs."""
         held = _own_copy((entry or {}).get("rank_state") or {})
         states = held.get("objects") or {}
         if saved_world != world_size:
-            for name, obj in self.objects.items():
+            for name in (saved or {}).get("objects", []):
+                obj = self.objects.get(name)
                 if hasattr(obj, RESIZED_METHOD):
                     getattr(obj, RESIZED_METHOD)(states.get(name), saved_world)
             self.extras = {}

@@ -193,7 +193,8 @@ class TrainingState:
         else:
             reseed_for_new_world(rng_states[0], self.step, rank)
             rule = "reseeded"
-        self.ranked.apply(own, len(rng_states), self._ctx.world_size)
+        self.ranked.apply(own, payload.get("rank_state"), len(rng_states),
+                          self._ctx.world_size)
         return rule
 
     def replica_digest(self, *, parameters_only: bool = False) -> int | None:

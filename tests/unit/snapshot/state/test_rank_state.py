@@ -191,8 +191,13 @@ def test_an_object_that_can_be_resized_is_handed_its_rank_state(tmp_path: Path) 
     assert (state["seen"], saved_world) == (2, 1)
     # A rank that did not exist at the save is handed None.
     new_rank = Resizable()
-    RankState({"counter": new_rank}).apply(None, saved_world=1, world_size=2)
+    saved = {"objects": ["counter"], "extras": False}
+    RankState({"counter": new_rank}).apply(None, saved, saved_world=1, world_size=2)
     assert new_rank.loaded == [(None, 1)]
+    # Nothing is handed over from a snapshot that holds no state of the object.
+    unsaved = Resizable()
+    RankState({"counter": unsaved}).apply(None, None, saved_world=1, world_size=2)
+    assert unsaved.loaded == []
 
 
 def test_rank_extras_at_another_world_size_are_refused(tmp_path: Path) -> None:
