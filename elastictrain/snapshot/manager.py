@@ -64,6 +64,7 @@ from elastictrain.snapshot.schedule.restart_save import RestartRequest, save_bef
 from elastictrain.snapshot.schedule.save_schedule import SaveSchedule
 from elastictrain.snapshot.sharded.detect import has_dtensor_params
 from elastictrain.snapshot.state import replica_check
+from elastictrain.snapshot.state.rank_state import RankState
 from elastictrain.snapshot.state.rng import capture_rng
 from elastictrain.snapshot.state.training_state import TrainingState, unwrap
 from elastictrain.storage import Store
@@ -86,6 +87,10 @@ class SnapshotManager:
         optimizer, scheduler, scaler: optional; anything with state_dict().
         sampler: the ElasticSampler whose global position is saved.
             A URL takes the other storage settings from ``Settings``.
+        state: more objects by name, anything with ``state_dict()`` /
+            ``load_state_dict()`` (a torchdata ``StatefulDataLoader``): each rank's own
+            state is saved with its RNG states and restored to the same rank
+            (docs/elastic-resume.md#per-rank-state).
         config: snapshot policy; default: ``Settings.snapshot`` (``elastictrain.init``'s,
             else loaded from the TOML file and ``ELASTICTRAIN_*``). Keyword overrides
             (``every_steps=…``) win over it.
@@ -115,6 +120,7 @@ class SnapshotManager:
         scheduler: Any | None = None,
         scaler: Any | None = None,
         sampler: ElasticSampler | None = None,
+        state: dict[str, Any] | None = None,
         config: SnapshotConfig | None = None,
         ctx: DistContext | None = None,
         run_id: str | None = None,
@@ -138,7 +144,8 @@ class SnapshotManager:
             self._saver = Saver(self.store, durable)
         self._train = TrainingState(model, optimizer, scheduler, scaler, sampler, ctx=self.ctx,
                                     run_id=self.run_id, checksum=self.config.checksum,
-                                    saver_holds_model=self._saver.saves_model_and_optimizer)
+                                    saver_holds_model=self._saver.saves_model_and_optimizer,
+                                    ranked=RankState(state))
         self._node_memory = NodeMemory(self.config, self.run_id, self.store, self.ctx,
                                        sharded=self.sharded, model=unwrap(model),
                                        optimizer=optimizer)
@@ -206,6 +213,16 @@ class SnapshotManager:
         self._train.extras = value
 
     @property
+    def rank_extras(self) -> dict[str, Any]:
+        """This rank's own values, saved and restored per rank (``extras``: rank 0's,
+        the same for all); a resume at another world size refuses them."""
+        return self._train.ranked.extras
+
+    @rank_extras.setter
+    def rank_extras(self, value: dict[str, Any]) -> None:
+        self._train.ranked.extras = value
+
+    @property
     def epoch(self) -> int:
         """The epoch in progress. The sampler owns it when there is one (it orders the
         epoch's samples); the manager only without a sampler."""
@@ -258,6 +275,8 @@ class SnapshotManager:
         for saver, wanted in ((self._saver if self.ctx.is_writer else None, durable),
                               (self._memory, memory)):
             if saver is not None and wanted:
+                # RNG states only: asking a loader for its state would start its workers
+                # (torchdata); the per-rank states are small and staged at the first save.
                 saver.prepare_ahead(
                     lambda: self._train.payload([capture_rng()] * self.ctx.world_size))
 
@@ -341,7 +360,7 @@ class SnapshotManager:
             # Only the writer saves the RNG states: gathered to it alone, so a rank
             # receives nothing (an all-gather would send every rank all N: N² in all);
             # the writer's failed persist, if any, is agreed in the same collective.
-            rng, (failed_step,) = self.ctx.gather_object(capture_rng(),
+            rng, (failed_step,) = self.ctx.gather_object(self._train.rank_entry(),
                                                          agree=[self._failed_step()])
             self._schedule.durable_taken(self.step_count)
             self._durable_step = self.step_count
@@ -368,7 +387,7 @@ class SnapshotManager:
             # Every rank gets every RNG state here: each node's copy holds all of them,
             # since after a re-rendezvous a node may host any rank (O(N) per rank, on
             # memory saves only; the durable save gathers to the writer alone).
-            rng = self.ctx.all_gather_object(capture_rng())
+            rng = self.ctx.all_gather_object(self._train.rank_entry())
             # Taken only once the gather succeeded: one that failed (a peer died) wrote
             # nothing, so the rescue may still commit this step.
             self._node_memory.taken_step = self.step_count

@@ -262,6 +262,11 @@ class Rescuer:
 
     def _refusal(self, record: BoundaryRecord) -> str | None:
         """Why this rank's state is not exactly its last boundary's, or None."""
+        if self._train.ranked.active:
+            # The step records hold RNG states only: recording a loader's state at every
+            # step costs more than the rescue saves (docs/elastic-resume.md#per-rank-state).
+            return ("per-rank state (state=, rank_extras) is not in the step records; the "
+                    "restart resumes from the newest snapshot")
         if record.step != self._train.step:
             return f"the manager is at step {self._train.step}, its record at {record.step}"
         if not record.unchanged():

@@ -13,7 +13,8 @@ from elastictrain.core.errors import ConfigError
 from elastictrain.snapshot.format.manifest import SnapshotMeta
 from elastictrain.snapshot.format.views import InPlace
 from elastictrain.snapshot.state import replica_check
-from elastictrain.snapshot.state.rng import reseed_for_new_world, restore_rng
+from elastictrain.snapshot.state.rank_state import RankState, saved_names
+from elastictrain.snapshot.state.rng import capture_rng, reseed_for_new_world, restore_rng
 from elastictrain.worker.data import ElasticSampler
 from elastictrain.worker.dist import DistContext
 
@@ -31,9 +32,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 class TrainingState:
     """Model, optimizer, scheduler, scaler and sampler, with the position: step, epoch
-    and the user's ``extras``.
+    and the user's ``extras``; and each rank's own objects and values (``ranked``).
 
     Args:
+        ranked: the per-rank objects (``state=``) and ``rank_extras``.
         ctx: this attempt's process group (its world size goes into every snapshot).
         run_id, checksum: recorded in every snapshot's manifest.
         saver_holds_model: the saver takes (and loads) model and optimizer state
@@ -42,8 +44,10 @@ class TrainingState:
 
     def __init__(self, model: nn.Module, optimizer: Any | None, scheduler: Any | None,
                  scaler: Any | None, sampler: ElasticSampler | None, *, ctx: DistContext,
-                 run_id: str, checksum: ChecksumAlgorithm, saver_holds_model: bool) -> None:
+                 run_id: str, checksum: ChecksumAlgorithm, saver_holds_model: bool,
+                 ranked: RankState | None = None) -> None:
         self.model, self.optimizer = model, optimizer
+        self.ranked = ranked if ranked is not None else RankState(None)
         self.scheduler, self.scaler = scheduler, scaler
         self.sampler = sampler
         self.step = 0
@@ -67,6 +71,15 @@ class TrainingState:
             self._epoch = value
 
     # -- what a save takes ---------------------------------------------------------------
+    def rank_entry(self) -> dict[str, Any]:
+        """This rank's entry of the list a save gathers: its RNG states and, when it has
+        any, its per-rank state (``rank_state``)."""
+        entry = capture_rng()
+        held = self.ranked.capture()
+        if held is not None:
+            entry["rank_state"] = held
+        return entry
+
     def payload(self, rng: list[dict[str, Any]], *, at_close: bool = False) -> dict[str, Any]:
         """Everything to save (``rng``: every rank's RNG state), but model and optimizer
         when the saver takes those itself. ``at_close``: the save close() takes of the
@@ -82,6 +95,9 @@ class TrainingState:
             "extras": dict(self.extras),
             "at_close": at_close,
         }
+        held = saved_names(rng)
+        if held is not None:  # absent otherwise: such a payload is as it always was
+            common["rank_state"] = held
         if self._saver_holds_model:
             return {"format": 2, **common}
         return {
@@ -130,6 +146,7 @@ class TrainingState:
             saved = saved_state.get("sampler")
             if saved is not None:  # none at all: apply() says what to do
                 self.sampler.check_saved(saved)
+        self.ranked.check_resumable(saved_state, self._ctx.world_size)
 
     def in_place(self) -> InPlace:
         """The model's tensors as targets a local restore reads straight into (the copy
@@ -167,11 +184,19 @@ class TrainingState:
         self.extras = dict(payload.get("extras") or {})
         rng_states = payload["rng"]
         # RNG last: building the model and loading state may consume random numbers.
-        if len(rng_states) == self._ctx.world_size:
-            restore_rng(rng_states[self._ctx.rank])
-            return "restored"
-        reseed_for_new_world(rng_states[0], self.step, self._ctx.rank)
-        return "reseeded"
+        # The per-rank objects after it: loading draws none, and what they hold (a
+        # loader's own generators) is theirs.
+        rank = self._ctx.rank
+        own = rng_states[rank] if rank < len(rng_states) else None
+        if own is not None and len(rng_states) == self._ctx.world_size:
+            restore_rng(own)
+            rule = "restored"
+        else:
+            reseed_for_new_world(rng_states[0], self.step, rank)
+            rule = "reseeded"
+        self.ranked.apply(own, payload.get("rank_state"), len(rng_states),
+                          self._ctx.world_size)
+        return rule
 
     def replica_digest(self, *, parameters_only: bool = False) -> int | None:
         """The digest every rank of replicated state shares (snapshot/state/replica_check.py):

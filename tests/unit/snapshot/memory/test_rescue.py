@@ -153,6 +153,20 @@ def test_no_rescue_once_the_optimizer_stepped(tmp_path: Path) -> None:
     assert [e["rescued"] for e in logs if e["event"] == "resume"] == [False]
 
 
+def test_no_rescue_for_a_job_with_per_rank_state(tmp_path: Path) -> None:
+    """The step records hold RNG states only: a job with per-rank state (``rank_extras``
+    here, ``state=`` objects alike) resumes from the newest snapshot instead."""
+    crashed = _crashed_run(tmp_path, 7)
+    crashed[4].rank_extras["shard"] = 3
+    with capture_logs() as logs:
+        rescue.on_uncaught(_failed_step(crashed))
+    (skipped,) = [e for e in logs if e["event"] == "snapshot.rescue_skipped"]
+    assert "per-rank state" in skipped["reason"]
+    assert list_snapshot_dirs(open_store(str(tmp_path / "mem"))) == []
+    _, info = _resume(tmp_path)
+    assert (info.from_step, info.tier) == (5, "durable")
+
+
 def test_torn_record_of_a_rank_falls_back_to_the_periodic_snapshots(tmp_path: Path) -> None:
     crashed = _crashed_run(tmp_path, 7)
     record = tmp_path / "mem" / rescue.BOUNDARY_DIR / "rank0"
