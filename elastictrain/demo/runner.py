@@ -28,6 +28,7 @@ from elastictrain.runlog.events_read import read_events
 from elastictrain.runlog.failure import failure_lines
 from elastictrain.storage import open_store
 from elastictrain.view.live import LiveView, live_view
+from elastictrain.view.model import attempts_text
 
 
 @dataclass
@@ -257,8 +258,8 @@ def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float) -> D
 
 def human_summary(result: DemoResult) -> str:
     lines = [
-        f"elastictrain demo: {_outcome(result)} in {result.wall_s:.1f}s (exit {result.exit_code})",
-        f"  attempts:           {result.restarts + 1} ({result.restarts} restarts)",
+        _first_line(result),
+        f"  attempts:           {attempts_text(result.restarts)}",
         f"  resumed from steps: {_steps(result.resumed_from)}",
         f"  world sizes:        {', '.join(map(str, result.world_sizes))}",
         *(f"  {m['change']}:{' ' * (18 - len(m['change']))}node {m['node']} after step "
@@ -266,7 +267,7 @@ def human_summary(result: DemoResult) -> str:
           f"{m.get('seconds_to_first_step')}s later" for m in result.membership),
         f"  snapshots committed: {', '.join(map(str, result.committed_steps)) or 'none'}",
         f"  lost steps:         {result.lost_steps}",
-        f"  final step / loss:  {result.final_step} / {result.final_loss}",
+        f"  final step / loss:  {_known(result.final_step)} / {_known(result.final_loss)}",
         f"  param digest:       {result.param_digest}",
         f"  storage:            {result.storage}",
         f"  events:             {result.events_dir}",
@@ -274,6 +275,18 @@ def human_summary(result: DemoResult) -> str:
     if result.exit_code not in (0, EXIT_PREEMPTED):
         lines += failure_lines(result.error, result.crash_loop)
     return "\n".join(lines)
+
+
+def _first_line(result: DemoResult) -> str:
+    took = f"{result.wall_s:.1f}s"
+    if result.interrupted is None:  # "finished in 12.3s (exit 0)": CI reads this form
+        return f"elastictrain demo: {_outcome(result)} in {took} (exit {result.exit_code})"
+    # Interrupted: the time first, so that it does not read as a wait before resuming.
+    return f"elastictrain demo: after {took}, exit {result.exit_code}: {_outcome(result)}"
+
+
+def _known(value: object) -> str:
+    return "unknown" if value is None else str(value)
 
 
 def _outcome(result: DemoResult) -> str:

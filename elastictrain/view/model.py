@@ -14,6 +14,11 @@ from typing import Any
 RATE_WINDOW_S = 10.0  # the step rate is measured over this much recent wall time
 
 
+def attempts_text(restarts: int) -> str:
+    """``2 (1 restart)``: the attempts of a run that restarted ``restarts`` times."""
+    return f"{restarts + 1} ({restarts} restart{'' if restarts == 1 else 's'})"
+
+
 @dataclass
 class Line:
     """One event worth a line in a view."""

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from elastictrain.storage import open_store
 from elastictrain.view.live import LiveView
-from elastictrain.view.model import RunState
+from elastictrain.view.model import RunState, attempts_text
 from elastictrain.view.output import OutputTail
 
 WORKER_LOGS_DIR = "torchelastic"  # under the run's events dir; the event tail skips it
@@ -113,7 +113,7 @@ def summary(state: RunState, exit_code: int, meaning: str, output: RunOutput) ->
     output and events are."""
     newest = state.last_snapshot["step"] if state.last_snapshot else None
     lines = [f"elastictrain run: exit {exit_code}: {meaning}",
-             f"  attempts:        {state.attempt + 1} ({state.attempt} restarts)",
+             f"  attempts:        {attempts_text(state.attempt)}",
              f"  last step:       {state.step}",
              f"  lost steps:      {state.lost_steps}",
              f"  newest snapshot: {'none' if newest is None else f'step {newest}'}"]

@@ -102,7 +102,7 @@ def test_summary_says_the_outcome_and_where_things_are(tmp_path: Path) -> None:
     text = summary(state, 75, exit_meaning(75), output)
     assert text.splitlines()[0] == ("elastictrain run: exit 75: stopped after a final "
                                     "snapshot; the same command resumes from it")
-    assert "attempts:        2 (1 restarts)" in text and "lost steps:      3" in text
+    assert "attempts:        2 (1 restart)" in text and "lost steps:      3" in text
     assert "final snapshot:  step 25" in text
     assert f"worker output:   {tmp_path / 'torchelastic'}" in text
     assert f"launcher log:    {tmp_path / 'launcher-x.log'}" in text
