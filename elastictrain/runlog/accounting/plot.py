@@ -39,10 +39,27 @@ def plot_split(split: Split, path: str | Path) -> Path:
         ConfigError: matplotlib is missing, or the file cannot be written (names it).
     """
     plt = _pyplot()
-    lanes = len(split.attempts)
-    fig, (timeline, bar) = plt.subplots(
-        2, 1, figsize=(11, 1.6 + 0.6 * lanes),
-        gridspec_kw={"height_ratios": [max(lanes, 1), 1.2]})
+    fig = draw_split(split)
+    out = Path(path)
+    try:
+        fig.savefig(out, dpi=110, bbox_inches="tight")
+    except OSError as exc:
+        raise ConfigError(f"--plot {str(out)!r}: cannot write it ({exc.strerror}); fix: "
+                          "pass a path in a writable directory") from None
+    finally:
+        plt.close(fig)
+    return out
+
+
+def draw_split(split: Split) -> Any:
+    """The figure of ``split`` (a matplotlib ``Figure``; the caller closes it)."""
+    plt = _pyplot()
+    lanes = max(len(split.attempts), 1)
+    # Heights in inches: every lane as tall whatever their number, the share bar fixed;
+    # the constrained layout makes room for the labels and the legend below.
+    lane_in, bar_in = 0.55, 0.45
+    fig = plt.figure(figsize=(11, 2.4 + lane_in * lanes + bar_in), layout="constrained")
+    timeline, bar = fig.subplots(2, 1, height_ratios=[lane_in * lanes, bar_in])
     for lane, attempt in enumerate(split.attempts):
         y = lanes - 1 - lane
         for cause in CAUSES:
@@ -58,10 +75,10 @@ def plot_split(split: Split, path: str | Path) -> Path:
                           markersize=9, linestyle="none")
         timeline.annotate(attempt.ended_by, (attempt.end - split.start, y - 0.45),
                           fontsize=8, ha="right", va="top")
-    timeline.set_yticks(range(lanes))
+    timeline.set_yticks(range(len(split.attempts)))
     timeline.set_yticklabels([f"attempt {a.index}\nsteps {a.from_step or 0}-{a.to_step}"
                               for a in reversed(split.attempts)], fontsize=8)
-    timeline.set_ylim(-0.8, lanes - 0.2)
+    timeline.set_ylim(-0.8, len(split.attempts) - 0.2)
     timeline.set_xlim(0, split.wall_s)
     timeline.set_xlabel("seconds since the run started (▼ snapshot committed, X failure)")
     wall = split.wall_s or 1.0
@@ -76,16 +93,8 @@ def plot_split(split: Split, path: str | Path) -> Path:
     bar.set_xlim(0, 1)
     bar.set_yticks([])
     bar.set_xlabel(f"share of {split.wall_s:.1f}s wall time")
-    bar.legend(loc="upper center", bbox_to_anchor=(0.5, -1.1), ncol=4, fontsize=8,
+    handles, labels = bar.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8,
                frameon=False)
     fig.suptitle(f"where the time went: goodput {split.seconds['productive'] / wall:.1%}")
-    fig.tight_layout()
-    out = Path(path)
-    try:
-        fig.savefig(out, dpi=110, bbox_inches="tight")
-    except OSError as exc:
-        raise ConfigError(f"--plot {str(out)!r}: cannot write it ({exc.strerror}); fix: "
-                          "pass a path in a writable directory") from None
-    finally:
-        plt.close(fig)
-    return out
+    return fig
