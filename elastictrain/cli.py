@@ -13,9 +13,11 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from importlib import metadata
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from elastictrain.core import log as et_log
 from elastictrain.core.errors import (
@@ -27,6 +29,10 @@ from elastictrain.core.errors import (
     StorageNotFoundError,
 )
 from elastictrain.core.helpformat import HelpFormatter, SuggestingParser
+
+if TYPE_CHECKING:
+    from elastictrain.runlog.accounting.split import Split
+    from elastictrain.storage.api import Store
 
 # Commands that start a run: only they may end with 78 (a fatal run, do not retry).
 _RUNS = ("demo", "chaos")
@@ -107,12 +113,34 @@ def _snapshots(args: argparse.Namespace) -> int:
     return 1 if args.snap_cmd == "verify" and ops.verify_failed(rows) else 0
 
 
+def _copy_events(store: Store, into: Path) -> Path:
+    """The event files at ``store``'s root, copied into ``into``."""
+    for name in store.list_dir(""):
+        if name.endswith(".jsonl"):
+            (into / name).write_bytes(store.read_bytes(name))
+    return into
+
+
+def _write_plot(split: Split, target: str, storage_options: str | None) -> None:
+    """The plot to a local file, or to an object (``--plot s3://bucket/run/plot.png``)."""
+    from elastictrain.runlog.accounting.plot import plot_split
+    from elastictrain.runlog.events import is_remote
+    from elastictrain.storage.locations import open_from_cli
+
+    if not is_remote(target):
+        plot_split(split, target)
+        return
+    parent, _, name = target.rstrip("/").rpartition("/")
+    store = open_from_cli(parent, storage_options)
+    with tempfile.TemporaryDirectory(prefix="elastictrain-plot-") as tmp:
+        store.write_bytes(name, plot_split(split, Path(tmp) / name).read_bytes())
+
+
 def _goodput(args: argparse.Namespace) -> int:
     from elastictrain.runlog.accounting.split import format_split, split_run
     from elastictrain.runlog.events import is_remote
     from elastictrain.runlog.goodput import (
         compute_goodput,
-        format_report,
         one_figure,
         run_events_location,
     )
@@ -130,23 +158,23 @@ def _goodput(args: argparse.Namespace) -> int:
     events_dir = run_events_location(args.events_dir, store)
     if remote and events_dir != args.events_dir:
         store = open_from_cli(events_dir, args.storage_options)
-    try:
-        report = compute_goodput(events_dir, store)
-        # The per-cause split reads local event files (object storage: the totals only).
-        split = split_run(events_dir) if store is None else None
-    except FileNotFoundError as exc:
-        raise ConfigError(str(exc)) from None
-    if args.plot and split is not None:
-        from elastictrain.runlog.accounting.plot import plot_split
-
-        plot_split(split, args.plot)
+    with tempfile.TemporaryDirectory(prefix="elastictrain-goodput-") as copy:
+        # On object storage the run's event files are read once into a local copy:
+        # the same files, so the same figures and split as the run's local events.
+        local = events_dir if store is None else _copy_events(store, Path(copy))
+        try:
+            report = compute_goodput(local)
+            split = split_run(local)
+        except FileNotFoundError as exc:
+            raise ConfigError(str(exc).replace(str(local), events_dir)) from None
+    if args.plot:
+        _write_plot(split, args.plot, args.storage_options)
     if args.json:
         print(json.dumps({**one_figure(report, split), "events_dir": events_dir,
-                          "split": split.to_dict() if split is not None else None}))
+                          "split": split.to_dict()}))
     else:
-        print(format_split(split) if split is not None else format_report(report))
-        if split is not None:  # format_report prints them itself
-            print("".join(f"  note: {note}\n" for note in report.notes), end="")
+        print(format_split(split))
+        print("".join(f"  note: {note}\n" for note in report.notes), end="")
     return 0
 
 
