@@ -66,6 +66,9 @@ class WorkerEnv:
     master_port: int | None = None
     under_torchrun: bool = False
     agent_store_shared: bool = True
+    # torchrun's word that the workers use its agent's store: with the store sharing
+    # turned off, only its static rendezvous (no --standalone, no --rdzv-backend) does.
+    uses_agent_store: bool = False
     scheduler_attempts: dict[str, int] = field(default_factory=dict)
 
     @classmethod
@@ -86,6 +89,7 @@ class WorkerEnv:
             master_port=int(port) if port else None,
             under_torchrun="TORCHELASTIC_RUN_ID" in env,
             agent_store_shared=env.get(SHARE_STORE_FIX_VAR, "0") not in ("1", "true", "True"),
+            uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             scheduler_attempts=_scheduler_attempts(env),
         )
 

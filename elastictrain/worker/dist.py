@@ -182,6 +182,30 @@ class DistContext:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
 
+def warn_about_the_launch(env: WorkerEnv) -> str | None:
+    """Under plain torchrun, warn of a launch whose restarts are unreliable with gloo
+    (docs/guide.md#torchrun-restarts-torch-213-with-gloo); returns the event logged."""
+    if not env.under_torchrun:
+        return None
+    if env.agent_store_shared:
+        log.warning(
+            "dist.store_shared",
+            fix=f"export {SHARE_STORE_FIX_VAR}=1 before torchrun (elastictrain run sets it)",
+            why="torch>=2.4 agents share one store across restart attempts; restarted gloo "
+            "workers can read stale addresses and hang in init_process_group")
+        return "dist.store_shared"
+    if env.uses_agent_store and env.max_restarts > 0:
+        log.warning(
+            "dist.static_rendezvous",
+            fix="torchrun --standalone ... on one node, --rdzv-backend=c10d "
+            "--rdzv-endpoint=HOST:PORT across nodes, or elastictrain run",
+            why="torchrun's default static rendezvous keeps its store across restart "
+            "attempts: restarted gloo workers can connect to the previous attempt's "
+            "addresses (Connection refused) and use up the restarts")
+        return "dist.static_rendezvous"
+    return None
+
+
 def init_process_group(cfg: DistConfig | None = None, env: WorkerEnv | None = None) -> DistContext:
     """Join the process group described by the torchrun environment.
 
@@ -199,13 +223,7 @@ def init_process_group(cfg: DistConfig | None = None, env: WorkerEnv | None = No
     device = _choose_device(backend, env.local_rank)
     if not env.is_distributed:
         return DistContext(env.rank, env.world_size, env.local_rank, backend, device, False)
-    if env.under_torchrun and env.agent_store_shared:
-        log.warning(
-            "dist.store_shared",
-            fix=f"export {SHARE_STORE_FIX_VAR}=1 before torchrun (elastictrain run sets it)",
-            why="torch>=2.4 agents share one store across restart attempts; restarted gloo "
-            "workers can read stale addresses and hang in init_process_group",
-        )
+    warn_about_the_launch(env)
     with deadline(cfg.init_timeout_s, "dist.init_timeout"):
         torch_dist.init_process_group(
             backend=backend,

@@ -99,14 +99,15 @@ def test_unwritable_storage_fails_before_training(tmp_path: Path) -> None:
 
 
 def test_readme_example_survives_a_kill_under_plain_torchrun(tmp_path: Path) -> None:
-    """examples/ddp_resumable.py (shown in the README) under `python -m torch.distributed.run`:
-    kill rank 1 by PID once a snapshot is committed; torchrun restarts both; it finishes."""
+    """examples/ddp_resumable.py (shown in the README) under `python -m torch.distributed.run`
+    in the form the README gives (`--standalone`, the variable exported): kill rank 1 by
+    PID once a snapshot is committed; torchrun restarts both; it finishes."""
     readme = (REPO / "README.md").read_text()
     example = (REPO / "examples" / "ddp_resumable.py").read_text()
     assert example.strip() in readme  # the README shows exactly this file
     storage = tmp_path / "ckpt"
     cmd = ["python", "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=2",
-           "--monitor-interval=0.1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+           "--monitor-interval=0.1", "--standalone",
            f"--log-dir={tmp_path / 'logs'}", str(REPO / "examples" / "ddp_resumable.py"),
            str(storage)]
     with started(cmd, tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
