@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 # Demo runs that several test modules check (one run each per session).
 pytest_plugins = ["tests.shared_runs", "tests.fixtures"]
@@ -99,3 +100,11 @@ def _processes_are_marked(request: pytest.FixtureRequest) -> Iterator[None]:
     if seen:
         pytest.fail(f"{request.node.nodeid} starts a process ({seen[0]}) but is not marked "
                     "processes (tests/README.md)", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _log_context_cleared() -> Iterator[None]:
+    """A test that binds log context (``et_log.bind``: rank, step, attempt) leaves none
+    to the next test of the same worker, whose lines would carry it."""
+    yield
+    structlog.contextvars.clear_contextvars()
