@@ -34,7 +34,7 @@ from elastictrain.snapshot.export.contents import TensorRef
 from elastictrain.snapshot.format import onepass
 from elastictrain.snapshot.format.checksum import new_hasher
 from elastictrain.snapshot.format.manifest import Manifest, ObjectEntry
-from elastictrain.snapshot.format.reader import verify_snapshot
+from elastictrain.snapshot.format.reader import payload_entry, verify_snapshot
 from elastictrain.snapshot.format.tensorbytes import tensor_bytes
 from elastictrain.snapshot.format.views import ViewRef
 from elastictrain.storage.api import Store
@@ -69,7 +69,7 @@ class ReplicatedSource:
 
     def __init__(self, store: Store, manifest: Manifest) -> None:
         self._manifest = manifest
-        self._entry = _payload_entry(manifest, f"{store.url}/{layout.step_dir(manifest.step)}")
+        self._entry = payload_entry(manifest, f"{store.url}/{layout.step_dir(manifest.step)}")
         path = f"{layout.step_dir(manifest.step)}/{self._entry.name}"
         self._where = f"{store.url}/{path}"
         self._files = contextlib.ExitStack()
@@ -214,14 +214,6 @@ def _fill(f: BinaryIO, view: memoryview, offset: int) -> None:
             raise SnapshotCorrupt(f"the payload ends after {offset + got} bytes "
                                   "(truncated while it was read?)")
         got += n
-
-
-def _payload_entry(manifest: Manifest, where: str) -> ObjectEntry:
-    payloads = [o for o in manifest.objects if layout.is_payload(o.name)]
-    if len(payloads) != 1:
-        raise SnapshotCorrupt(f"{where}: manifest names {len(payloads)} payload objects, "
-                              "expected 1")
-    return payloads[0]
 
 
 def _check_size(local: str, entry: ObjectEntry, where: str) -> None:

@@ -136,7 +136,7 @@ def verify_snapshot(store: Store, step: int, *, manifest: Manifest | None = None
     if manifest.format_version == SHARDED_FORMAT_VERSION:
         return VerifiedSnapshot(verify_sharded(store, manifest), None)
     where = f"{store.url}/{layout.step_dir(step)}"
-    entry = _payload_entry(manifest, where)
+    entry = payload_entry(manifest, where)
     path = f"{layout.step_dir(step)}/{entry.name}"
     where = f"{store.url}/{path}"
     local = store.local_path(path)
@@ -317,7 +317,7 @@ def _mismatch(where: str, algorithm: ChecksumAlgorithm, actual: str,
     return SnapshotCorrupt(f"{where}: {algorithm} {actual} != manifest {entry.checksum}")
 
 
-def _payload_entry(manifest: Manifest, where: str) -> ObjectEntry:
+def payload_entry(manifest: Manifest, where: str) -> ObjectEntry:
     """The manifest's one payload object (its name is unique per writer on object stores)."""
     payloads = [o for o in manifest.objects if layout.is_payload(o.name)]
     if len(payloads) != 1:
