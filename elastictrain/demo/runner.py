@@ -292,9 +292,10 @@ def _known(value: object) -> str:
 def _outcome(result: DemoResult) -> str:
     if result.interrupted is None:
         return "finished" if result.exit_code == 0 else "FAILED"
-    if result.final_snapshot is not None and result.exit_code == EXIT_PREEMPTED:
+    if result.final_snapshot is not None:  # committed, as the view said, whatever came next
+        stopped = "" if result.exit_code == EXIT_PREEMPTED else ", then the job was killed"
         return (f"interrupted ({result.interrupted}): final snapshot at step "
-                f"{result.final_snapshot} committed; resume with the same command")
+                f"{result.final_snapshot} committed{stopped}; resume with the same command")
     newest = max(result.committed_steps, default=None)
     return (f"interrupted ({result.interrupted}): no final snapshot; a re-run resumes from "
             f"{'step ' + str(newest) if newest is not None else 'the start'}")

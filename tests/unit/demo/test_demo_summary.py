@@ -28,3 +28,12 @@ def test_an_interrupted_run_says_its_duration_before_what_to_do() -> None:
                      "snapshot at step 81 committed; resume with the same command")
     assert "attempts:           1 (0 restarts)" in text
     assert "final step / loss:  unknown / unknown" in text and "None" not in text
+
+
+def test_a_final_snapshot_committed_before_a_second_ctrl_c_is_still_said() -> None:
+    """The view said "final snapshot of step 81 committed"; a second Ctrl-C then killed
+    the job (exit 130): the summary must not say there is no final snapshot."""
+    text = human_summary(_result(interrupted="SIGINT", final_snapshot=81, exit_code=130))
+    assert "no final snapshot" not in text
+    assert ("interrupted (SIGINT): final snapshot at step 81 committed, then the job was "
+            "killed; resume with the same command") in text
