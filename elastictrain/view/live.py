@@ -56,6 +56,8 @@ def render(state: RunState, title: str, footer: str | None = None,
     progress = Text(f"step {state.step}" + (f"/{state.total_steps}" if state.total_steps else ""))
     if state.rate is not None:
         progress.append(f"  {state.rate:.1f} steps/s")
+        if state.total_steps and state.step < state.total_steps and not state.finished:
+            progress.append(f"  ETA {_duration((state.total_steps - state.step) / state.rate)}")
     if state.loss is not None:
         progress.append(f"  loss {state.loss:.4f}")
     if state.total_steps:
@@ -184,3 +186,13 @@ def live_view(*, enabled: bool, store: Store, root: str, title: str,
         raise
     finally:
         view.stop()
+
+
+def _duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h10m``: how long the remaining steps take at this rate."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"

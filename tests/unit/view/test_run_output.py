@@ -135,3 +135,13 @@ def test_after_a_restart_the_rate_is_the_new_attempts_from_its_first_step() -> N
                      "ts": ts})
     assert state.step == 179
     assert state.rate == 14.0
+
+
+def test_with_a_total_the_view_shows_the_time_left_at_the_current_rate() -> None:
+    state = RunState(total_steps=300)
+    for ts, step in ((1.0, 10), (3.0, 30)):  # 10 steps/s: 270 steps left, 27 s
+        state.apply({"event": "train.progress", "rank": 0, "restart_count": 0, "step": step,
+                     "ts": ts})
+    screen = io.StringIO()
+    Console(file=screen, width=120).print(render(state, "elastictrain demo", now=4.0))
+    assert "step 30/300  10.0 steps/s  ETA 27s" in screen.getvalue()
