@@ -160,21 +160,6 @@ def _pending_s(attempts: list[list[dict[str, Any]]]) -> float:
     return pending
 
 
-def format_report(report: Goodput) -> str:
-    """A short table for humans."""
-    wall = report.wall_s or 1.0
-    rows = [("productive", report.productive_s), ("lost work", report.lost_work_s),
-            ("snapshot blocking", report.snapshot_blocking_s),
-            ("restarts / start-up", report.restart_s),
-            ("pending (no attempt)", report.pending_s)]
-    lines = [f"goodput {report.goodput:.1%} of {report.wall_s:.1f}s wall, "
-             f"{report.attempts} attempts, final step {report.final_step}, "
-             f"{report.steps_lost} steps lost, step {report.step_time_s * 1000:.1f} ms"]
-    lines += [f"  {name:<20} {secs:9.2f}s  {secs / wall:6.1%}" for name, secs in rows]
-    lines += [f"  note: {note}" for note in report.notes]
-    return "\n".join(lines)
-
-
 def run_events_location(location: str, store: Store | None = None) -> str:
     """The events directory of one run, from what the user passed: that directory
     itself, or a storage root (what the script gave ``SnapshotManager``, or demo/run's
@@ -208,14 +193,11 @@ def run_events_location(location: str, store: Store | None = None) -> str:
     return f"{location.rstrip('/')}/{EVENTS_DIR}/{newest[1]}"
 
 
-def one_figure(report: Goodput, split: Split | None) -> dict[str, Any]:
-    """``goodput --json``'s top level. With the per-cause split (local events) its wall,
-    seconds and goodput are the split's, so the document holds one goodput figure; the
-    step-based estimate (``compute_goodput``) then adds only its step time and the
-    pending time between launches (a part of ``restart_s``). Object storage: the
-    estimate alone."""
-    if split is None:
-        return report.to_dict()
+def one_figure(report: Goodput, split: Split) -> dict[str, Any]:
+    """``goodput --json``'s top level: the per-cause split's wall, seconds and goodput,
+    so the document holds one goodput figure; the step-based estimate
+    (``compute_goodput``) adds only its step time and the pending time between launches
+    (a part of ``restart_s``)."""
     wall = split.wall_s
     productive = split.seconds["productive"]
     return {"wall_s": round(wall, 3),
