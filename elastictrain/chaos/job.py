@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import time
-from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -197,5 +196,3 @@ class Job:
         if self._log is not None:
             self._log.close()
             self._log = None
-        with suppress(OSError):
-            self.wait_gone(10)

@@ -1,6 +1,6 @@
-"""``elastictrain chaos`` faults of the standby: stopped or killed with a worker, so the
-restart's spawn meets it (a real standby, a real worker), and a pid recycled where a
-PID namespace allows it; opt-in kinds that leave every default schedule as it was."""
+"""The chaos faults of the standby, without processes: their kinds parse and leave every
+default schedule as it was, and a pid is recycled only where the harness has a PID
+namespace of its own (the real standby and workers: tests/processes/chaos/)."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """The README and docs/ are tested: code blocks parse, every command line a page shows
-parses with the real CLI, scripts named exist, relative links resolve, a few cheap
-commands run, and the README's test command is the one CI runs."""
+parses with the real CLI, scripts named exist, relative links resolve, the index lists
+every page, and the README's test command is the one CI runs (the commands run for
+real: tests/processes/docs/test_docs_run.py)."""
 from __future__ import annotations
 
 import ast

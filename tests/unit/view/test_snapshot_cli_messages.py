@@ -1,8 +1,7 @@
-"""``elastictrain snapshots`` messages, through the real CLI (a subprocess) and through
-``ops``: a step that is not there lists the steps that are (exit 2, for inspect and
-verify alike), a file or a mistyped URL is refused in one line (exit 2), a directory
-without a manifest is ``partial`` in list and verify, and inspect prints no Python
-reprs."""
+"""``elastictrain snapshots`` messages through ``ops``: a partial step never committed,
+many steps newest first and cut short, an empty run, an invalid manifest is corrupt, a
+mistyped URL never shows a credential (the real CLI as a child:
+tests/processes/cli/test_snapshot_cli_messages_run.py)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,5 +1,5 @@
-"""The hang watchdog: limits, busy sections, the stack dump, and real exits in a child
-process (exit 71 from the watchdog; the faulthandler backstop when the GIL is held)."""
+"""The hang watchdog in the test's own process: limits, busy sections and the stack dump
+(its real exits in a child process: tests/processes/worker/test_watchdog_run.py)."""
 from __future__ import annotations
 
 import threading

@@ -1,5 +1,5 @@
-"""The standby process on its own: a real standby forks real workers from scripts
-written here; what a worker sees and how it ends must match a fresh ``python -u``."""
+"""The argv torchrun gives a worker's ``python`` is the one the standby runs (the standby
+process itself: tests/processes/launcher/test_standby_server_run.py)."""
 from __future__ import annotations
 
 import sys
