@@ -38,6 +38,7 @@ rescue (rescuer.py), and the final save on a preemption notice (preempt_exit.py)
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -172,6 +173,7 @@ class SnapshotManager:
         # The step a durable snapshot holds, saved or restored by this process (None:
         # none yet): close() saves the last step when it is another.
         self._durable_step: int | None = None
+        self._saved_at: int | None = None  # the step this process last saved durably
 
     # -- the training loop's objects and position -----------------------------------------
     @property
@@ -364,12 +366,17 @@ class SnapshotManager:
                                                          agree=[self._failed_step()])
             self._schedule.durable_taken(self.step_count)
             self._durable_step = self.step_count
+            # save() again at a step this process saved: the user changed state since
+            # (``epoch += 1`` after the periodic save of an epoch's last step).
+            replaces = self._saved_at == self.step_count
+            self._saved_at = self.step_count
             if failed_step:
                 self._raise_failed(failed_step)
             if not self._persists_here():
                 return SaveHandle.completed(self.step_count)
             self._last_handle = self._saver.save(
-                self._train.payload(rng or [], at_close=at_close), self._train.meta(), started,
+                self._train.payload(rng or [], at_close=at_close),
+                dataclasses.replace(self._train.meta(), replaces=replaces), started,
                 self._fence.deferred() if copy_behind else frozenset())
             # What the loop waited for: back-pressure + staging (+ the fence's wait).
             self._schedule.durable_saved(time.perf_counter() - started,

@@ -145,15 +145,55 @@ def persist_snapshot(store: Store, payload: Any, meta: SnapshotMeta,
     marker: raising there leaves an uncommitted (ignored, later pruned) write.
     ``pace`` paces the payload's write (``serialize_payload``)."""
     final = layout.step_dir(meta.step)
+    check = before_commit or _no_check
     if is_committed(store, meta.step):
+        if meta.replaces:
+            return _replace_committed(store, payload, meta, final, check, pace)
         if _committed_copy_verifies(store, meta.step):
             log.info("snapshot.exists", snapshot_step=meta.step, action="kept")
             return None
         store.delete(final, recursive=True)
-    check = before_commit or _no_check
     if store.supports_rename:
         return _persist_by_rename(store, payload, meta, check, pace)
     return _persist_manifest_last(store, payload, meta, final, check, pace)
+
+
+def _replace_committed(store: Store, payload: Any, meta: SnapshotMeta, final: str,
+                       before_commit: Callable[[], None], pace: Pace | None) -> Manifest:
+    """A second save of a step this process saved already (``meta.replaces``): the new
+    payload goes beside the committed one under a name of its own and the marker is
+    overwritten in one atomic write, so the step is committed at every moment, to the
+    old copy or to the new one. The old copy's objects are deleted after."""
+    old = committed_objects(store, meta.step)
+    name = layout.payload_name(uuid.uuid4().hex[:12])
+    with store.open_write(f"{final}/{name}") as sink:
+        size, checksum = serialize_payload(payload, sink, meta.checksum_algorithm, pace)
+    manifest = _manifest(meta, size, checksum, name)
+    before_commit()
+    commit_in_place(store, meta.step, manifest.to_json(), exclusive=False)
+    drop_replaced(store, meta.step, old, manifest)
+    return manifest
+
+
+def committed_objects(store: Store, step: int) -> list[str] | None:
+    """The object names ``step``'s committed manifest lists, or None when it cannot be
+    read (its objects are then left where they are: nothing is deleted on a failed
+    read)."""
+    try:
+        return [entry.name for entry in read_manifest(store, step).objects]
+    except (SnapshotCorrupt, StorageError):
+        return None
+
+
+def drop_replaced(store: Store, step: int, old: list[str] | None, new: Manifest) -> None:
+    """After ``new`` replaced ``step``'s manifest: delete the objects only the old one
+    named (best effort: objects no manifest names are never loaded)."""
+    kept = {entry.name for entry in new.objects}
+    gone = [name for name in old or [] if name not in kept]
+    for name in gone:
+        _best_effort_delete(store, f"{layout.step_dir(step)}/{name}")
+    log.info("snapshot.replaced", snapshot_step=step, objects_removed=len(gone),
+             reason="saved again at this step (state changed after the first save)")
 
 
 def _committed_copy_verifies(store: Store, step: int) -> bool:

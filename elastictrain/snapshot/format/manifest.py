@@ -119,3 +119,7 @@ class SnapshotMeta:
     dataset_len: int | None = None
     global_batch_size: int | None = None
     attempt: int | None = None  # the job's attempt that takes it (snapshot/state/attempt.py)
+    # A second save() of a step this process saved already (the user changed state at
+    # that step, e.g. ``epoch += 1``): its copy replaces the committed one instead of
+    # being dropped as existing. Not recorded in the manifest.
+    replaces: bool = False

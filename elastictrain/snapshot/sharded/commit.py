@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from elastictrain.core import layout
 from elastictrain.core.log import get_logger
-from elastictrain.snapshot.durable.commit import build_manifest
+from elastictrain.snapshot.durable.commit import build_manifest, committed_objects, drop_replaced
 from elastictrain.snapshot.format.checksum import checksum_bytes
 from elastictrain.snapshot.format.commitmark import commit_in_place
 from elastictrain.snapshot.format.manifest import (
@@ -46,12 +46,17 @@ def commit_sharded(store: Store, meta: SnapshotMeta, token: str, parts: list[Ran
     the manifest last. Returns the manifest, or None if another writer committed first."""
     directory = layout.step_dir(meta.step)
     manifest = sharded_manifest(meta, token, parts, metadata_bytes, train_bytes)
+    # A second save of a step this process saved (``meta.replaces``) overwrites the
+    # marker in one write; the old copy's objects carry another token.
+    old = committed_objects(store, meta.step) if meta.replaces else None
     for name, data in ((metadata_name(token), metadata_bytes), (train_name(token), train_bytes)):
         store.write_bytes(f"{directory}/{name}", data)
-    if not commit_in_place(store, meta.step, manifest.to_json(), exclusive=True):
+    if not commit_in_place(store, meta.step, manifest.to_json(), exclusive=not meta.replaces):
         log.info("snapshot.exists", snapshot_step=meta.step, action="kept",
                  reason="another writer committed this step first")
         return None
+    if old is not None:
+        drop_replaced(store, meta.step, old, manifest)
     return manifest
 
 
