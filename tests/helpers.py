@@ -42,9 +42,39 @@ def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun's workers run in sessions of their
+    own, so a session's kill misses them)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGSTOP then SIGKILL ``pid``'s whole tree: stopped first, so that no member
+    forks or is reparented out of the tree while it is killed."""
+    tree = descendants(pid)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for member in tree:
+            with suppress(ProcessLookupError):
+                os.kill(member, sig)
+
+
 def kill_session(proc: subprocess.Popen[Any]) -> None:
-    """SIGKILL a process started with start_new_session=True and all it spawned."""
+    """SIGKILL a process started with start_new_session=True, its session and every
+    process below it (workers in sessions of their own included)."""
     if proc.poll() is None:
+        kill_tree(proc.pid)
         with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

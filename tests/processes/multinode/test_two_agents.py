@@ -27,40 +27,13 @@ from typing import Any
 import pytest
 
 from elastictrain.launcher.spawn import DEFAULT_RDZV_CONF
-from tests.helpers import REPO, child_env, events, free_port, run_cli
+from tests.helpers import REPO, child_env, descendants, events, free_port, kill_tree, run_cli
 
 pytestmark = pytest.mark.distributed
 
 TRAIN_JOB = REPO / "tests" / "train_job.py"
 EXAMPLES = {"ddp": (REPO / "examples" / "ddp_resumable.py", []),
             "fsdp": (REPO / "examples" / "fsdp_resumable.py", ["--steps", "40"])}
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (workers run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with suppress(OSError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo.extend(children.get(current, []))
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    """SIGSTOP then SIGKILL ``pid``'s whole tree: a node gone at once, without notice."""
-    tree = descendants(pid)
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for member in tree:
-            with suppress(ProcessLookupError):
-                os.kill(member, sig)
 
 
 @dataclass

@@ -12,28 +12,12 @@ import pytest
 
 from elastictrain.core import layout
 from elastictrain.core.errors import EXIT_PREEMPTED
-from tests.helpers import REPO, events, pid_alive, run_cli, wait_for
+from tests.helpers import REPO, descendants, events, pid_alive, run_cli, wait_for
 from tests.processes.view.terminal import Tmux
 
 pytestmark = pytest.mark.distributed
 
 JOB = REPO / "tests" / "processes" / "view" / "endless_job.py"
-
-
-def descendants(pid: int) -> set[int]:
-    """``pid``'s children, theirs, and so on (from /proc), while they run."""
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = {int(c) for c in (task / "children").read_text().split()}
-            except OSError:
-                continue  # the task ended meanwhile
-            todo += list(children - found)
-            found |= children
-    return found
 
 
 def test_run_shows_the_live_view_and_ctrl_c_stops_with_a_final_snapshot(
@@ -57,7 +41,7 @@ def test_run_shows_the_live_view_and_ctrl_c_stops_with_a_final_snapshot(
         launcher = [int(e["pid"]) for e in events(ev, "agent.start")]
         assert len(launcher) == 1
         workers = {int(p) for e in events(ev, "agent.attempt_started") for p in e["pids"].values()}
-        pids = {launcher[0], *descendants(launcher[0])}
+        pids = set(descendants(launcher[0]))
         assert len(workers) == 2 and workers <= pids, (workers, pids)
 
         tmux.keys("C-c")
