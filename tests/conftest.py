@@ -108,3 +108,31 @@ def _log_context_cleared() -> Iterator[None]:
     to the next test of the same worker, whose lines would carry it."""
     yield
     structlog.contextvars.clear_contextvars()
+
+
+# ET_TEST_CPU_REPORT=FILE: one JSON line per test with its wall time and the CPU time of
+# the processes it started and reaped (where the suite's time goes: a test whose CPU is
+# far below its wall time waits on timers: tests/README.md).
+_CPU_REPORT = os.environ.get("ET_TEST_CPU_REPORT")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_report(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not _CPU_REPORT:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def used() -> float:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    wall, cpu = time.monotonic(), used()
+    yield
+    line = {"test": request.node.nodeid, "wall_s": round(time.monotonic() - wall, 2),
+            "cpu_s": round(used() - cpu, 2)}
+    with open(_CPU_REPORT, "a") as report:
+        report.write(json.dumps(line) + "\n")
