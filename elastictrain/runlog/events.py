@@ -22,6 +22,8 @@ local directory (the run id is then not appended).
 
 from __future__ import annotations
 
+import hashlib
+import os
 import secrets
 import tempfile
 import threading
@@ -44,14 +46,33 @@ def new_launch_id() -> str:
 
 
 def launch_id() -> str:
-    """This process's launch id: the launcher's, else a new one (plain torchrun)."""
+    """This process's launch id: the launcher's (``elastictrain run``, the demo), else,
+    under plain torchrun, one made from its agent (the parent process), so that every
+    worker of one torchrun, in every attempt, has the same; else a new one."""
     global _own_launch_id
     given = getenv(LAUNCH_ID_VAR)
     if given:
         return given
     if _own_launch_id is None:
-        _own_launch_id = new_launch_id()
+        under_torchrun = os.environ.get("TORCHELASTIC_RUN_ID") is not None
+        _own_launch_id = (under_torchrun and _parent_launch_id()) or new_launch_id()
     return _own_launch_id
+
+
+def _parent_launch_id() -> str | None:
+    """A launch id from the parent process's start time and pid (None where ``/proc``
+    cannot tell): the same in every process that parent starts."""
+    parent = os.getppid()
+    try:
+        started_ticks = int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1]
+                            .split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text()
+                    .splitlines() if line.startswith("btime "))
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    started = boot + started_ticks / os.sysconf("SC_CLK_TCK")
+    tag = hashlib.sha256(f"{parent}-{started_ticks}".encode()).hexdigest()[:4]
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started)) + "-" + tag
 
 
 _own_launch_id: str | None = None

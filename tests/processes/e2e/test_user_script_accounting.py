@@ -95,6 +95,9 @@ def test_a_worker_killed_at_step_12_loses_exactly_2_steps(tmp_path: Path,
     resumes = [(e["rank"], e["from_step"], e["lost_steps"])
                for e in events(_run_dir(tmp_path), "resume") if e["restart_count"] == 1]
     assert sorted(resumes) == [(0, 10, 2), (1, 10, 2)]
+    # One launch: every worker of both attempts has its id (under plain torchrun too).
+    launches = {e["launch_id"] for e in events(_run_dir(tmp_path)) if "launch_id" in e}
+    assert len(launches) == 1, launches
     _check_accounting(tmp_path, lost=2, failures=1)
 
 
