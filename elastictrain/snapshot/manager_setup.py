@@ -10,6 +10,7 @@ from typing import Any
 
 from elastictrain.core.config import SnapshotConfig, StorageConfig, load_settings, validated
 from elastictrain.core.env import WorkerEnv
+from elastictrain.core.errors import ConfigError, StorageError
 from elastictrain.storage import Store, open_store
 from elastictrain.worker import preempt, session
 from elastictrain.worker.dist import DistContext, find_context
@@ -58,12 +59,30 @@ class ManagerSetup:
             storage = _storage_config(storage, settings.storage)
         store = (open_store(storage, storage_options)
                  if isinstance(storage, StorageConfig) else storage)
+        _check_local_root(store)
         session.events_beside(storage if isinstance(storage, StorageConfig) else
                               settings.storage.model_copy(update={"url": store.url}))
         # Read after events_beside: it may have moved the directory.
         events_dir = rt.events_dir if rt is not None else settings.log.events_dir
         return cls(snapshot_config, found_ctx, store, run_id or settings.run_id or env.run_id,
                    events_dir, preempt.current())
+
+
+def _check_local_root(store: Store) -> None:
+    """A local storage root that cannot be created or written (a file in the way, a
+    read-only mount) is a setting to fix, not a failure to retry: one line, exit 78,
+    before anything is written (an object store's access is checked by its first write).
+
+    Raises:
+        ConfigError: the root is local and not writable.
+    """
+    if store.local_path("") is None:
+        return
+    try:
+        store.check_writable()
+    except StorageError as exc:
+        raise ConfigError(f"the snapshot storage cannot be written: {exc}; fix: pass a "
+                          "directory this user can create and write, or a URL") from None
 
 
 def _storage_config(url: str, configured: StorageConfig) -> StorageConfig:

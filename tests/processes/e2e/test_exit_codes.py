@@ -46,6 +46,23 @@ def test_fatal_worker_error_stops_the_run_with_78(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_an_unwritable_storage_stops_the_readme_example_in_one_attempt(tmp_path: Path) -> None:
+    """The README's example given a storage path with a file in its way: every worker
+    stops in its first attempt with 78, the summary says which path and the fix, no
+    traceback, nothing written beside the file."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = run_cli(["run", "--nproc-per-node=2", "--no-view", f"--log-dir={tmp_path / 'logs'}",
+                      str(REPO / "examples" / "ddp_resumable.py"), str(blocker / "ckpt")],
+                     tmp_path, timeout=240, **job_env(tmp_path))
+    assert result.returncode == EXIT_FATAL, result.stderr[-4000:]
+    assert len(events(tmp_path / "ev", "agent.attempt_started")) == 1
+    assert f"the snapshot storage cannot be written: create {blocker / 'ckpt'}" in result.stderr
+    assert "fix: pass a directory" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert blocker.read_text() == "x"
+
+
 def test_fatal_worker_error_under_plain_torchrun_exits_78(tmp_path: Path) -> None:
     """Plain torchrun knows nothing of 78: the worker exits 78, torchrun itself exits 1
     (docs/exit-codes.md); its failure report names the worker's exit code."""
