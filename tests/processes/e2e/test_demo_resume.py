@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from elastictrain.core import layout
-from tests.helpers import REPO, events, run_cli, run_demo_json, started, wait_for
+from tests.helpers import events, run_cli, run_demo_json
 
 pytestmark = pytest.mark.distributed
 
@@ -96,41 +96,6 @@ def test_unwritable_storage_fails_before_training(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert str(blocker) in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
-
-
-def test_readme_example_survives_a_kill_under_plain_torchrun(tmp_path: Path) -> None:
-    """examples/ddp_resumable.py (shown in the README) under `python -m torch.distributed.run`
-    in the form the README gives (`--standalone`, the variable exported): kill rank 1 by
-    PID once a snapshot is committed; torchrun restarts both; it finishes."""
-    readme = (REPO / "README.md").read_text()
-    example = (REPO / "examples" / "ddp_resumable.py").read_text()
-    assert example.strip() in readme  # the README shows exactly this file
-    storage = tmp_path / "ckpt"
-    cmd = ["python", "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=2",
-           "--monitor-interval=0.1", "--standalone",
-           f"--log-dir={tmp_path / 'logs'}", str(REPO / "examples" / "ddp_resumable.py"),
-           str(storage)]
-    with started(cmd, tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-                 ELASTICTRAIN_LOG__EVENTS_DIR=str(tmp_path / "ev")) as proc:
-        wait_for(lambda: (storage / layout.step_dir(10) / layout.MANIFEST).exists(), 120,
-                 "the first snapshot")
-        victim = _worker_pid(tmp_path / "ev", rank=1)
-        import os
-        import signal
-
-        os.kill(victim, signal.SIGKILL)
-        assert proc.wait(timeout=180) == 0, (tmp_path / "proc.log").read_text()[-3000:]
-    resumes = [e for e in events(tmp_path / "ev", "resume") if e["rank"] == 0]
-    assert resumes[0]["from_step"] is None and resumes[-1]["from_step"] >= 10
-    steps = sorted(int(p.name[5:]) for p in (storage / "snapshots").iterdir())
-    # 3 epochs x 512 / (16 x 2) = 48 steps; every 10, and close() saves the last; keep 3
-    assert steps == [30, 40, 48]
-
-
-def _worker_pid(events_dir: Path, rank: int) -> int:
-    starts = [e for e in events(events_dir, "worker.start") if e["rank"] == rank]
-    assert starts, "worker never started"
-    return int(starts[0]["pid"])
 
 
 def test_json_output_is_one_object(tmp_path: Path) -> None:

@@ -120,8 +120,10 @@ def _resumes(ev: Path) -> list[tuple[int, int, str, Any]]:
     return sorted((r, e["from_step"], e["tier"], e.get("peer_rank")) for r, e in last.items())
 
 
+# With no copies across nodes (replicas 0) the replaced node's restore falls back to
+# durable storage: the sharded test runs that case (the choice is the same code).
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("replicas", [1, 0])
+@pytest.mark.parametrize("replicas", [1])
 def test_replaced_node_restores_from_the_surviving_nodes_memory(
         tmp_path: Path, agents: Agents, reference_digest: str, replicas: int) -> None:
     node_a, node_b, common = _two_nodes(

@@ -1,7 +1,9 @@
-"""examples/fsdp_resumable.py (FSDP2, AdamW, scheduler, ElasticSampler) under real
-torchrun: a worker is SIGKILLed by PID after a sharded snapshot committed; the job
+"""examples/fsdp_resumable.py (FSDP2, AdamW, scheduler, ElasticSampler): a worker under
+plain torchrun is SIGKILLed by PID after a sharded snapshot committed; the job
 relaunched at the same size ends bit-exact with an uninterrupted run, relaunched
-at another size trains exactly the same samples at every step (2 → 1, 1 → 2 → 3)."""
+at another size trains exactly the same samples at every step (2 → 1, 1 → 2 → 3). The
+runs to the end go through ``elastictrain run`` (one torch import per node, not per
+worker: the suite's time)."""
 
 from __future__ import annotations
 
@@ -34,13 +36,15 @@ def torchrun(nproc: int, storage: Path, record: Path, *args: str) -> list[str]:
 def run_to_end(tmp_path: Path, nproc: int, storage: Path, record: Path,
                steps: int = STEPS) -> dict[str, Any]:
     name = f"{record.name}.log"
-    with started(torchrun(nproc, storage, record, f"--steps={steps}"), tmp_path, name,
-                 TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1") as proc:
+    cmd = [sys.executable, "-m", "elastictrain.cli", "run", "--no-view",
+           f"--nproc-per-node={nproc}", "--max-restarts=0", f"--log-dir={tmp_path / 'logs'}",
+           str(EXAMPLE), str(storage), "--every=5", f"--record={record}", f"--steps={steps}"]
+    with started(cmd, tmp_path, name) as proc:
         try:
             code = proc.wait(timeout=240)
         except subprocess.TimeoutExpired:
             code = None
-    assert code == 0, f"torchrun --nproc-per-node={nproc} ended {code}:\n" + \
+    assert code == 0, f"elastictrain run --nproc-per-node={nproc} ended {code}:\n" + \
         (tmp_path / name).read_text()[-4000:]
     return dict(json.loads((record / "final.json").read_text()))
 

@@ -109,3 +109,10 @@ def test_ci_runs_the_readme_commands_read_from_the_readme() -> None:
     assert "elastictrain demo" in commands[0] and "python -m pytest" in commands[1]
 
 
+
+
+def test_the_readme_shows_its_example_file_exactly() -> None:
+    """The process tests run examples/ddp_resumable.py as the README's script: the README
+    must show exactly that file."""
+    example = (REPO / "examples" / "ddp_resumable.py").read_text()
+    assert example.strip() in (REPO / "README.md").read_text()
