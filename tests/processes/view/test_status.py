@@ -48,7 +48,7 @@ def test_status_of_a_place_without_a_run_says_so(tmp_path: Path) -> None:
 def test_status_follow_shows_progress_until_the_run_ends(tmp_path: Path) -> None:
     storage = tmp_path / "s"
     demo = [sys.executable, "-m", "elastictrain.cli", "demo", "--json", f"--storage={storage}",
-            "--steps=200", "--snapshot-every=20", "--kill-at=50"]
+            "--steps=100", "--snapshot-every=20", "--kill-at=50"]
     with started(demo, tmp_path, "demo.log") as job:
         wait_for(lambda: any((storage / "events").rglob("attempt000-*rank0.jsonl")), 120,
                  "the demo's first event file")
@@ -64,7 +64,7 @@ def test_status_follow_shows_progress_until_the_run_ends(tmp_path: Path) -> None
         assert job.wait(timeout=60) == 0
     lines = out.splitlines()
     steps = [int(s.split()[1]) for s in lines if s.startswith("step ")]
-    assert len(steps) >= 3 and steps[-1] == 200  # progress as it went, up to the end
+    assert len(steps) >= 3 and steps[-1] == 100  # progress as it went, up to the end
     assert any("worker rank 1 killed by SIGKILL" in s for s in lines)
     assert any("resumed from step 40" in s for s in lines)
     assert "launcher exited 0 (finished)" in lines[-2] + lines[-1]
