@@ -1,6 +1,7 @@
 """Fixtures of tests in several folders (registered in tests/conftest.py): a real moto
 S3 server for the session with a fresh bucket per test, an installed preemption watcher
-that polls nothing, a watchdog whose exits are recorded, a private node memory root."""
+that polls nothing, a watchdog whose exits are recorded, a private node memory root, a
+process group of the test's process alone."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import structlog
+import torch.distributed as dist
 
 from elastictrain.core.config import PreemptConfig, WatchdogConfig
 from elastictrain.worker import preempt, watchdog
@@ -79,3 +81,14 @@ def logging_reset() -> Iterator[None]:
     (it points the log at the test's captured stderr)."""
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A gloo process group of this process alone (DDP and FSDP2 need one)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

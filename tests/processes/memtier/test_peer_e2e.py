@@ -35,7 +35,7 @@ import pytest
 
 from elastictrain.snapshot.format.reader import list_snapshot_dirs
 from elastictrain.storage import open_store
-from tests.helpers import events, free_port, pid_alive, wait_for
+from tests.helpers import descendants, events, free_port, pid_alive, wait_for
 from tests.processes.memtier.test_memtier_e2e import (
     EVERY,
     PARK,
@@ -52,27 +52,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.processes]
 __all__ = ["agents"]  # a fixture, used by name
 
 
-def _tree(root: int) -> list[int]:
-    """``root`` and every process below it, from /proc (parents before children)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                children.setdefault(int(stat[1]), []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
 def _kill_node(agent: Any, workers: list[int], mem: Path | None) -> None:
     """A node lost without notice: SIGKILL its agent's whole tree (agent, standby,
     workers) and its workers by PID, then its memory is gone (``mem``; None: it
     survives, as a tmpfs does when only the processes died)."""
-    pids = sorted(set(_tree(agent.pid)) | set(workers))
+    pids = sorted(set(descendants(agent.pid)) | set(workers))
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from structlog.testing import capture_logs
 
 import elastictrain as et
@@ -95,17 +93,6 @@ def test_a_relaunch_reaching_a_committed_step_keeps_that_copy(url: str) -> None:
     assert not [e for e in events if e["event"] == "snapshot.replaced"]
     after = json.loads(open_store(url).read_bytes(f"{layout.step_dir(STEPS)}/MANIFEST.json"))
     assert after == before
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    """A gloo process group of this process alone (FSDP2 needs one)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_sharded_snapshot_saved_again_records_the_change(

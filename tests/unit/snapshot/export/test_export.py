@@ -13,13 +13,11 @@ import importlib.util
 import json
 import os
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from structlog.testing import capture_logs
 
 import elastictrain as et
@@ -138,17 +136,6 @@ def test_the_name_rule() -> None:
     assert list(model_names(inner).values()) == ["enc.w", "head.w"]
     own = ["module.w", "head.w"]  # a submodule the user named "module": kept
     assert list(model_names(own).values()) == own
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    """A gloo process group of this process alone (DDP and FSDP2 need one)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _train_steps(model: torch.nn.Module, opt: Any, snap: SnapshotManager, steps: int) -> None:
