@@ -72,3 +72,19 @@ def train_plain(model: torch.nn.Module, opt: torch.optim.Optimizer, snap: Snapsh
         snap.step()
         losses.append(loss.item())
     return losses
+
+
+def one_rank_fsdp2(inputs: int, hidden: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An FSDP2 model of two linear layers (each sharded, then the whole) on a process
+    group of this process alone (the ``one_rank_group`` fixture), and its AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(hidden, 1))
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)

@@ -36,7 +36,7 @@ from elastictrain.snapshot.format.checksum import new_hasher
 from elastictrain.snapshot.format.manifest import Manifest, ObjectEntry
 from elastictrain.snapshot.format.reader import payload_entry, verify_snapshot
 from elastictrain.snapshot.format.tensorbytes import tensor_bytes
-from elastictrain.snapshot.format.views import ViewRef
+from elastictrain.snapshot.format.views import ViewRef, map_leaves
 from elastictrain.storage.api import Store
 
 _CHUNK = 64 << 20  # bytes per read (and per hash update) of a tensor's range
@@ -138,17 +138,14 @@ def _through_store(store: Store, path: str, where: str) -> Iterator[BinaryIO]:
 def _refs(saved: Any, regions: dict[int, onepass.Region]) -> Any:
     """The saved structure with a TensorRef for every tensor (a plain empty tensor, whose
     storage holds no bytes, stays itself: ``_read_tensor`` makes a fresh one)."""
-    if isinstance(saved, ViewRef):
-        return TensorRef(saved.dtype, saved.size, _span(saved, regions[saved.storage]))
-    if isinstance(saved, torch.Tensor):
-        return TensorRef(saved.dtype, tuple(saved.shape), None)
-    if isinstance(saved, dict):
-        return {k: _refs(v, regions) for k, v in saved.items()}
-    if isinstance(saved, list):
-        return [_refs(v, regions) for v in saved]
-    if isinstance(saved, tuple):
-        return tuple(_refs(v, regions) for v in saved)
-    return saved
+    def ref(value: Any) -> Any:
+        if isinstance(value, ViewRef):
+            return TensorRef(value.dtype, value.size, _span(value, regions[value.storage]))
+        if isinstance(value, torch.Tensor):
+            return TensorRef(value.dtype, tuple(value.shape), None)
+        return value
+
+    return map_leaves(saved, ref)
 
 
 def _span(view: ViewRef, region: onepass.Region) -> _Span | None:

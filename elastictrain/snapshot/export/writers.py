@@ -28,7 +28,7 @@ from elastictrain.snapshot.export.contents import TensorRef, tensor_refs
 from elastictrain.snapshot.format import onepass
 from elastictrain.snapshot.format.checksum import new_hasher
 from elastictrain.snapshot.format.tensorbytes import tensor_bytes
-from elastictrain.snapshot.format.views import ViewRef
+from elastictrain.snapshot.format.views import ViewRef, map_leaves
 
 FORMATS = ("safetensors", "torch")
 INSTALL_SAFETENSORS = "pip install 'elastictrain[safetensors]'"
@@ -228,15 +228,8 @@ def _placeholders(refs: list[TensorRef], scratch: str) -> dict[TensorRef, torch.
 
 
 def _substituted(tree: Any, placeholders: dict[TensorRef, torch.Tensor]) -> Any:
-    if isinstance(tree, TensorRef):
-        return placeholders[tree]
-    if isinstance(tree, dict):
-        return {k: _substituted(v, placeholders) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_substituted(v, placeholders) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(_substituted(v, placeholders) for v in tree)
-    return tree
+    return map_leaves(tree, lambda value: placeholders[value]
+                      if isinstance(value, TensorRef) else value)
 
 
 def _record_offsets(path: str, tree: dict[str, Any]) -> dict[TensorRef, int]:

@@ -27,19 +27,28 @@ class ViewRef:
     dtype: torch.dtype
 
 
+def map_leaves(tree: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``tree`` rebuilt through its dicts, lists and tuples, with ``leaf`` applied to
+    everything else (the one walk of a state's structure)."""
+    if isinstance(tree, dict):
+        return {k: map_leaves(v, leaf) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [map_leaves(v, leaf) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(map_leaves(v, leaf) for v in tree)
+    return leaf(tree)
+
+
 def to_views(state: Any, key_of: Callable[[torch.UntypedStorage], int]) -> Any:
     """``state`` with every non-empty tensor replaced by a ViewRef; ``key_of`` names
     (and typically collects) each tensor's storage."""
-    if isinstance(state, torch.Tensor) and state.untyped_storage().nbytes() > 0:
-        return ViewRef(key_of(state.untyped_storage()), int(state.storage_offset()),
-                       tuple(state.shape), tuple(state.stride()), state.dtype)
-    if isinstance(state, dict):
-        return {k: to_views(v, key_of) for k, v in state.items()}
-    if isinstance(state, list):
-        return [to_views(v, key_of) for v in state]
-    if isinstance(state, tuple):
-        return tuple(to_views(v, key_of) for v in state)
-    return state
+    def view(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > 0:
+            return ViewRef(key_of(value.untyped_storage()), int(value.storage_offset()),
+                           tuple(value.shape), tuple(value.stride()), value.dtype)
+        return value
+
+    return map_leaves(state, view)
 
 
 def from_views(skeleton: Any, storages: Mapping[int, torch.Tensor]) -> Any:

@@ -19,6 +19,7 @@ import elastictrain as et
 from elastictrain.core import layout
 from elastictrain.snapshot.format.reader import read_manifest, verify_snapshot
 from elastictrain.storage import open_store
+from tests.small_job import one_rank_fsdp2
 
 STEPS = 4
 
@@ -97,16 +98,7 @@ def test_a_relaunch_reaching_a_committed_step_keeps_that_copy(url: str) -> None:
 
 def test_a_sharded_snapshot_saved_again_records_the_change(
         url: str, one_rank_group: None) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    mesh = init_device_mesh("cpu", (1,))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = one_rank_fsdp2(3, 8)
     snap = et.SnapshotManager(url, model=model, optimizer=opt, every_steps=STEPS,
                               save_on_close=False)
     with capture_logs() as events:

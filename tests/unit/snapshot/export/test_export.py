@@ -28,7 +28,7 @@ from elastictrain.snapshot.format.reader import read_manifest
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.storage import open_store
 from tests.planted import plant_snapshot
-from tests.small_job import build, train
+from tests.small_job import build, one_rank_fsdp2, train
 
 HAVE_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
 needs_safetensors = pytest.mark.skipif(not HAVE_SAFETENSORS, reason="needs [safetensors]")
@@ -315,16 +315,8 @@ def test_credentials_in_a_url_are_never_shown(tmp_path: Path) -> None:
 def test_a_sharded_snapshot_of_one_rank_is_exported_whole(tmp_path: Path,
                                                           one_rank_group: None) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    mesh = init_device_mesh("cpu", (1,))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = one_rank_fsdp2(6, 16)
     _train_steps(model, opt, SnapshotManager(str(tmp_path / "run"), model=model,
                                              optimizer=opt, every_steps=2), 2)
     full_model, full_opt = get_state_dict(
