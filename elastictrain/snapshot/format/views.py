@@ -53,17 +53,14 @@ def to_views(state: Any, key_of: Callable[[torch.UntypedStorage], int]) -> Any:
 
 def from_views(skeleton: Any, storages: Mapping[int, torch.Tensor]) -> Any:
     """Rebuild the state from a skeleton and its storages (as uint8 tensors); no copies."""
-    if isinstance(skeleton, ViewRef):
-        base = storages[skeleton.storage].untyped_storage()
-        return torch.empty(0, dtype=skeleton.dtype).set_(base, skeleton.offset, skeleton.size,
-                                                         skeleton.stride)
-    if isinstance(skeleton, dict):
-        return {k: from_views(v, storages) for k, v in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [from_views(v, storages) for v in skeleton]
-    if isinstance(skeleton, tuple):
-        return tuple(from_views(v, storages) for v in skeleton)
-    return skeleton
+    def tensor(value: Any) -> Any:
+        if isinstance(value, ViewRef):
+            base = storages[value.storage].untyped_storage()
+            return torch.empty(0, dtype=value.dtype).set_(base, value.offset, value.size,
+                                                          value.stride)
+        return value
+
+    return map_leaves(skeleton, tensor)
 
 
 def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
