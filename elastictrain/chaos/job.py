@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from elastictrain.chaos.schedule import StorageFaults
-from elastictrain.launcher.proctree import stat_fields
+from elastictrain.core.proc import stat_fields
 from elastictrain.launcher.spawn import LaunchSpec, start_torchrun
 from elastictrain.runlog.events_read import read_events
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 from elastictrain.chaos.job import MARKER_VAR, Job, processes_with_marker, signal_pid
 from elastictrain.core.env import SHM_VAR
+from elastictrain.core.proc import PROC, stat_fields
 from elastictrain.core.shm import user_root_in
-from elastictrain.launcher.proctree import PROC, stat_fields
 from elastictrain.launcher.spawn import LaunchSpec
 
 _POLL_S = 0.05

@@ -6,19 +6,7 @@ snapshot, in a thread or a child process) from one that is stuck in its exit.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-PROC = Path("/proc")
-
-
-def stat_fields(pid: int | str) -> list[str]:
-    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces
-    and parentheses): state first, then ppid, ...
-
-    Raises:
-        OSError: the process is gone (or ``/proc`` unreadable); IndexError: no fields.
-    """
-    return (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+from elastictrain.core.proc import PROC, stat_fields
 
 
 def is_running(pid: int) -> bool:

@@ -34,6 +34,7 @@ from pathlib import Path
 from elastictrain.core.config import Settings
 from elastictrain.core.env import LAUNCH_ID_VAR, getenv
 from elastictrain.core.localfiles import user_dir_name
+from elastictrain.core.proc import PROC, start_ticks
 from elastictrain.core.shutdown_hooks import before_interpreter_shutdown
 from elastictrain.storage import Store, open_store
 
@@ -63,12 +64,13 @@ def _parent_launch_id() -> str | None:
     """A launch id from the parent process's start time and pid (None where ``/proc``
     cannot tell): the same in every process that parent starts."""
     parent = os.getppid()
+    started_ticks = start_ticks(parent)
     try:
-        started_ticks = int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1]
-                            .split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text()
+        boot = next(int(line.split()[1]) for line in (PROC / "stat").read_text()
                     .splitlines() if line.startswith("btime "))
     except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    if started_ticks is None:
         return None
     started = boot + started_ticks / os.sysconf("SC_CLK_TCK")
     tag = hashlib.sha256(f"{parent}-{started_ticks}".encode()).hexdigest()[:4]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from elastictrain.core.errors import ElasticTrainError
-from elastictrain.launcher.proctree import stat_fields
+from elastictrain.core.proc import start_ticks, stat_fields
 
 EXIT_UNKNOWN = 255  # the standby reaped a worker, then died before reporting its code
 SPAWN_TIMEOUT_S = 30.0
@@ -167,7 +167,7 @@ class Standby:
                 raise
             pid = int(self._replies.pop(number)["pid"])
             self._handed.add(pid)
-            return StandbyProcess(self, number, pid, _started(pid))
+            return StandbyProcess(self, number, pid, start_ticks(pid))
 
     def exit_code(self, worker: StandbyProcess, timeout_s: float = 0.0) -> int | None:
         """``worker``'s exit code once known (None while it runs): reported by the
@@ -204,7 +204,7 @@ class Standby:
         """With the standby gone its workers are this process's children (subreaper):
         wait for ``worker`` here. A pid whose process started at another time is no
         longer the worker (the standby reaped it, then died before reporting)."""
-        started = _started(worker.pid)
+        started = start_ticks(worker.pid)
         if started is None or started != worker.started:
             code = EXIT_UNKNOWN
         else:
@@ -327,15 +327,6 @@ def become_subreaper() -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
-
-
-def _started(pid: int) -> int | None:
-    """``pid``'s start time (clock ticks after boot), or None if it is gone: with the
-    pid, it names one process (a pid alone may be reused)."""
-    try:
-        return int(stat_fields(pid)[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _children(parent: int) -> list[int]:
