@@ -44,6 +44,7 @@ from typing import IO, Any
 from elastictrain.core.errors import ConfigError, ElasticTrainError
 from elastictrain.core.log import get_logger
 from elastictrain.demo.job import RunningJob
+from elastictrain.handoff.rescue_marks import launcher_marks_dir, save_requested
 from elastictrain.launcher.spawn import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
 from elastictrain.runlog.events_read import read_events
 from elastictrain.worker import preempt
@@ -110,8 +111,10 @@ def wait_at_gates(parks: list[Park], directory: Path, step: int | None, world_si
                   restart_count: int, rank: int, timeout_s: float = PARK_TIMEOUT_S) -> None:
     """If a gate applies here, write its marker and wait (the runner kills this worker,
     or its agent restarts it, meanwhile); after ``timeout_s``, or at once when a
-    preemption notice arrives (Ctrl-C on the demo), train on: the next step takes the
-    final snapshot."""
+    preemption notice arrives (Ctrl-C on the demo) or the agent asks for a save before
+    it restarts the group (a node joined), train on: the next step takes that snapshot,
+    as a worker that never parked would."""
+    marks = launcher_marks_dir()
     for park in parks:
         if not park.applies(step, world_size, restart_count):
             continue
@@ -127,6 +130,9 @@ def wait_at_gates(parks: list[Park], directory: Path, step: int | None, world_si
             watcher = preempt.current()
             if watcher is not None and watcher.notice is not None:
                 log.warning("demo.park_notice", gate=park.name)
+                return
+            if marks is not None and save_requested(marks):
+                log.info("demo.park_restart", gate=park.name)
                 return
             _PARK_POLL.wait(0.1)  # the notice arrives in a signal handler: poll it
         log.warning("demo.park_timeout", gate=park.name, timeout_s=timeout_s)

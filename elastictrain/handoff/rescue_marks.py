@@ -32,6 +32,13 @@ RESCUING = "rescuing-"  # + the PID of a process writing a rescue
 ARMED = "armed-"  # + the PID of a process that rescues on an uncaught error
 
 
+def launcher_marks_dir() -> Path | None:
+    """The marks directory this worker's launcher named (``MARKS_ENV``); None under a
+    launcher that names none (plain torchrun)."""
+    named = os.environ.get(MARKS_ENV)
+    return Path(named) if named else None
+
+
 def rescuing_pids(directory: Path) -> set[int]:
     """PIDs of the processes writing a rescue in ``directory`` now (the agent waits for
     them before it stops a failed group)."""
@@ -118,6 +125,11 @@ READY = "ready-"  # + the PID of a worker that has nothing more to save: stop it
 def request_save(directory: Path) -> None:
     """Ask this launcher's workers for a snapshot before their group is restarted."""
     os.close(open_private(directory / SAVE_REQUEST, os.O_WRONLY | os.O_CREAT))
+
+
+def save_requested(directory: Path) -> bool:
+    """Whether the agent asked its workers for a save before a restart."""
+    return (directory / SAVE_REQUEST).exists()
 
 
 def listening_pids(directory: Path) -> set[int]:

@@ -33,7 +33,7 @@ import torch
 
 from elastictrain.core.localfiles import open_private, private_dir
 from elastictrain.core.log import get_logger
-from elastictrain.handoff.rescue_marks import ARMED, MARKS_ENV, RESCUING
+from elastictrain.handoff.rescue_marks import ARMED, RESCUING, launcher_marks_dir
 from elastictrain.snapshot.format.tensorbytes import tensor_bytes
 
 try:  # numpy is optional (as in rng.py)
@@ -269,8 +269,7 @@ def clear_marks(directory: Path) -> None:
 def marks_dir(boundary: Path) -> Path:
     """Where this process marks a rescue in progress: the launcher's directory when it
     named one (``MARKS_ENV``), else the boundary directory."""
-    named = os.environ.get(MARKS_ENV)
-    return Path(named) if named else boundary
+    return launcher_marks_dir() or boundary
 
 
 @contextlib.contextmanager
@@ -319,9 +318,9 @@ def arm(rescue: Callable[[BaseException], None]) -> None:
     moment to begin its rescue before it stops the group (``agent.py``)."""
     global _armed, _armed_mark
     _armed = weakref.WeakMethod(rescue) if hasattr(rescue, "__self__") else weakref.ref(rescue)
-    named = os.environ.get(MARKS_ENV)
-    if named and _armed_mark is None:
-        mark = Path(named) / f"{ARMED}{os.getpid()}"
+    named = launcher_marks_dir()
+    if named is not None and _armed_mark is None:
+        mark = named / f"{ARMED}{os.getpid()}"
         private_dir(mark.parent, "the rescue's marks")
         os.close(open_private(mark, os.O_WRONLY | os.O_CREAT))
         _armed_mark = mark

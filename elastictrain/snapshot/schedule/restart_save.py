@@ -29,7 +29,12 @@ from pathlib import Path
 
 from elastictrain.core.localfiles import open_private
 from elastictrain.core.log import get_logger
-from elastictrain.handoff.rescue_marks import LISTENING, MARKS_ENV, READY, SAVE_REQUEST
+from elastictrain.handoff.rescue_marks import (
+    LISTENING,
+    READY,
+    launcher_marks_dir,
+    save_requested,
+)
 from elastictrain.worker import watchdog
 from elastictrain.worker.dist import DistContext
 
@@ -55,7 +60,6 @@ class RestartRequest:
 
     def __init__(self, directory: Path) -> None:
         self._directory = directory
-        self._request = directory / SAVE_REQUEST
         self._lock = threading.Lock()
         self._state = "idle"  # -> "saving" (the training thread took it) -> "ready"
         self._last_step_at = time.monotonic()
@@ -66,10 +70,10 @@ class RestartRequest:
     def from_env(cls) -> RestartRequest | None:
         """The request channel of this worker's launcher, watched; None under a launcher
         that never asks (plain torchrun)."""
-        named = os.environ.get(MARKS_ENV)
-        if not named:
+        directory = launcher_marks_dir()
+        if directory is None:
             return None
-        request = cls(Path(named))
+        request = cls(directory)
         if not request._mark(LISTENING):
             return None  # the agent could not see an answer: it does not wait for one
         context = contextvars.copy_context()  # its event keeps run_id, rank, ...
@@ -88,7 +92,7 @@ class RestartRequest:
         """Whether the agent asked and this worker has not answered (one stat of a tmpfs
         file per step); True once: the training thread then saves."""
         with self._lock:
-            if self._state != "idle" or not self._request.exists():
+            if self._state != "idle" or not save_requested(self._directory):
                 return False
             self._state = "saving"
             return True
@@ -125,7 +129,7 @@ class RestartRequest:
         while not self._closed.wait(WATCH_INTERVAL_S):
             if self._state == "ready" or self._stepped:
                 return  # a step answers from here on (the class docstring)
-            if self._state != "idle" or not self._request.exists():
+            if self._state != "idle" or not save_requested(self._directory):
                 seen = None
                 continue
             now = time.monotonic()

@@ -1,5 +1,6 @@
-"""``elastictrain chaos`` end to end on the demo: a clean run, then two seeded trials of
-real faults (SIGKILL by PID, job kill + relaunch, notices, storage faults) that pass."""
+"""``elastictrain chaos`` end to end on the demo: a clean run, then three seeded trials of
+real faults (SIGKILL by PID, job kill + relaunch, notices, stopped workers, storage
+faults, the faults of a shared node and of the standby) that pass."""
 
 from __future__ import annotations
 
@@ -30,49 +31,37 @@ def processes_mentioning(path: Path) -> list[int]:
     return found
 
 
-def test_chaos_two_trials_on_the_demo_pass(tmp_path: Path) -> None:
+def test_chaos_three_trials_on_the_demo_pass(tmp_path: Path) -> None:
+    """A clean run, then three seeded trials drawing from every process fault and the
+    faults of a shared node, with the memory tier on: a second run sharing the default
+    memory root, a memory snapshot corrupted on disk, the tmpfs filling up (a small tmpfs
+    of the trial's own: root only), the standby SIGKILLed. Each trial also checks that no
+    file of the run in node memory is open to other users and that nothing of it is left
+    there at the end."""
     work = tmp_path / "chaos"
-    result = run_cli(["chaos", "--trials", "2", "--seed", "1", "--steps", "30",
-                      "--snapshot-every", "10", "--storage", str(work), "--json"],
-                     tmp_path, timeout=400)
+    result = run_cli(["chaos", "--trials", "3", "--seed", "555", "--steps", "30",
+                      "--snapshot-every", "10", "--storage", str(work), "--json",
+                      "--faults", "kill,relaunch,notice,stop,storage,shm_neighbour,shm_full,"
+                      "memory_corrupt,standby_kill"], tmp_path, timeout=500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["passed"] and report["clean_digest"] and report["interval"] == 10
     trials = report["trials"]
-    assert [t["trial"] for t in trials] == [0, 1]
+    assert [t["trial"] for t in trials] == [0, 1, 2]
     for trial in trials:
-        assert trial["failures"] == [] and trial["exit_codes"][-1] == 0
+        assert trial["failures"] == [] and trial["exit_codes"][-1] == 0, trial
         injected = [i for i in trial["injected"] if "not injected" not in i]
         assert injected or trial["storage_faults_injected"], trial
-    # Seed 1 draws a job kill + relaunch in trial 0 and a notice in trial 1.
-    assert any(i.startswith("relaunch") for i in trials[0]["injected"])
-    assert any(i.startswith("notice") for i in trials[1]["injected"])
-    assert "replay: --seed 1 --first 1 --trials 1" in result.stderr
+    # Seed 555 draws a notice and a corrupted memory snapshot in trial 0; a second run on
+    # the node, a full tmpfs, a corrupted memory snapshot, a standby kill and storage
+    # faults in trial 1; a job kill + relaunch in trial 2.
+    first, second, third = (" ".join(t["injected"]) for t in trials)
+    assert "notice" in first and "memory_corrupt: payload of step(s)" in first
+    assert "shm_neighbour: second run" in second and "standby_kill: SIGKILL standby" in second
+    assert ("shm_full: filler of" if os.geteuid() == 0 else "shm_full not injected") in second
+    assert "relaunch" in third
+    assert "replay: --seed 555 --first 2 --trials 1" in result.stderr
     assert "chaos-secret-" not in result.stdout + result.stderr  # the planted credential
-    assert processes_mentioning(work) == []
-
-
-def test_chaos_memory_and_standby_faults_on_the_demo_pass(tmp_path: Path) -> None:
-    """The faults of a shared node, with the memory tier on: a second run sharing the
-    default memory root, a memory snapshot corrupted on disk, the tmpfs filling up (a
-    small tmpfs of the trial's own: root only), the standby SIGKILLed with a worker.
-    Each trial also checks that no file of the run in node memory is open to other
-    users and that nothing of it is left there at the end."""
-    work = tmp_path / "chaos"
-    result = run_cli(["chaos", "--trials", "2", "--seed", "7", "--steps", "30",
-                      "--snapshot-every", "10", "--storage", str(work), "--json",
-                      "--faults", "kill,shm_neighbour,shm_full,memory_corrupt,standby_kill"],
-                     tmp_path, timeout=500)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    trials = json.loads(result.stdout)["trials"]
-    assert all(t["failures"] == [] and t["exit_codes"][-1] == 0 for t in trials), trials
-    injected = " ".join(i for t in trials for i in t["injected"])
-    # Seed 7 draws memory_corrupt + shm_neighbour + a kill in trial 0, and shm_full +
-    # memory_corrupt + two standby kills in trial 1.
-    assert "memory_corrupt: payload of step(s)" in " ".join(trials[0]["injected"])
-    assert "shm_neighbour: second run" in injected
-    assert "standby_kill: SIGKILL standby" in injected
-    assert ("shm_full: filler of" if os.geteuid() == 0 else "shm_full not injected") in injected
     assert processes_mentioning(work) == []
 
 

@@ -4,9 +4,10 @@ to 2, all inside one epoch, and no sample is lost or trained twice.
 
 The real `elastictrain demo` CLI: the runner SIGKILLs the second agent's process
 group and its worker by PID after step 6; the survivor resumes from snapshot 4 at
-size 1; after step 10 a new agent joins and the job resumes from snapshot 8 at
-size 2 (steps 9 and 10 are redone, with other samples, and replace the earlier
-execution).
+size 1 (steps 5 and 6 are redone, with other samples, and replace the lost execution);
+after step 10 a new agent joins: the survivor's agent asks its worker for a snapshot of
+the step it is at (step 11, its next), and the job resumes from it at size 2, redoing
+no step.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def test_node_killed_and_replaced_inside_an_epoch(tmp_path: Path, events_root: P
     # A slow agent can miss the first round's last call: the job then starts at size 1
     # and grows before training far; the kill, shrink and grow are the last three.
     assert out["world_sizes"][-3:] == [2, 1, 2], out
-    assert out["resumed_from"][-2:] == [4, 8], out
+    assert out["resumed_from"][-2:] == [4, 11], out  # 11: saved before the restart
     killed, added = out["membership"]
     assert (killed["change"], killed["node"], killed["world_size"]) == ("node_killed", 1, 1)
     assert (added["change"], added["node"], added["world_size"]) == ("node_added", 2, 2)
@@ -71,10 +72,12 @@ def test_node_killed_and_replaced_inside_an_epoch(tmp_path: Path, events_root: P
     assert (grow["saved_global_batch"], grow["global_batch"]) == (4, 8)
 
     steps = surviving_steps(tmp_path / "rec")
-    assert [steps[s].world_size for s in (4, 5, 8, 9, 18)] == [2, 1, 1, 2, 2]
-    redone = {e["world"] for e in events(tmp_path / "rec") if e["step"] == 9}
-    assert len(redone) == 2 and steps[9].world == steps[18].world
-    # Epoch 0: 32 at size 2, 16 at size 1, then 49 at size 2 (six steps of 8 and a
-    # tail of 1, padded to 2 with the epoch's first sample).
+    assert [steps[s].world_size for s in (4, 5, 11, 12, 18)] == [2, 1, 1, 2, 2]
+    worlds = {s: {e["world"] for e in events(tmp_path / "rec") if e["step"] == s}
+              for s in (5, 12)}
+    assert len(worlds[5]) == 2  # lost with the node, redone at size 1
+    assert worlds[12] == {steps[18].world}  # the join redid nothing
+    # Epoch 0: 32 at size 2, 28 at size 1, then 37 at size 2 (four steps of 8 and a
+    # tail of 5, padded to 6 with the epoch's first sample).
     assert assert_each_sample_once(steps, N, seed=0, final_step=18) == {0: 1}
-    assert [len(steps[s].samples) for s in (14, 15, 16)] == [8, 2, 8]
+    assert [len(steps[s].samples) for s in (15, 16, 17)] == [8, 6, 8]

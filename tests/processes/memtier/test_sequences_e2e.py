@@ -59,8 +59,11 @@ def test_a_node_back_with_memory_from_a_left_timeline_receives_the_jobs_snapshot
         "nnodes": "1:2", "endpoint": f"127.0.0.1:{free_port()}", "park": PARK,
         "extra": (f"--again={PARK}",),
         # No rescue: node A's restart must go back to durable step 20 and train 21-25
-        # again (a rescue would commit A's step 25 from B's record instead).
-        "env": {"ELASTICTRAIN_SNAPSHOT__RESCUE": "false"}}
+        # again (a rescue would commit A's step 25 from B's record instead). A parked
+        # worker cannot answer its agent's request for a save when B's replacement joins
+        # (a step 26 saved would make the test moot): the agent waits 2 s, not 30, for it.
+        "env": {"ELASTICTRAIN_SNAPSHOT__RESCUE": "false",
+                "ELASTICTRAIN_LAUNCH__RESCUE_TIMEOUT_S": "2"}}
     root, gates_a, gates_b = tmp_path / "run", tmp_path / "gates-a", tmp_path / "gates-b"
     node_a = agents.start("a", root, tmp_path / "mem-a", is_host=1, gates=gates_a, **common)
     node_b = agents.start("b", root, tmp_path / "mem-b", is_host=0, gates=gates_b, **common)
