@@ -102,3 +102,14 @@ def user_dir_name(prefix: str) -> str:
     """``<prefix>-<uid>``: a per-user name in a directory every user shares (/dev/shm,
     /tmp), so one user's directory never blocks another's."""
     return f"{prefix}-{os.geteuid()}"
+
+
+def remove_empty_dirs(directory: Path, levels: int) -> None:
+    """Remove ``directory`` and up to ``levels - 1`` parents while they are empty (what
+    was made for a run's events before they moved)."""
+    for _ in range(levels):
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (another rank's file, snapshots) or gone
+            return
+        directory = directory.parent

@@ -41,12 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from elastictrain.core.env import LAUNCH_ID_VAR
 from elastictrain.core.errors import ConfigError, ElasticTrainError
 from elastictrain.core.log import get_logger
 from elastictrain.demo.job import RunningJob
 from elastictrain.handoff.rescue_marks import launcher_marks_dir, save_requested
 from elastictrain.launcher.spawn import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
 from elastictrain.runlog.events_read import read_events
+from elastictrain.runlog.launches import node_launch_id
 from elastictrain.worker import preempt
 
 log = get_logger("elastictrain.demo")
@@ -161,6 +163,7 @@ class NodesPlan:
     worker_args: list[str]
     run_id: str
     events_dir: Path
+    launch: str | None = None  # node i's launcher logs as launch "<launch>-n<i>"
     max_restarts: int = 3
     membership: list[dict[str, Any]] = field(default_factory=list)
 
@@ -265,7 +268,8 @@ def _start(plan: NodesPlan, index: int, port: int, extra_args: list[str]) -> Nod
                       rdzv_conf=f"{DEFAULT_RDZV_CONF},is_host={is_host}",
                       log_dir=str(events / "torchelastic"))
     log_file = open(events / "launcher.log", "w")  # noqa: SIM115 - closed in _stop
-    proc = start_torchrun(spec, stdout=log_file)
+    launch = {LAUNCH_ID_VAR: node_launch_id(plan.launch, index)} if plan.launch else None
+    proc = start_torchrun(spec, stdout=log_file, extra_env=launch)
     (events / "agent.pid").write_text(str(proc.pid))  # for operators and test cleanup
     return Node(index, proc, events, log_file)
 

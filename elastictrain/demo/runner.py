@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.core.config import load_settings
+from elastictrain.core.env import LAUNCH_ID_VAR
 from elastictrain.core.errors import EXIT_PREEMPTED, ConfigError
 from elastictrain.demo.job import RunningJob
 from elastictrain.demo.multinode import NodesPlan, membership_timings, parse_nnodes, run_nodes
@@ -26,6 +27,7 @@ from elastictrain.launcher.spawn import LaunchSpec, start_torchrun
 from elastictrain.runlog import events
 from elastictrain.runlog.events_read import read_events
 from elastictrain.runlog.failure import failure_lines
+from elastictrain.runlog.run_marker import storage_run_id
 from elastictrain.storage import open_store
 from elastictrain.view.live import LiveView, live_view
 from elastictrain.view.model import attempts_text
@@ -122,7 +124,9 @@ def run_demo(opts: DemoOptions,
     store = open_store(settings.storage)
     store.check_writable()  # before any worker trains; raises StorageError naming the path
     check_resumable(opts, store)  # dataset length vs the newest snapshot, before training
-    run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    # The storage's run: a relaunch of the demo on it continues that run's events.
+    run_id = storage_run_id(store, f"demo-{time.strftime('%Y%m%d-%H%M%S')}-"
+                                   f"{uuid.uuid4().hex[:6]}")
     events_root = opts.events_dir or events.events_root(settings) or "./elastictrain-events"
     events_dir = str(Path(events_root) / run_id)
     Path(events_dir).mkdir(parents=True, exist_ok=True)
@@ -138,12 +142,13 @@ def run_demo(opts: DemoOptions,
                       rdzv_id=run_id, log_dir=str(Path(events_dir) / "torchelastic"),
                       events_dir=events_dir)
     started = time.monotonic()
+    launch = events.new_launch_id()  # the view shows this launch, not the run's earlier ones
     with open(Path(events_dir) / "launcher.log", "w") as agent_log:
-        job = RunningJob(events_dir, [start_torchrun(spec, stdout=agent_log,
-                                                     extra_env=_worker_env(opts))])
+        job = RunningJob(events_dir, [start_torchrun(
+            spec, stdout=agent_log, extra_env={**_worker_env(opts), LAUNCH_ID_VAR: launch})])
         if on_start is not None:
             on_start(job)
-        with _live_view(opts, run_id, events_dir) as view:
+        with _live_view(opts, run_id, events_dir, launch) as view:
             if view is not None:
                 job.announce = view.note
             exit_code = job.wait()
@@ -160,12 +165,13 @@ def _with_interrupt(result: DemoResult, job: RunningJob) -> DemoResult:
     return result
 
 
-def _live_view(opts: DemoOptions, run_id: str, events_dir: str
+def _live_view(opts: DemoOptions, run_id: str, events_dir: str, launch: str | None
                ) -> AbstractContextManager[LiveView | None]:
-    """The live view of this run's events while the job runs (when ``opts.live``)."""
+    """The live view of launch ``launch`` of this run while the job runs (when
+    ``opts.live``)."""
     return live_view(enabled=opts.live, store=open_store(events_dir), root="",
                      title=f"elastictrain demo {run_id}", total_steps=opts.steps,
-                     footer="Ctrl-C stops the job")
+                     footer="Ctrl-C stops the job", launch=launch)
 
 
 def _worker_env(opts: DemoOptions) -> dict[str, str]:
@@ -195,10 +201,10 @@ def run_multinode_demo(opts: DemoOptions, run_id: str, events_dir: str,
     """Several agents on this machine (see elastictrain.demo.multinode)."""
     plan = NodesPlan(nnodes=opts.nnodes, nproc=opts.nproc, kill_node_at=opts.kill_node_at,
                      add_node_at=opts.add_node_at, worker_args=worker_args, run_id=run_id,
-                     events_dir=Path(events_dir))
+                     events_dir=Path(events_dir), launch=events.new_launch_id())
     started = time.monotonic()
     job = RunningJob(events_dir, [])
-    with _live_view(opts, run_id, events_dir) as view:
+    with _live_view(opts, run_id, events_dir, plan.launch) as view:
         if view is not None:
             job.announce = view.note
         exit_code = run_nodes(plan, job)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from elastictrain.core.errors import (
@@ -34,10 +35,12 @@ def usage_error(exc: ConfigError) -> int:
     return EXIT_USAGE
 
 
-def failure_summary(agent: ElasticTrainAgent | None) -> list[str]:
+def failure_summary(agent: ElasticTrainAgent | None,
+                    moved: Callable[[str], str] | None = None) -> list[str]:
     """Lines naming the first failing worker's error of the last failed attempt, its
     log and a fix, and the crash loop if that stopped the run (``elastictrain.runlog.failure``);
-    none when no worker reported an error (killed by a signal, preempted)."""
+    none when no worker reported an error (killed by a signal, preempted). ``moved``
+    says where a file named there is now (the launch's files were gathered)."""
     from elastictrain.runlog.failure import failure_lines
 
     if agent is None:
@@ -45,7 +48,11 @@ def failure_summary(agent: ElasticTrainAgent | None) -> list[str]:
     if agent.rendezvous_error is not None:
         return [agent.rendezvous_error]
     loop = agent.settings.crash_loop_failures if agent.outcome == "crash_loop" else None
-    return failure_lines(agent.failure, loop)
+    failure = agent.failure
+    if failure is not None and moved is not None:
+        failure = {**failure, **{key: moved(str(failure[key])) for key in
+                                 ("output_file", "log_file") if failure.get(key)}}
+    return failure_lines(failure, loop)
 
 def outcome_name(code: int) -> str:
     return {EXIT_OK: "finished", EXIT_PREEMPTED: "preempted",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import functools
 import gc
 import os
 import re
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from elastictrain.core.config import LaunchDefaults, Settings
-from elastictrain.core.env import END_DIR_VAR, launcher_environ
+from elastictrain.core.env import END_DIR_VAR, getenv, launcher_environ
 from elastictrain.core.errors import (
     EXIT_FATAL,
     EXIT_OK,
@@ -160,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ConfigError: bad settings or an unusable combination of options.
     """
     from elastictrain.core.config import load_settings
+    from elastictrain.launcher.gather import gather
     from elastictrain.runlog.events import LAUNCH_ID_VAR, new_launch_id, run_events_dir
     from elastictrain.view.live import view_wanted
 
@@ -180,17 +182,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings.launch.standby_preload = standby_modules(settings.launch.standby_preload,
                                                       args.training_script_args)
     # One launch id for this launcher and its workers: a requeue or relaunch of the
-    # same run is a new launch in the event log (elastictrain.runlog.events).
-    launch = new_launch_id()
+    # same run is a new launch in the event log (elastictrain.runlog.events). A program
+    # that starts the launcher (the demo) may name it, to tell its events apart.
+    launch = getenv(LAUNCH_ID_VAR) or new_launch_id()
     environ = launcher_environ({LAUNCH_ID_VAR: launch})
     if settings.launch.standby:  # before this process changes its environment
         _fork_standby(args, settings.launch, environ)
     os.environ.update(environ)
     run_id = str(args.rdzv_id)
     # --tee asks for the workers' output on the terminal, where it would tear the view.
+    events_dir = run_events_dir(settings, run_id)
     if not view_wanted(quiet=no_view) or "tee" in given:
         code, agent = _run(full, args, settings, run_id)
-        why = failure_summary(agent)
+        gathered = gather(events_dir, launch, settings)
+        why = failure_summary(agent, None if gathered is None else
+                              functools.partial(gathered.path_of, events_dir))
         if code != EXIT_OK and why:
             print(f"elastictrain run: exit {code}: {launch_meaning(code, agent)}\n"
                   + "\n".join(why),
@@ -198,12 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     from elastictrain.view.run import RunOutput, run_view, summary, worker_log_args
 
-    events_dir = run_events_dir(settings, run_id)
-    added, log_dir = worker_log_args(given, args.log_dir, events_dir)
+    added, log_dir = worker_log_args(given, args.log_dir, events_dir, launch)
     output = RunOutput(events_dir, log_dir, events_dir / f"launcher-{launch}.log")
     with run_view(output, run_id, launch, ranks) as view:
         code, agent = _run(added + full, args, settings, run_id)
-    why = failure_summary(agent) if code != EXIT_OK else []
+    gathered = gather(events_dir, launch, settings)
+    if gathered is not None:  # the summary names where the files are now
+        output = gathered.output_of(events_dir, output)
+    why = failure_summary(agent, None if gathered is None else functools.partial(
+        gathered.path_of, events_dir)) if code != EXIT_OK else []
     print("\n".join([summary(view.state, code, launch_meaning(code, agent), output), *why]),
           flush=True)
     return code

@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import time
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +21,7 @@ if TYPE_CHECKING:  # the agent imports torch's launcher: only when a run starts
 # Kept importable for callers of the walking skeleton; the value lives in config.
 
 from elastictrain.launcher.run_help import NO_VIEW, VIEW_RANKS, torchrun_parser
+from elastictrain.runlog.run_marker import generated_run_id
 
 _UNSET = object()
 
@@ -140,7 +139,7 @@ def torchrun_argv(argv: Sequence[str], defaults: LaunchDefaults,
             add("rdzv_endpoint", "--rdzv-endpoint", "127.0.0.1:0")
             add("rdzv_conf", "--rdzv-conf", defaults.rdzv_conf)
         if run_id or single_node:
-            add("rdzv_id", "--rdzv-id", run_id or _generated_run_id())
+            add("rdzv_id", "--rdzv-id", run_id or generated_run_id())
     return added + list(argv)
 
 
@@ -168,7 +167,3 @@ def _max_nodes(nnodes: str) -> int:
     except ValueError as exc:
         raise ConfigError(f"--nnodes={nnodes!r} is not N or MIN:MAX; fix: e.g. --nnodes=1:2"
                           ) from exc
-
-
-def _generated_run_id() -> str:
-    return f"et-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"

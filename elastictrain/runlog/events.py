@@ -23,17 +23,18 @@ local directory (the run id is then not appended).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from elastictrain.core.config import Settings
 from elastictrain.core.env import LAUNCH_ID_VAR, getenv
-from elastictrain.core.localfiles import user_dir_name
+from elastictrain.core.localfiles import private_opener, user_dir_name
 from elastictrain.core.proc import PROC, start_ticks
 from elastictrain.core.shutdown_hooks import before_interpreter_shutdown
 from elastictrain.storage import Store, open_store
@@ -206,3 +207,43 @@ class Uploader:
                 self._sent[file.name] = len(data)
             except (OSError, StorageError):
                 continue
+
+
+# -- where a launch's workers moved their events --------------------------------------
+# A launcher cannot know the storage a script gives its SnapshotManager, so its own files
+# (agent events, launcher log, worker logs) start in the default events directory. Each
+# worker that moves its event file beside its snapshots leaves this pointer there; at the
+# end of the launch the launcher moves (or uploads) its files to the same place
+# (elastictrain/launcher/gather.py): one run, one place.
+def moved_to_name(launch: str) -> str:
+    """The pointer's file name: one per launch (agents of several launches, e.g. two
+    nodes on one machine, can share a launcher directory)."""
+    return f"moved-to-{launch}.json"
+
+
+@dataclass(frozen=True)
+class MovedTo:
+    """Where a launch's workers put their events: the run's storage (a URL safe to log),
+    its run id and the local directory written (the spool on object storage)."""
+
+    storage: str
+    run_id: str
+    events_dir: str
+
+
+def write_moved_to(launcher_dir: Path, launch: str, moved: MovedTo) -> None:
+    """Leave ``moved`` in the launcher's events directory (whole or absent; every local
+    rank writes the same)."""
+    tmp = launcher_dir / f".{moved_to_name(launch)}.{os.getpid()}"
+    with open(tmp, "w", opener=private_opener) as f:
+        json.dump(asdict(moved), f)
+    os.replace(tmp, launcher_dir / moved_to_name(launch))
+
+
+def read_moved_to(launcher_dir: Path, launch: str) -> MovedTo | None:
+    """The pointer a worker of ``launch`` left (None: no worker moved its events)."""
+    try:
+        data = json.loads((launcher_dir / moved_to_name(launch)).read_text())
+        return MovedTo(str(data["storage"]), str(data["run_id"]), str(data["events_dir"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -196,13 +196,13 @@ def run_events_location(location: str, store: Store | None = None) -> str:
 def one_figure(report: Goodput, split: Split) -> dict[str, Any]:
     """``goodput --json``'s top level: the per-cause split's wall, seconds and goodput,
     so the document holds one goodput figure; the step-based estimate
-    (``compute_goodput``) adds only its step time and the pending time between launches
-    (a part of ``restart_s``)."""
+    (``compute_goodput``) adds only its step time."""
     wall = split.wall_s
     productive = split.seconds["productive"]
     return {"wall_s": round(wall, 3),
             **{f"{cause}_s": round(secs, 3) for cause, secs in split.seconds.items()},
-            "pending_s": report.pending_s, "attempts": len(split.attempts),
+            "attempts": len(split.attempts),
+            "launches": len({a.launch for a in split.attempts}),
             "final_step": split.attempts[-1].to_step,
             "steps_lost": sum(a.lost_steps for a in split.attempts),
             "step_time_s": report.step_time_s,

@@ -11,6 +11,7 @@ from typing import Any
 from elastictrain.core.config import SnapshotConfig, StorageConfig, load_settings, validated
 from elastictrain.core.env import WorkerEnv
 from elastictrain.core.errors import ConfigError, StorageError
+from elastictrain.runlog.run_marker import storage_run_id
 from elastictrain.storage import Store, open_store
 from elastictrain.worker import preempt, session
 from elastictrain.worker.dist import DistContext, find_context
@@ -24,7 +25,7 @@ class ManagerSetup:
         config: the snapshot settings, the keyword overrides applied.
         ctx: the process group.
         store: the durable storage, opened.
-        run_id: recorded in manifests.
+        run_id: the job's run id (``runlog/run_marker.py``): events and manifests.
         events_dir: this worker's events directory (its earlier attempts feed the
             automatic interval; the progress file goes beside it), or None.
         preemption: the preemption watcher of this process, if one was installed.
@@ -60,12 +61,15 @@ class ManagerSetup:
         store = (open_store(storage, storage_options)
                  if isinstance(storage, StorageConfig) else storage)
         _check_local_root(store)
+        named = run_id or settings.run_id
+        job_run_id = storage_run_id(store, named or env.run_id, named=named is not None)
         session.events_beside(storage if isinstance(storage, StorageConfig) else
-                              settings.storage.model_copy(update={"url": store.url}))
+                              settings.storage.model_copy(update={"url": store.url}),
+                              job_run_id)
         # Read after events_beside: it may have moved the directory.
         events_dir = rt.events_dir if rt is not None else settings.log.events_dir
-        return cls(snapshot_config, found_ctx, store, run_id or settings.run_id or env.run_id,
-                   events_dir, preempt.current())
+        return cls(snapshot_config, found_ctx, store, job_run_id, events_dir,
+                   preempt.current())
 
 
 def _check_local_root(store: Store) -> None:

@@ -23,6 +23,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from elastictrain.runlog.launches import in_launch
 from elastictrain.storage.api import Store
 from elastictrain.view.model import RunState
 from elastictrain.view.output import OutputTail
@@ -155,7 +156,7 @@ class LiveView:
                 self._print_output(self._output.poll(final=final))
             try:
                 for event in self._tail.poll():
-                    if self._launch is None or event.get("launch_id") == self._launch:
+                    if self._launch is None or in_launch(event.get("launch_id"), self._launch):
                         self.state.apply(event)
             except OSError:
                 pass  # a listing raced a file being created; the next poll sees it
@@ -170,14 +171,14 @@ class LiveView:
 
 @contextmanager
 def live_view(*, enabled: bool, store: Store, root: str, title: str,
-              total_steps: int | None = None, footer: str | None = None
-              ) -> Iterator[LiveView | None]:
+              total_steps: int | None = None, footer: str | None = None,
+              launch: str | None = None) -> Iterator[LiveView | None]:
     """A :class:`LiveView` for the block when ``enabled``; Ctrl-C (KeyboardInterrupt)
     is noted on the view and passed on unchanged."""
     if not enabled:
         yield None
         return
-    view = LiveView(store, root, title, total_steps, footer)
+    view = LiveView(store, root, title, total_steps, footer, launch=launch)
     view.start()
     try:
         yield view

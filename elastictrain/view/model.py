@@ -11,6 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastictrain.runlog.launches import job_launch
+
 RATE_WINDOW_S = 10.0  # the step rate is measured over this much recent wall time
 
 
@@ -44,7 +46,9 @@ class RunState:
     total_steps: int | None = None
     max_lines: int = 200
     run_id: str | None = None
-    attempt: int = 0
+    attempt: int = 0  # torchrun's restart count inside the current launch
+    launch: str | None = None  # the newest launch seen (a relaunch on the same storage)
+    launches: int = 0
     world_size: int | None = None
     step: int = 0
     rank_steps: dict[int, int] = field(default_factory=dict)
@@ -75,6 +79,13 @@ class RunState:
         self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
         self.run_id = event.get("run_id") or self.run_id
         name = str(event.get("event", ""))
+        launch = event.get("launch_id")
+        if isinstance(launch, str):
+            launch = job_launch(launch)
+            if self.launch is None or launch > self.launch:
+                self._new_launch(launch)
+            elif launch < self.launch:
+                return  # a late line of an earlier launch: its state is history
         if event.get("role") == "agent":
             self.agent_seen = True
             self.ended = self.ended or name == "agent.finished"
@@ -92,6 +103,15 @@ class RunState:
             line = handler(self, event)
             if line is not None:
                 self._add_line(ts, *line)
+
+    def _new_launch(self, launch: str) -> None:
+        """A launch after the earlier ones on the same storage (ids sort by start time):
+        attempts count from 0 again; the steps lost across it are counted by its resume."""
+        self.launch, self.launches = launch, self.launches + 1
+        self.attempt, self._resumed_at = 0, 0
+        self._samples.clear()
+        self.rank_steps.clear()
+        self.finished, self.final_snapshot, self.ended = None, None, False
 
     def _new_attempt(self, attempt: int, world_size: Any, ts: float) -> None:
         if attempt != self.attempt:
@@ -160,6 +180,7 @@ class RunState:
         age = self.snapshot_age_s(now)
         return {
             "run_id": self.run_id, "attempt": self.attempt, "attempts": self.attempt + 1,
+            "launch": self.launch, "launches": max(1, self.launches),
             "world_size": self.world_size, "step": self.step, "total_steps": self.total_steps,
             "rank_steps": {str(r): s for r, s in sorted(self.rank_steps.items())},
             "rate_steps_s": None if self.rate is None else round(self.rate, 3),

@@ -35,23 +35,25 @@ class RunOutput:
     """Where the job's output goes while the view is on.
 
     Args:
-        events_dir: the local directory of the run's event files (the view tails it).
+        events_dir: the local directory of the run's event files (the view tails it; once
+            the launch ended, where they were gathered: a URL on object storage).
         worker_logs: torchrun's ``--log-dir`` (per attempt and rank below it).
         launcher_log: the launcher's stdout and stderr (and unredirected workers').
     """
 
-    events_dir: Path
+    events_dir: Path | str
     worker_logs: str
-    launcher_log: Path
+    launcher_log: Path | str
 
     def rows(self) -> list[tuple[str, str]]:
         """Rows of the view: where to read what it does not show."""
         return [("worker logs", self.worker_logs), ("launcher log", str(self.launcher_log))]
 
 
-def worker_log_args(given: set[str], log_dir: str | None, events_dir: Path
+def worker_log_args(given: set[str], log_dir: str | None, events_dir: Path, launch: str
                     ) -> tuple[list[str], str]:
-    """torchrun options that send the workers' output to files, and the log dir.
+    """torchrun options that send the workers' output to files, and the log dir (one per
+    launch: the launches of a run share its events directory).
 
     ``given`` holds the option names the user set (``launch._given``): their own
     ``--redirects``/``--tee`` and ``--log-dir`` win; only what is unset is added.
@@ -60,7 +62,7 @@ def worker_log_args(given: set[str], log_dir: str | None, events_dir: Path
     if not {"redirects", "tee"} & given:
         added.append("--redirects=3")
     if "log_dir" not in given:
-        log_dir = str(events_dir / WORKER_LOGS_DIR)
+        log_dir = str(events_dir / WORKER_LOGS_DIR / launch)
         added.append(f"--log-dir={log_dir}")
     return added, str(log_dir)
 
@@ -95,8 +97,8 @@ def run_view(output: RunOutput, run_id: str, launch: str,
     job's output in files (``output``), the new lines of local ranks ``ranks`` (None:
     all) shown under the events. Events of earlier launches of the run (a requeue
     reuses the run id and its events dir) are not shown."""
-    output.events_dir.mkdir(parents=True, exist_ok=True)
-    with output_to(output.launcher_log) as terminal:
+    Path(output.events_dir).mkdir(parents=True, exist_ok=True)
+    with output_to(Path(output.launcher_log)) as terminal:
         view = LiveView(open_store(str(output.events_dir)), "", f"elastictrain run {run_id}",
                         footer="Ctrl-C stops the job: final snapshot, then exit 75",
                         console=Console(file=terminal), rows=output.rows(),

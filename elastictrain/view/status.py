@@ -37,17 +37,25 @@ class RunStatus:
     snapshots: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        root = "events" if "events" in self.store.list_dir("") else ""
-        self._tail = EventTail(self.store, root)
+        self._root = "events" if "events" in self.store.list_dir("") else ""
+        self._tail = EventTail(self.store, self._root)
 
     def poll(self) -> bool:
         """Read new events and the snapshot listing; True if anything new arrived."""
-        events = self._tail.poll()
-        for event in events:
-            run = str(event.get("run_id") or "unknown")
-            self.runs.setdefault(run, RunState()).apply(event)
+        events = self._tail.poll_with_paths()
+        for path, event in events:
+            self.runs.setdefault(self._run_of(path, event), RunState()).apply(event)
         self.snapshots = ops.list_snapshots(self.store)
         return bool(events)
+
+    def _run_of(self, path: str, event: dict[str, Any]) -> str:
+        """The run an event belongs to: its directory under ``events/`` (one per run: a
+        launcher's own events name the id it started under, its workers' the run's;
+        runlog/run_marker.py), else the run id it names."""
+        parts = path.split("/")
+        if self._root and len(parts) > 2:
+            return parts[1]
+        return str(event.get("run_id") or "unknown")
 
     @property
     def current(self) -> RunState | None:
@@ -59,8 +67,9 @@ class RunStatus:
     def to_dict(self) -> dict[str, Any]:
         state = self.current
         committed = [s for s in self.snapshots if s.get("status") == ops.LISTED_COMMITTED]
+        run_id = next((run for run, seen in self.runs.items() if seen is state), self.run_id)
         return {"storage": self.store.url,
-                **(state.to_dict() if state else {"run_id": self.run_id}),
+                **(state.to_dict() if state else {}), "run_id": run_id,
                 "runs": sorted(self.runs),
                 "committed_snapshots": sorted(s["step"] for s in committed),
                 "newest_snapshot": max(committed, key=lambda s: s["step"], default=None)}
@@ -88,7 +97,9 @@ def format_text(status: RunStatus) -> str:
     """Plain text of the status (``status`` off a terminal)."""
     data = status.to_dict()
     snap = data.get("newest_snapshot") or {}
-    lines = [f"run {data.get('run_id')}  attempt {data.get('attempt', 0)}  "
+    launches = data.get("launches") or 1
+    launch = f"launch {launches} of {launches}  " if launches > 1 else ""
+    lines = [f"run {data.get('run_id')}  {launch}attempt {data.get('attempt', 0)}  "
              f"world size {data.get('world_size')}  "
              f"{data.get('finished') or 'running or stopped'}",
              f"  step {data.get('step')}  per rank "
@@ -164,4 +175,6 @@ def _follow_loop(status: RunStatus, deadline: float | None, on_change: Any) -> b
 
 def _render(status: RunStatus) -> Any:
     state = status.current or RunState()
-    return render(state, f"run {state.run_id or '?'}")
+    run_id = status.to_dict().get("run_id") or "?"
+    launches = f"  launch {state.launches} of {state.launches}" if state.launches > 1 else ""
+    return render(state, f"run {run_id}{launches}")

@@ -34,11 +34,15 @@ class EventTail:
 
     def poll(self) -> list[dict[str, Any]]:
         """New complete events of every file, in time order."""
-        events: list[dict[str, Any]] = []
+        return [event for _, event in self.poll_with_paths()]
+
+    def poll_with_paths(self) -> list[tuple[str, dict[str, Any]]]:
+        """New complete events of every file with the file's path, in time order."""
+        found: list[tuple[str, dict[str, Any]]] = []
         for path in self._event_files(self.root, 0):
-            events += self._read_new(path)
-        events.sort(key=lambda e: float(e.get("ts") or 0.0))
-        return events
+            found += [(path, event) for event in self._read_new(path)]
+        found.sort(key=lambda item: float(item[1].get("ts") or 0.0))
+        return found
 
     def _event_files(self, directory: str, depth: int) -> list[str]:
         files: list[str] = []

@@ -6,6 +6,8 @@ manager moves the event file beside its snapshots (``events_beside``) and logs t
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 from elastictrain.core import log as et_log
 from elastictrain.core.config import Settings, StorageConfig
 from elastictrain.core.env import LAUNCH_ID_VAR, WorkerEnv, getenv
+from elastictrain.core.localfiles import remove_empty_dirs
 from elastictrain.runlog import events
 from elastictrain.worker.dist import DistContext
 
@@ -47,14 +50,20 @@ class Runtime:
 _current: Runtime | None = None  # what init() returned in this process (set_current)
 
 
-def events_beside(storage: StorageConfig) -> None:
-    """Move this worker's event file beside the snapshots at ``storage`` (the module
-    docstring's rule; ``SnapshotManager`` calls it): the first manager decides, and
-    a configured ``log.events_dir`` is left alone."""
+def events_beside(storage: StorageConfig, run_id: str) -> None:
+    """Move this worker's event file beside the snapshots at ``storage``, under the run
+    id of the job they hold (``runlog/run_marker.py``; the module docstring's rule:
+    ``SnapshotManager`` calls it): the first manager decides, and a configured
+    ``log.events_dir`` is left alone."""
     rt = _current
-    if rt is None or rt.events_moved or rt.settings.log.events_dir:
+    if rt is None or rt.events_moved:
         return
     rt.events_moved = True
+    if run_id != rt.run_id:  # a relaunch joins the run its storage holds
+        rt.run_id = run_id
+        et_log.bind(run_id=run_id)
+    if rt.settings.log.events_dir:
+        return
     moved = rt.settings.model_copy(update={"storage": storage})
     sink = events.open_sink(moved, rt.run_id, rt.events_file_name)
     old_dir = Path(rt.events_dir) if rt.events_dir else None
@@ -65,19 +74,12 @@ def events_beside(storage: StorageConfig) -> None:
     launched = bool(getenv(LAUNCH_ID_VAR))
     et_log.move_events_file(sink.path, sink.upload, leave_link=launched)
     rt.events_dir = str(sink.path.parent)
+    if old_dir is not None and launched:  # the launcher brings its files there at the end
+        with contextlib.suppress(OSError):
+            events.write_moved_to(old_dir, events.launch_id(), events.MovedTo(
+                storage.url, run_id, os.path.abspath(rt.events_dir)))
     if old_dir is not None and not launched:
-        _remove_empty(old_dir, levels=3)  # <run id>/, events/, the default storage root
-
-
-def _remove_empty(directory: Path, levels: int) -> None:
-    """Remove ``directory`` and up to ``levels - 1`` parents while they are empty (what
-    ``init`` created for the events before they moved)."""
-    for _ in range(levels):
-        try:
-            directory.rmdir()
-        except OSError:  # not empty (another rank's file, snapshots) or gone
-            return
-        directory = directory.parent
+        remove_empty_dirs(old_dir, levels=3)  # <run id>/, events/, the default storage root
 
 
 def log_finished(**fields: Any) -> None:

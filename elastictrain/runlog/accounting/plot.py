@@ -10,11 +10,13 @@ from elastictrain.core.errors import ConfigError
 from elastictrain.runlog.accounting.split import CAUSES, Split
 
 COLORS = {"productive": "#2e7d32", "lost_work": "#e53935", "snapshot_blocking": "#1e88e5",
-          "restore": "#8e24aa", "restart": "#9e9e9e", "preempt_drain": "#fb8c00",
+          "restore": "#8e24aa", "restart": "#9e9e9e", "between_launches": "#e0e0e0",
+          "preempt_drain": "#fb8c00",
           "hang": "#6d4c41"}
 LABELS = {"productive": "productive", "lost_work": "lost work",
           "snapshot_blocking": "snapshot blocking", "restore": "restore",
-          "restart": "restart / start-up", "preempt_drain": "preemption drain",
+          "restart": "restart / start-up", "between_launches": "between launches",
+          "preempt_drain": "preemption drain",
           "hang": "hang (watchdog)"}
 _TIER_MARKERS = {"durable": "v", "memory": "^"}
 

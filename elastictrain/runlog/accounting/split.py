@@ -10,7 +10,10 @@ last lands in exactly one cause:
   ``snapshot.copy_wait``), per tier;
 * ``restore``: loading a snapshot (``snapshot.loaded``);
 * ``restart``: failure detection, process start, imports, rendezvous, model build,
-  teardown: everything before ``resume`` or between attempts;
+  teardown: everything before ``resume`` or between attempts while a launch was up;
+* ``between_launches``: no launch of the run was up (after Ctrl-C, a preemption or a
+  lost job, until the next launch on the same storage started: a requeue waiting to
+  be scheduled, a user relaunching by hand);
 * ``preempt_drain``: from a preemption notice to the final snapshot (``preempt.saved``);
 * ``hang``: no progress until the watchdog fired (``watchdog.fired``).
 
@@ -30,7 +33,7 @@ from typing import Any
 from elastictrain.runlog.accounting.attempts import Event, read_agent_events, read_attempts
 
 CAUSES = ("productive", "lost_work", "snapshot_blocking", "restore", "restart",
-          "preempt_drain", "hang")
+          "between_launches", "preempt_drain", "hang")
 DEFAULT_TIER = "durable"  # snapshots name no tier yet: there is one
 
 
@@ -61,6 +64,7 @@ class Attempt:
     ended_by: str
     spans: list[Span] = field(default_factory=list)
     commits: list[tuple[float, int, str]] = field(default_factory=list)  # ts, step, tier
+    launch: str | None = None  # the launch (``launch_id``) it belongs to
 
 
 @dataclass
@@ -88,7 +92,8 @@ class Split:
             "attempts": [{"index": a.index, "start_s": round(a.start - self.start, 3),
                           "end_s": round(a.end - self.start, 3), "from_step": a.from_step,
                           "to_step": a.to_step, "lost_steps": a.lost_steps,
-                          "ended_by": a.ended_by} for a in self.attempts],
+                          "ended_by": a.ended_by, "launch": a.launch}
+                         for a in self.attempts],
         }
 
 
@@ -109,9 +114,10 @@ def split_run(events_dir: str | Path) -> Split:
     attempts: list[Attempt] = []
     for i, events in enumerate(raw):
         attempts.append(_attempt(i, events, raw[i + 1:], agent, fallback_rate))
+        attempts[-1].launch = events[0].get("launch_id")
     start = min([attempts[0].start] + [e["ts"] for e in agent])
     end = max([attempts[-1].end] + [e["ts"] for e in agent])
-    _fill_gaps(attempts, start, end)
+    _fill_gaps(attempts, start, end, _launch_spans(attempts, agent))
     for attempt in attempts:
         attempt.spans = [span for span in attempt.spans if span.end > span.start]
     seconds = dict.fromkeys(CAUSES, 0.0)
@@ -277,16 +283,50 @@ def _ended_by(events: list[Event], agent: list[Event], start: float,
     return "failed (no event)" if next_start is not None else "ended (no event)"
 
 
-def _fill_gaps(attempts: list[Attempt], start: float, end: float) -> None:
-    """Time before, between and after attempts is restart (detection, launch, teardown);
-    each gap goes on the lane of the attempt it leads to (the last one: after it)."""
+def _launch_spans(attempts: list[Attempt], agent: list[Event]) -> list[tuple[float, float]]:
+    """From the first to the last event of each launch (its agents' and workers')."""
+    spans: dict[str, tuple[float, float]] = {}
+
+    def cover(launch: object, first: float, last: float) -> None:
+        key = str(launch)
+        low, high = spans.get(key, (first, last))
+        spans[key] = (min(low, first), max(high, last))
+
+    for attempt in attempts:
+        cover(attempt.launch, attempt.start, attempt.end)
+    for event in agent:
+        cover(event.get("launch_id"), event["ts"], event["ts"])
+    return sorted(spans.values())
+
+
+def _gap_spans(start: float, end: float, launches: list[tuple[float, float]]) -> list[Span]:
+    """``start``..``end`` as restart while a launch was up, between launches otherwise."""
+    spans: list[Span] = []
+    cursor = start
+    for low, high in launches:
+        if high <= cursor or low >= end:
+            continue
+        if low > cursor:
+            spans.append(Span("between_launches", cursor, low))
+        spans.append(Span("restart", max(cursor, low), min(end, high)))
+        cursor = min(end, high)
+    if end > cursor:
+        spans.append(Span("between_launches" if launches else "restart", cursor, end))
+    return [span for span in spans if span.end > span.start]
+
+
+def _fill_gaps(attempts: list[Attempt], start: float, end: float,
+               launches: list[tuple[float, float]]) -> None:
+    """Time before, between and after attempts is restart (detection, launch, teardown),
+    or between launches where no launch was up; each gap goes on the lane of the attempt
+    it leads to (the last one: after it)."""
     cursor = start
     for attempt in attempts:
         if attempt.start > cursor:
-            attempt.spans.insert(0, Span("restart", cursor, attempt.start))
+            attempt.spans[:0] = _gap_spans(cursor, attempt.start, launches)
         cursor = max(cursor, attempt.end)
     if end > cursor:
-        attempts[-1].spans.append(Span("restart", cursor, end))
+        attempts[-1].spans += _gap_spans(cursor, end, launches)
 
 
 def format_split(split: Split) -> str:
@@ -294,12 +334,14 @@ def format_split(split: Split) -> str:
     wall = split.wall_s or 1.0
     names = {"productive": "productive", "lost_work": "lost work",
              "snapshot_blocking": "snapshot blocking", "restore": "restore",
-             "restart": "restarts / start-up", "preempt_drain": "preemption drain",
-             "hang": "hang (watchdog)"}
+             "restart": "restarts / start-up", "between_launches": "between launches",
+             "preempt_drain": "preemption drain", "hang": "hang (watchdog)"}
     lost = sum(a.lost_steps for a in split.attempts)
+    launches = len({a.launch for a in split.attempts})
+    spans = f"{launches} launches, " if launches > 1 else ""
     lines = [f"goodput {split.seconds['productive'] / wall:.1%} of {split.wall_s:.1f}s wall, "
-             f"{len(split.attempts)} attempts, final step {split.attempts[-1].to_step}, "
-             f"{lost} steps lost"]
+             f"{spans}{len(split.attempts)} attempts, final step "
+             f"{split.attempts[-1].to_step}, {lost} steps lost"]
     for cause in CAUSES:
         secs = split.seconds[cause]
         lines.append(f"  {names[cause]:<22}{secs:9.2f}s  {secs / wall:6.1%}")

@@ -93,8 +93,11 @@ def test_a_worker_killed_at_step_12_loses_exactly_2_steps(tmp_path: Path,
     # Every 10 steps, and close() saves the last; the default retention keeps 3.
     assert sorted(int(p.name[5:]) for p in (tmp_path / "ckpt" / "snapshots").iterdir()
                   if p.name.startswith("step_")) == [30, 40, FINAL_STEP]
-    if launcher == "torchrun":  # nothing is left in the default location
-        assert not (tmp_path / "elastictrain-run").exists()
+    # Nothing is left in the default location: under elastictrain run the launcher's
+    # own files joined the workers' at the end.
+    assert not (tmp_path / "elastictrain-run").exists()
+    if launcher == "run":
+        assert list(_run_dir(tmp_path).glob("agent-*.jsonl"))
     _check_accounting(tmp_path, lost=2, failures=1)
 
 
@@ -108,7 +111,7 @@ def test_the_same_restore_error_twice_is_a_crash_loop(tmp_path: Path) -> None:
     out = (tmp_path / "again.log").read_text()
     assert "error:           RuntimeError: Numpy is not available" in out
     assert "sitecustomize.py:" in out and "crash loop:" in out and "fix:" in out
-    agent = [e for e in events(tmp_path / "elastictrain-run") if e.get("role") == "agent"]
+    agent = [e for e in events(tmp_path / "ckpt" / "events") if e.get("role") == "agent"]
     launch = agent[-1]["launch_id"]
     mine = [e for e in agent if e["launch_id"] == launch]
     assert [e["restart_count"] for e in mine if e["event"] == "agent.attempt_started"] == [0, 1]

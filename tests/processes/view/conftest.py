@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -20,4 +19,4 @@ def tmux() -> Iterator[Tmux]:
     try:
         yield server
     finally:
-        subprocess.run([*server.cmd, "kill-server"], capture_output=True, check=False)
+        server.kill()

@@ -22,5 +22,9 @@ class Tmux:
         return subprocess.run([*self.cmd, "capture-pane", "-p", "-S", "-60"],
                               capture_output=True, text=True, check=False).stdout
 
+    def kill(self) -> None:
+        """Stop the server and what runs in it."""
+        subprocess.run([*self.cmd, "kill-server"], capture_output=True, check=False)
+
     def keys(self, *keys: str) -> None:
         subprocess.run([*self.cmd, "send-keys", *keys], check=True)

@@ -48,6 +48,9 @@ def test_run_shows_the_live_view_and_ctrl_c_stops_with_a_final_snapshot(
         wait_for(lambda: "RUN-EXIT=" in tmux.pane(), 180, "the launcher's exit", interval=0.3)
         screen = tmux.pane()
         assert f"RUN-EXIT={EXIT_PREEMPTED}" in screen, screen
+        # The launch's own files joined its workers' beside the snapshots.
+        assert not ev.exists() and not (tmp_path / "elastictrain-run").exists()
+        ev = ckpt / "events"
         assert "Ctrl-C (SIGINT) to the launcher: asking the workers for a final snapshot" \
             in screen, screen
         saved = {e["snapshot_step"] for e in events(ev, "preempt.saved")}
@@ -82,5 +85,7 @@ def test_run_off_a_terminal_prints_no_view(tmp_path: Path) -> None:
         assert view_text not in out
     # As before: the workers write to the launcher's (inherited) stderr, nothing to files.
     assert "worker.start" in result.stderr, result.stderr[-4000:]
-    run_dir = tmp_path / "elastictrain-run" / "events"
+    assert not (tmp_path / "elastictrain-run").exists()  # gathered beside the snapshots
+    run_dir = tmp_path / "ckpt" / "events"
+    assert list(run_dir.rglob("agent-*.jsonl"))
     assert not list(run_dir.rglob("launcher-*.log")) and not list(run_dir.rglob("torchelastic"))

@@ -56,7 +56,7 @@ def test_the_file_moves_beside_the_snapshots(tmp_path: Path,
 def _moves_beside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rt = _runtime(tmp_path, monkeypatch)
     assert (tmp_path / "elastictrain-run" / "events" / "r1" / NAME).exists()
-    session.events_beside(StorageConfig(url=str(tmp_path / "ckpt")))
+    session.events_beside(StorageConfig(url=str(tmp_path / "ckpt")), "r1")
     et_log.get_logger().info("resume", from_step=None)
     moved = tmp_path / "ckpt" / "events" / "r1" / NAME
     assert rt.events_dir == str(moved.parent)
@@ -66,13 +66,13 @@ def _moves_beside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # under the umask a shell gives (0022), in directories it created.
     assert stat.S_IMODE(moved.stat().st_mode) == 0o600
     assert {stat.S_IMODE(d.stat().st_mode) for d in (moved.parent, moved.parent.parent)} == {0o700}
-    session.events_beside(StorageConfig(url=str(tmp_path / "other")))  # the first decides
+    session.events_beside(StorageConfig(url=str(tmp_path / "other")), "r1")  # the first decides
     assert not (tmp_path / "other").exists()
 
 
 def test_a_configured_events_dir_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rt = _runtime(tmp_path, monkeypatch, events_dir=str(tmp_path / "ev"))
-    session.events_beside(StorageConfig(url=str(tmp_path / "ckpt")))
+    session.events_beside(StorageConfig(url=str(tmp_path / "ckpt")), "r1")
     assert rt.events_dir == str(tmp_path / "ev") and (tmp_path / "ev" / NAME).exists()
     assert not (tmp_path / "ckpt").exists()
 
@@ -83,7 +83,7 @@ def test_object_storage_gets_the_file_uploaded(tmp_path: Path,
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the local spool
     url = "memory://events-beside-test"
-    session.events_beside(StorageConfig(url=url))
+    session.events_beside(StorageConfig(url=url), "r1")
     et_log.get_logger().info("resume", from_step=None)
     et_log.configure("info", json_output=True, events_file=None)  # closing the file uploads it
     uploaded = open_store(url).read_bytes(f"events/r1/{NAME}").decode()
@@ -91,3 +91,21 @@ def test_object_storage_gets_the_file_uploaded(tmp_path: Path,
                                                                       "resume"]
     spool = tmp_path / "tmp" / user_dir_name("elastictrain-events")  # per user
     assert (spool / "r1" / NAME).exists()
+
+
+def test_a_relaunch_joins_the_run_its_storage_holds_and_points_its_launcher_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The storage's run id (runlog/run_marker.py) replaces this launch's own: the file
+    goes under it and later events carry it; under elastictrain run the launcher's
+    directory gets a pointer to where its workers' events went (launcher/gather.py)."""
+    rt = _runtime(tmp_path, monkeypatch)
+    monkeypatch.setenv("ELASTICTRAIN_LAUNCH_ID", "20250101T000000Z-abcd")
+    old_dir = Path(rt.events_dir or "")
+    session.events_beside(StorageConfig(url=str(tmp_path / "ckpt")), "job-0")
+    et_log.get_logger().info("resume", from_step=3)
+    moved = tmp_path / "ckpt" / "events" / "job-0" / NAME
+    assert rt.run_id == "job-0" and rt.events_dir == str(moved.parent)
+    assert [e.get("run_id") for e in read_events(moved)][-1] == "job-0"
+    assert (old_dir / NAME).is_symlink()  # the launcher's view still reads it
+    pointer = events.read_moved_to(old_dir, "20250101T000000Z-abcd")
+    assert pointer == events.MovedTo(str(tmp_path / "ckpt"), "job-0", str(moved.parent))

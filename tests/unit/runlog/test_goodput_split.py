@@ -67,7 +67,8 @@ def test_every_second_lands_in_one_cause(run_dir: Path) -> None:
     assert split.wall_s == pytest.approx(37.0)
     expected = {"productive": 2.0 + 2.5 + 0.0 + 3.0, "lost_work": 1.0 + 5.0,
                 "snapshot_blocking": 0.5 + 1.5, "restore": 1.0, "preempt_drain": 1.0,
-                "hang": 4.0, "restart": 3.0 + 2.5 + 0.5 + 5.5 + 3.0 + 1.0}
+                "hang": 4.0, "restart": 3.0 + 2.5 + 0.5 + 5.5 + 3.0 + 1.0,
+                "between_launches": 0.0}  # events of no launch id: one launch
     assert split.seconds == pytest.approx(expected)
     assert sum(split.seconds.values()) == pytest.approx(split.wall_s)
     assert split.blocking_by_tier == pytest.approx({"durable": 2.0})

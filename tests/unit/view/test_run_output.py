@@ -27,15 +27,15 @@ def test_no_view_is_taken_from_the_launcher_options_only() -> None:
 
 
 @pytest.mark.parametrize(("given", "log_dir", "added", "logs"), [
-    (set(), None, ["--redirects=3", "--log-dir=EV/torchelastic"], "EV/torchelastic"),
-    ({"redirects"}, None, ["--log-dir=EV/torchelastic"], "EV/torchelastic"),
+    (set(), None, ["--redirects=3", "--log-dir=EV/torchelastic/L1"], "EV/torchelastic/L1"),
+    ({"redirects"}, None, ["--log-dir=EV/torchelastic/L1"], "EV/torchelastic/L1"),
     ({"log_dir"}, "/mine", ["--redirects=3"], "/mine"),
     ({"redirects", "log_dir"}, "/mine", [], "/mine"),
-    ({"tee"}, None, ["--log-dir=EV/torchelastic"], "EV/torchelastic"),
+    ({"tee"}, None, ["--log-dir=EV/torchelastic/L1"], "EV/torchelastic/L1"),
 ])
 def test_workers_output_goes_to_files_unless_the_user_chose(
         given: set[str], log_dir: str | None, added: list[str], logs: str) -> None:
-    assert worker_log_args(given, log_dir, Path("EV")) == (added, logs)
+    assert worker_log_args(given, log_dir, Path("EV"), "L1") == (added, logs)
 
 
 def event(**fields: Any) -> str:
@@ -55,13 +55,13 @@ def test_the_view_shows_only_its_own_launch_and_where_the_output_is(tmp_path: Pa
     screen = io.StringIO()
     view = LiveView(open_store(str(tmp_path)), "", "elastictrain run r",
                     console=Console(file=screen, width=120),
-                    rows=[("worker logs", "EV/torchelastic")], launch="new")
+                    rows=[("worker logs", "EV/torchelastic/L1")], launch="new")
     view.start()
     view.stop()
     assert view.state.attempt == 0 and view.state.step == 130
     assert [line.text for line in view.state.lines] == [
         "attempt 0: resumed from step 100 (lost 0 steps)"]
-    assert "worker logs  EV/torchelastic" in screen.getvalue()
+    assert "worker logs  EV/torchelastic/L1" in screen.getvalue()
 
 
 def test_without_a_total_the_view_shows_step_and_rate() -> None:
