@@ -27,6 +27,7 @@ from elastictrain.launcher.spawn import LaunchSpec, start_torchrun
 from elastictrain.runlog import events
 from elastictrain.runlog.events_read import read_events
 from elastictrain.runlog.failure import failure_lines
+from elastictrain.runlog.launches import in_launch
 from elastictrain.runlog.run_marker import storage_run_id
 from elastictrain.storage import open_store
 from elastictrain.view.live import LiveView, live_view
@@ -153,7 +154,7 @@ def run_demo(opts: DemoOptions,
                 job.announce = view.note
             exit_code = job.wait()
     return _with_interrupt(summarize(events_dir, store.url, exit_code,
-                                     time.monotonic() - started), job)
+                                     time.monotonic() - started, launch), job)
 
 
 def _with_interrupt(result: DemoResult, job: RunningJob) -> DemoResult:
@@ -208,14 +209,21 @@ def run_multinode_demo(opts: DemoOptions, run_id: str, events_dir: str,
         if view is not None:
             job.announce = view.note
         exit_code = run_nodes(plan, job)
-    result = summarize(events_dir, opts.storage, exit_code, time.monotonic() - started)
+    result = summarize(events_dir, opts.storage, exit_code, time.monotonic() - started,
+                       plan.launch)
     result.membership = membership_timings(plan.membership, events_dir)
     return _with_interrupt(result, job)
 
 
-def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float) -> DemoResult:
+def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float,
+              launch: str | None = None) -> DemoResult:
     """Build the demo's result from rank 0's event files (one per attempt; several
-    nodes each have a directory of them), in time order."""
+    nodes each have a directory of them), in time order: those of launch ``launch``
+    when given (the run's earlier launches on the same storage share the directory;
+    ``status`` and ``goodput`` cover them all)."""
+    def ours(event: dict[str, Any]) -> bool:
+        return launch is None or in_launch(event.get("launch_id"), launch)
+
     files = sorted(Path(events_dir).rglob("attempt*-rank0.jsonl"))
     resumed_from: list[int | None] = []
     world_sizes: list[int] = []
@@ -223,7 +231,8 @@ def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float) -> D
     lost = 0
     finished: dict[str, Any] = {}
     final_snapshot: int | None = None
-    for event in sorted((e for p in files for e in read_events(p)), key=lambda e: e["ts"]):
+    for event in sorted((e for p in files for e in read_events(p) if ours(e)),
+                        key=lambda e: e["ts"]):
         name = event.get("event")
         if name == "resume":
             resumed_from.append(event.get("from_step"))
@@ -238,7 +247,8 @@ def summarize(events_dir: str, storage: str, exit_code: int, wall_s: float) -> D
     error: dict[str, Any] | None = None
     crash_loop: int | None = None
     agent_files = sorted(Path(events_dir).rglob("agent-*.jsonl"))
-    for event in sorted((e for p in agent_files for e in read_events(p)), key=lambda e: e["ts"]):
+    for event in sorted((e for p in agent_files for e in read_events(p) if ours(e)),
+                        key=lambda e: e["ts"]):
         if event.get("event") == "agent.worker_failed" and event.get("first"):
             error = event
         elif event.get("event") == "agent.crash_loop":

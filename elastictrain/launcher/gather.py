@@ -96,8 +96,7 @@ def _move_local(launcher_dir: Path, launch: str, target: Path) -> None:
         elif not destination.exists():
             shutil.move(entry, destination)
     _remove_links_and_pointer(launcher_dir, launch)
-    # torchelastic/, then <id>/, events/ and the default storage root, while empty.
-    remove_empty_dirs(launcher_dir / WORKER_LOGS_DIR, levels=4)
+    _remove_empty(launcher_dir)
 
 
 def _upload(launcher_dir: Path, launch: str, moved: MovedTo, settings: Settings
@@ -123,7 +122,7 @@ def _upload(launcher_dir: Path, launch: str, moved: MovedTo, settings: Settings
         else:
             entry.unlink(missing_ok=True)
     _remove_links_and_pointer(launcher_dir, launch)
-    remove_empty_dirs(launcher_dir / WORKER_LOGS_DIR, levels=4)
+    _remove_empty(launcher_dir)
     return Gathered(f"{store.url.rstrip('/')}/{prefix}", remote=True)
 
 
@@ -134,3 +133,9 @@ def _remove_links_and_pointer(launcher_dir: Path, launch: str) -> None:
     for entry in [*links, launcher_dir / moved_to_name(launch)]:
         with contextlib.suppress(OSError):
             entry.unlink()
+
+
+def _remove_empty(launcher_dir: Path) -> None:
+    """torchelastic/, then <id>/, events/ and the default storage root, while empty."""
+    remove_empty_dirs(launcher_dir / WORKER_LOGS_DIR, levels=1)
+    remove_empty_dirs(launcher_dir, levels=3)

@@ -66,7 +66,7 @@ def test_run_shows_the_live_view_and_ctrl_c_stops_with_a_final_snapshot(
         assert "[rank 0] rank 0: training from step 0" in screen, screen
         assert "rank 1: training from step" not in screen, screen
         assert any("rank 0: training from step 0" in p.read_text()
-                   for p in ev.rglob("torchelastic/*/attempt_0/0/stdout.log"))
+                   for p in ev.rglob("torchelastic/*/*/attempt_0/0/stdout.log"))
         wait_for(lambda: not any(pid_alive(p) for p in pids), 30,
                  f"no process of the job left ({sorted(pids)})")
     finally:
