@@ -47,6 +47,7 @@ from elastictrain.core.log import get_logger
 from elastictrain.demo.job import RunningJob
 from elastictrain.handoff.rescue_marks import launcher_marks_dir, save_requested
 from elastictrain.launcher.spawn import DEFAULT_RDZV_CONF, LaunchSpec, start_torchrun
+from elastictrain.runlog.events import new_launch_id
 from elastictrain.runlog.events_read import read_events
 from elastictrain.runlog.launches import node_launch_id
 from elastictrain.worker import preempt
@@ -261,15 +262,16 @@ def _start(plan: NodesPlan, index: int, port: int, extra_args: list[str]) -> Nod
     events = plan.events_dir / f"node{index}"
     events.mkdir(parents=True, exist_ok=True)
     is_host = 1 if index == 0 else 0
+    # Named per launch: a relaunch on the same storage keeps the earlier launches' logs.
+    launch = node_launch_id(plan.launch or new_launch_id(), index)
     spec = LaunchSpec(nproc_per_node=plan.nproc, module="elastictrain.demo.worker",
                       script_args=[*plan.worker_args, f"--events-dir={events}", *extra_args],
                       nnodes=plan.nnodes, max_restarts=plan.max_restarts,
                       rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=plan.run_id,
                       rdzv_conf=f"{DEFAULT_RDZV_CONF},is_host={is_host}",
-                      log_dir=str(events / "torchelastic"))
-    log_file = open(events / "launcher.log", "w")  # noqa: SIM115 - closed in _stop
-    launch = {LAUNCH_ID_VAR: node_launch_id(plan.launch, index)} if plan.launch else None
-    proc = start_torchrun(spec, stdout=log_file, extra_env=launch)
+                      log_dir=str(events / "torchelastic" / launch))
+    log_file = open(events / f"launcher-{launch}.log", "w")  # noqa: SIM115 - closed in _stop
+    proc = start_torchrun(spec, stdout=log_file, extra_env={LAUNCH_ID_VAR: launch})
     (events / "agent.pid").write_text(str(proc.pid))  # for operators and test cleanup
     return Node(index, proc, events, log_file)
 

@@ -138,13 +138,15 @@ def run_demo(opts: DemoOptions,
     worker_args += elastic_worker_args(opts)
     if parse_nnodes(opts.nnodes)[1] > 1:
         return run_multinode_demo(opts, run_id, events_dir, worker_args)
+    # Named here: the view and the summary show this launch, not the run's earlier ones,
+    # and its logs do not overwrite theirs.
+    launch = events.new_launch_id()
     spec = LaunchSpec(nproc_per_node=opts.nproc, module="elastictrain.demo.worker",
                       script_args=worker_args, max_restarts=len(opts.kill_at) + 2,
-                      rdzv_id=run_id, log_dir=str(Path(events_dir) / "torchelastic"),
+                      rdzv_id=run_id, log_dir=str(Path(events_dir) / "torchelastic" / launch),
                       events_dir=events_dir)
     started = time.monotonic()
-    launch = events.new_launch_id()  # the view shows this launch, not the run's earlier ones
-    with open(Path(events_dir) / "launcher.log", "w") as agent_log:
+    with open(Path(events_dir) / f"launcher-{launch}.log", "w") as agent_log:
         job = RunningJob(events_dir, [start_torchrun(
             spec, stdout=agent_log, extra_env={**_worker_env(opts), LAUNCH_ID_VAR: launch})])
         if on_start is not None:

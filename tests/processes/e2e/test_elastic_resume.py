@@ -29,8 +29,10 @@ def demo(tmp_path: Path, *args: str) -> dict[str, object]:
 
 
 def resume_of(out: dict[str, object]) -> dict[str, object]:
-    """Rank 0's ``resume`` event of a finished demo's last attempt."""
-    return [e for e in events(Path(str(out["events_dir"])), "resume") if e["rank"] == 0][-1]
+    """Rank 0's ``resume`` event of a finished demo's last attempt (the launches of one
+    storage share a run directory: the newest by time)."""
+    resumes = [e for e in events(Path(str(out["events_dir"])), "resume") if e["rank"] == 0]
+    return max(resumes, key=lambda e: e["ts"])
 
 
 @pytest.mark.timeout(600)  # three launches
