@@ -19,7 +19,7 @@ pytestmark = pytest.mark.distributed
 def test_demo_live_view_shows_kill_restart_resume(tmp_path: Path, tmux: Tmux) -> None:
     storage = tmp_path / "s"
     env = f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} TMPDIR={tmp_path}"
-    command = (f"env {env} elastictrain demo --storage {storage} --steps 300 --kill-at 120; "
+    command = (f"env {env} elastictrain demo --storage {storage} --steps 150 --kill-at 120; "
                "echo DEMO-EXIT=$?; sleep 600")  # keeps the pane readable after the exit
     tmux.start(command)
     wait_for(lambda: "━" in tmux.pane() and "step " in tmux.pane(), 120,
@@ -32,7 +32,7 @@ def test_demo_live_view_shows_kill_restart_resume(tmp_path: Path, tmux: Tmux) ->
     wait_for(lambda: "DEMO-EXIT=" in tmux.pane(), 180, "the demo's exit", interval=0.5)
     screen = tmux.pane()
     assert "DEMO-EXIT=0" in screen
-    assert "restart after failure" in screen and "step 300/300" in screen
+    assert "restart after failure" in screen and "step 150/150" in screen
     assert "launcher exited 0 (finished)" in screen
     assert "elastictrain demo: finished" in screen  # the summary under the final view
 
