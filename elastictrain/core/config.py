@@ -196,6 +196,11 @@ class DistConfig(_Model):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     init_timeout_s: float = Field(default=120.0, gt=0)
     collective_timeout_s: float = Field(default=600.0, gt=0)
+    # DDP's gradients summed over the ranks in rank order, whatever DDP's bucket layout
+    # (worker/exact_reduce.py): a resume at any rank count then ends on the uninterrupted
+    # run's weights bit for bit. Registered by the first SnapshotManager on a DDP model
+    # without a comm hook of its own; its cost: docs/scale.md#bit-exact-resume.
+    fixed_order_reduction: bool = False
 
 
 class PreemptConfig(_Model):

@@ -2,9 +2,9 @@
 
 A job's snapshots live in its storage, and every launch on that storage resumes from
 them, so the storage *is* the job: a relaunch after Ctrl-C, a preemption or a requeue
-continues it. The first launch to open the storage records its run id in ``RUN`` (a
-create-only write: of several ranks or nodes, one wins and all read the winner back);
-every later launch adopts that id, so their events share one directory
+continues it. The first launch whose manager accepts the storage records its run id in
+``RUN`` (a create-only write, after the manager's checks: a refused storage gets
+nothing written); every later launch adopts that id, so their events share one directory
 (``events/<run id>/``, launches told apart by ``launch_id``) and ``status`` and
 ``goodput`` read the whole job. A run id the user names (``ELASTICTRAIN_RUN_ID``, or
 ``run_id=`` to the manager) is used as given.
@@ -23,6 +23,7 @@ import uuid
 
 from elastictrain.core.errors import StorageConflictError, StorageError, StorageNotFoundError
 from elastictrain.core.log import get_logger
+from elastictrain.runlog.events import launch_id
 from elastictrain.storage import Store
 
 log = get_logger("elastictrain.runlog")
@@ -42,50 +43,49 @@ def generated_run_id() -> str:
 
 def storage_run_id(store: Store, proposed: str, *, named: bool = False) -> str:
     """The run id of the job in ``store``: the one its marker records, else ``proposed``
-    (recorded now; an unnamed ``proposed`` is replaced by a generated id first).
-
-    With ``named`` (the user chose ``proposed``) it is returned as given, and only
-    recorded when the storage has no marker yet.
-    """
-    if not named and proposed in UNNAMED:
-        proposed = generated_run_id()
-    recorded = _read(store)
-    if recorded is None:
-        recorded = _create(store, proposed)
-    if named or recorded is None:
+    (an unnamed one replaced by one made from this launch's id, the same for every
+    worker of the launch). Reads only: :func:`record_run_id` writes the marker once the
+    manager has accepted the storage. With ``named`` (the user chose ``proposed``) it is
+    returned as given."""
+    if named:
         return proposed
-    return recorded
+    if proposed in UNNAMED:
+        proposed = f"et-{launch_id()}"
+    return _read(store) or proposed
 
 
-def _read(store: Store) -> str | None:
+def record_run_id(store: Store, run_id: str) -> None:
+    """Record ``run_id`` as the storage's run unless one is recorded already (a
+    create-only write: of several ranks or launches, the first wins)."""
+    if _read(store, quiet=True) is not None:
+        return
+    body = json.dumps({"run_id": run_id, "created": time.time()}).encode()
+    try:
+        store.write_bytes(RUN_MARKER, body, if_absent=True)
+    except StorageConflictError:
+        return  # another rank or launch recorded it first
+    except (StorageError, OSError) as exc:
+        log.warning("run.marker_unwritable", error=str(exc)[:300])
+
+
+def _read(store: Store, *, quiet: bool = False) -> str | None:
     try:
         data = json.loads(store.read_bytes(RUN_MARKER))
     except StorageNotFoundError:
         return None
     except (StorageError, OSError) as exc:
-        log.warning("run.marker_unreadable", error=str(exc)[:300])
+        if not quiet:
+            log.warning("run.marker_unreadable", error=str(exc)[:300])
         return None
     except ValueError:
-        log.warning("run.marker_foreign", path=RUN_MARKER,
-                    reason="not JSON; left as it is")
+        if not quiet:
+            log.warning("run.marker_foreign", path=RUN_MARKER,
+                        reason="not JSON; left as it is")
         return None
     run_id = data.get("run_id") if isinstance(data, dict) else None
     if not isinstance(run_id, str) or not _SAFE_ID.fullmatch(run_id):
-        log.warning("run.marker_foreign", path=RUN_MARKER,
-                    reason="no usable run_id; left as it is")
+        if not quiet:
+            log.warning("run.marker_foreign", path=RUN_MARKER,
+                        reason="no usable run_id; left as it is")
         return None
     return run_id
-
-
-def _create(store: Store, proposed: str) -> str | None:
-    """Record ``proposed`` unless another launch or rank recorded one first; the id the
-    marker holds afterwards (None when it cannot be written or read)."""
-    body = json.dumps({"run_id": proposed, "created": time.time()}).encode()
-    try:
-        store.write_bytes(RUN_MARKER, body, if_absent=True)
-        return proposed
-    except StorageConflictError:
-        return _read(store)
-    except (StorageError, OSError) as exc:
-        log.warning("run.marker_unwritable", error=str(exc)[:300])
-        return None

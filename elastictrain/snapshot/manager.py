@@ -50,6 +50,7 @@ from torch import nn
 from elastictrain.core.config import SnapshotConfig, StorageConfig
 from elastictrain.core.errors import RunEndNotAgreed, SnapshotWriteFailed
 from elastictrain.core.log import bind_step, get_logger
+from elastictrain.runlog.run_marker import record_run_id
 from elastictrain.snapshot.copy_fence import CopyFence
 from elastictrain.snapshot.durable.persister import SaveHandle
 from elastictrain.snapshot.durable.resume import MemoryOutcome, ResumeInfo, apply_and_report
@@ -135,6 +136,8 @@ class SnapshotManager:
                                   storage_options=storage_options, overrides=overrides)
         self.config, self.ctx, self.store = setup.config, setup.ctx, setup.store
         self.run_id = setup.run_id
+        if setup.fixed_order_reduction:  # before the first backward pass
+            _reduce_in_fixed_order(model)
         self.sharded = has_dtensor_params(unwrap(model)) if sharded is None else sharded
         durable = SaverSettings.for_durable(self.config)
         self._saver: SnapshotSaver
@@ -153,6 +156,8 @@ class SnapshotManager:
         self.memory_store = self._node_memory.store
         self._train.attempt = self._node_memory.attempt  # in every manifest it writes
         self._memory = self._node_memory.saver
+        # The storage is accepted (the memory tier's checks passed): name its run.
+        record_run_id(self.store, self.run_id)
         self._restart = RestartRequest.from_env()
         self._schedule = SaveSchedule(self.config, self.ctx, setup.events_dir, clock,
                                       self._restart)
@@ -537,3 +542,16 @@ def _end_not_agreed() -> RunEndNotAgreed:
         f"within {runend.AGREEMENT_TIMEOUT_S:.0f} s (run.end_not_agreed says which); the "
         "launcher restarts the workers, which resume from the newest snapshot and finish "
         "the run")
+
+
+def _reduce_in_fixed_order(model: nn.Module) -> None:
+    """``dist.fixed_order_reduction``: DDP's gradient sums in rank order from the first
+    step (worker/exact_reduce.py); said once, and why not when the model keeps its own."""
+    from elastictrain.worker.exact_reduce import use_fixed_order_reduction
+
+    if use_fixed_order_reduction(model):
+        log.info("dist.fixed_order_reduction", registered=True)
+    else:
+        log.warning("dist.fixed_order_reduction", registered=False,
+                    reason="not a DistributedDataParallel model, or it has a comm hook "
+                           "of its own: its gradients are reduced as before")

@@ -29,6 +29,7 @@ class ManagerSetup:
         events_dir: this worker's events directory (its earlier attempts feed the
             automatic interval; the progress file goes beside it), or None.
         preemption: the preemption watcher of this process, if one was installed.
+        fixed_order_reduction: ``dist.fixed_order_reduction`` (worker/exact_reduce.py).
     """
 
     config: SnapshotConfig
@@ -37,6 +38,7 @@ class ManagerSetup:
     run_id: str
     events_dir: str | None
     preemption: preempt.PreemptionWatcher | None
+    fixed_order_reduction: bool = False
 
     @classmethod
     def find(cls, storage: str | StorageConfig | Store, *, config: SnapshotConfig | None,
@@ -69,7 +71,7 @@ class ManagerSetup:
         # Read after events_beside: it may have moved the directory.
         events_dir = rt.events_dir if rt is not None else settings.log.events_dir
         return cls(snapshot_config, found_ctx, store, job_run_id, events_dir,
-                   preempt.current())
+                   preempt.current(), settings.dist.fixed_order_reduction)
 
 
 def _check_local_root(store: Store) -> None:

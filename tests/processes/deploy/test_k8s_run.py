@@ -1,6 +1,7 @@
-"""The container commands of deploy/k8s and deploy/skypilot run as the kubelet runs them:
-PID 1 of their own PID namespace, sent SIGTERM; the entrypoint maps both preempted
-exit codes and passes the rest."""
+"""The container commands of deploy/k8s run as the kubelet runs them: PID 1 of their own
+PID namespace, sent SIGTERM while the user's script trains (the README's example in
+place of /app/train.py, unmodified, with node memory on as the manifests set it); the
+entrypoint maps both preempted exit codes and passes the rest."""
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ from tests.unit.deploy.test_k8s import (
 )
 
 pytestmark = [pytest.mark.deploy]
+HOOK = REPO / "tests" / "processes" / "e2e" / "user_script_hook"
 @pytest.mark.processes
 @pytest.mark.parametrize(("code", "expected"), [(75, 138), (76, 138), (78, 78), (1, 1),
                                                 (0, 0)])
@@ -36,21 +38,22 @@ def test_entrypoint_maps_both_preempted_codes_and_passes_the_rest(code: int,
 
 # -- the container command as PID 1 ----------------------------------------------------------
 def _local_command(container: dict[str, Any], storage: Path) -> list[str]:
-    """The manifest's command with local storage, one node, a free port, few steps."""
+    """The manifest's command here: the README's example as /app/train.py, local storage
+    for its S3 URL, one node, a free port."""
     out = []
     for arg in container["command"]:
         if arg == "/usr/local/bin/elastictrain-entrypoint":
             arg = str(ENTRYPOINT)
-        elif arg.startswith("--storage="):
-            arg = f"--storage={storage}"
-        elif arg.startswith("--steps="):
-            arg = "--steps=100000"
+        elif arg == "/app/train.py":
+            arg = str(REPO / "examples" / "ddp_resumable.py")
+        elif arg.startswith("s3://"):
+            arg = str(storage)
         elif arg.startswith("--nnodes="):
             arg = "--nnodes=1"
         elif arg.startswith("--rdzv-endpoint="):
             arg = f"--rdzv-endpoint=127.0.0.1:{free_port()}"
         out.append(arg)
-    return [*out, "--snapshot-every=10"]
+    return out
 
 
 @pytest.mark.processes
@@ -65,16 +68,22 @@ def test_container_command_as_pid_1_takes_final_snapshot_on_sigterm(
     storage = tmp_path / "run"
     env = {k: v for k, v in _env(container).items() if not k.startswith("ELASTICTRAIN_PREEMPT__")
            or k.endswith("GRACE_PERIOD_S")}
-    env.update(ELASTICTRAIN_STORAGE__URL=str(storage), PYTHONPATH=str(REPO))
+    shm = tmp_path / "shm"  # the pod's /dev/shm volume
+    shm.mkdir(mode=0o1777)
+    # The script's 48 steps would end before the kubelet's SIGTERM: the hook holds every
+    # rank after step 12 until the notice (tests/processes/e2e/user_script_hook).
+    env.update(ELASTICTRAIN_STORAGE__URL=str(storage), ELASTICTRAIN_SHM=str(shm),
+               PYTHONPATH=os.pathsep.join([str(HOOK), str(REPO)]), ET_TEST_PARK_AT="12",
+               ET_TEST_PARK_UNTIL_NOTICE="1", ET_TEST_PARK_DIR=str(tmp_path))
     cmd = ["unshare", "--pid", "--fork", "--mount-proc", *_local_command(container, storage)]
     with (tmp_path / "pod.log").open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env=child_env(tmp_path, **env), start_new_session=True)
     try:
         ev = storage / "events"
-        wait_for(lambda: proc.poll() is not None or (ev.exists() and any(
-            e.get("rank") == 0 and e["step"] >= 10 for e in events(ev, "snapshot.committed"))),
-                 240, "a first snapshot")
+        parked = [tmp_path / f"parked-rank{r}" for r in (0,)]
+        wait_for(lambda: proc.poll() is not None or all(p.exists() for p in parked),
+                 240, "the script held at step 12")
         assert proc.poll() is None, (tmp_path / "pod.log").read_text(errors="replace")[-3000:]
         pid1 = _namespace_init(proc.pid)
         os.kill(pid1, signal.SIGTERM)  # what the kubelet does on pod deletion
@@ -88,6 +97,8 @@ def test_container_command_as_pid_1_takes_final_snapshot_on_sigterm(
     saved = [e for e in events(ev, "preempt.saved") if e["rank"] == 0]
     assert saved and saved[0]["within_grace"] is True
     assert any(e["exit_code"] == 75 for e in events(ev, "agent.finished"))
+    # Node memory was on: the script's steps went to the pod's /dev/shm too.
+    assert [e for e in events(ev, "snapshot.committed") if e.get("tier") == "memory"]
     assert not pid_alive(pid1)
 
 

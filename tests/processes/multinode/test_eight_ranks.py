@@ -11,10 +11,10 @@ zero lost steps and run to the end. The final weights must equal those of a clea
 eight-rank run of the same job (``params.digest``): an off-by-one in a rank range, a
 collective only two ranks agree on or a rank restoring another's state breaks it.
 
-The model has one parameter: DDP lays out its gradient buckets anew after the first
-step of every process, and with more than two ranks the order of a sum changes its
-last bits, so a model of several parameters resumes exactly only to within that
-(docs/scale.md#bit-exact-resume-above-two-ranks).
+The model has a weight and a bias: DDP lays out its gradient buckets anew after the
+first step of every process, and with more than two ranks the order of a sum changes
+its last bits; ``dist.fixed_order_reduction`` sums every gradient in rank order
+whatever the layout (docs/scale.md#bit-exact-resume-above-two-ranks).
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ class Launch:
                    "--max-restarts", "2", "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id",
                    f"eight-{self.port}", str(TRAIN_JOB), str(root), str(STEPS), "--exact",
-                   "--model", "linear-nobias", "--every", str(EVERY), *job_args]
+                   "--model", "linear", "--every", str(EVERY), *job_args]
         env = child_env(tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                         ELASTICTRAIN_STORAGE__URL=str(root),
+                        ELASTICTRAIN_DIST__FIXED_ORDER_REDUCTION="1",
                         PYTHONPATH=os.pathsep.join([str(TRAIN_JOB.parents[1]),
                                                     os.environ.get("PYTHONPATH", "")]))
         for i in range(AGENTS):

@@ -125,7 +125,35 @@ def test_exit_code_policies_grace_storage_and_store_fix() -> None:
         assert pod_spec.get("serviceAccountName") or container.get("envFrom")  # credentials
         assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
         assert container["command"][0] != "/bin/sh" and "args" not in container
-        assert container["image"].split(":")[0].endswith("/elastictrain")
+        assert container["image"].split(":")[0].endswith("/train")  # Dockerfile.train
+
+
+def test_every_recipe_runs_the_users_script_with_node_memory_and_s3() -> None:
+    """The cluster page's promise (docs/cluster.md): the user's script, not the demo,
+    its storage on S3, node memory on, and on Kubernetes a memory-backed /dev/shm large
+    enough for it (a container's default is 64 MiB)."""
+    for pod_spec in (_pytorchjob_pod()["spec"], _jobset_job()["spec"]["template"]["spec"]):
+        container = _container(pod_spec)
+        command = container["command"]
+        assert "/app/train.py" in command and "elastictrain.demo.worker" not in command
+        assert command[command.index("/app/train.py") + 1].startswith("s3://")
+        assert _env(container)["ELASTICTRAIN_SNAPSHOT__MEMORY_EVERY"] == "auto"
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        (volume,) = [v for v in pod_spec["volumes"] if v["name"] == mount["name"]]
+        assert volume["emptyDir"]["medium"] == "Memory"
+        size = volume["emptyDir"]["sizeLimit"]
+        assert size.endswith("Gi") and int(size[:-2]) >= 1
+        secrets = [e["secretRef"]["name"] for e in container.get("envFrom", [])]
+        assert secrets == ["elastictrain-s3"]
+    train = (REPO / "deploy" / "docker" / "Dockerfile.train").read_text()
+    assert "FROM ${BASE_IMAGE}" in train and "COPY ${SCRIPT} /app/train.py" in train
+    assert (REPO / re.search(r"ARG SCRIPT=(\S+)", train).group(1)).exists()  # type: ignore[union-attr]
+    sky = yaml.safe_load((REPO / "deploy" / "skypilot" / "spot-job.yaml").read_text())
+    assert "examples/ddp_resumable.py" in sky["run"] and "demo" not in sky["run"]
+    assert "ELASTICTRAIN_SNAPSHOT__MEMORY_EVERY=auto" in sky["run"]
+    assert sky["envs"]["ELASTICTRAIN_STORAGE__URL"].startswith("s3://")
+    sbatch = (REPO / "deploy" / "slurm" / "train.sbatch").read_text()
+    assert "ELASTICTRAIN_SNAPSHOT__MEMORY_EVERY:-auto" in sbatch
 
 
 def test_dockerfile_builds_the_image_the_recipes_name() -> None:
