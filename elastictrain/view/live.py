@@ -60,7 +60,7 @@ def render(state: RunState, title: str, footer: str | None = None,
         if state.total_steps and state.step < state.total_steps and not state.finished:
             progress.append(f"  ETA {_duration((state.total_steps - state.step) / state.rate)}")
     if state.loss is not None:
-        progress.append(f"  loss {state.loss:.4f}")
+        progress.append(f"  {state.loss_text()}")
     if state.total_steps:
         bar = Table.grid(padding=(0, 2))
         bar.add_row(ProgressBar(total=state.total_steps, completed=min(state.step,

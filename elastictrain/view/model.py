@@ -53,6 +53,7 @@ class RunState:
     step: int = 0
     rank_steps: dict[int, int] = field(default_factory=dict)
     loss: float | None = None
+    loss_step: int | None = None  # the step the loss was reported at (train.progress)
     last_snapshot: dict[str, Any] | None = None
     first_ts: float | None = None
     last_ts: float | None = None
@@ -142,6 +143,7 @@ class RunState:
                 self._sample(ts, self.step)
         if name == "train.progress" and event.get("loss") is not None:
             self.loss = float(event["loss"])
+            self.loss_step = step if isinstance(step, int) else None
         elif name == "snapshot.committed":
             self.last_snapshot = {"step": event.get("snapshot_step"), "ts": ts,
                                   "size_bytes": event.get("size_bytes"),
@@ -172,6 +174,15 @@ class RunState:
             return None
         return max(0.0, (now or time.time()) - float(self.last_snapshot["ts"]))
 
+    def loss_text(self) -> str:
+        """The newest reported loss, with its step when the run has moved on since
+        (progress is reported every ``snapshot.progress_every_s``)."""
+        if self.loss is None:
+            return ""
+        if self.loss_step is None or self.loss_step == self.step:
+            return f"loss {self.loss:.4f}"
+        return f"loss {self.loss:.4f} at step {self.loss_step}"
+
     def failures(self) -> list[Line]:
         return [line for line in self.lines if line.kind == "failure"]
 
@@ -184,7 +195,7 @@ class RunState:
             "world_size": self.world_size, "step": self.step, "total_steps": self.total_steps,
             "rank_steps": {str(r): s for r, s in sorted(self.rank_steps.items())},
             "rate_steps_s": None if self.rate is None else round(self.rate, 3),
-            "loss": self.loss,
+            "loss": self.loss, "loss_step": self.loss_step,
             "last_snapshot": None if self.last_snapshot is None else {
                 **self.last_snapshot, "age_s": None if age is None else round(age, 1)},
             "finished": self.finished, "lost_steps": self.lost_steps,

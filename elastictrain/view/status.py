@@ -152,7 +152,7 @@ def follow(status: RunStatus, *, json_output: bool, timeout_s: float | None,
             if state.step != shown_step:
                 shown_step = state.step
                 rate = "" if state.rate is None else f", {state.rate:.1f} steps/s"
-                loss = "" if state.loss is None else f", loss {state.loss:.4f}"
+                loss = "" if state.loss is None else f", {state.loss_text()}"
                 stream.write(f"step {state.step} (attempt {state.attempt}{rate}{loss})\n")
         stream.flush()
 

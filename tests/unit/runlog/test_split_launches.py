@@ -1,7 +1,6 @@
 """A run that spans launches (a Ctrl-C, then the same command again): the time no launch
 was up is ``between_launches``, not restart time, and the report says how many launches
-the run spans. The status model follows the newest launch, whose attempts count from 0
-again."""
+the run spans (the status model across launches: tests/unit/view/test_model_launches.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from elastictrain.runlog.accounting.split import format_split, split_run
-from elastictrain.view.model import RunState
 from tests.unit.runlog.test_goodput_split import _ev, _write
 
 A, B = "20261129T120000Z-aaaa", "20261129T120100Z-bbbb"
@@ -53,25 +51,3 @@ def test_one_launch_has_no_time_between_launches(tmp_path: Path) -> None:
     split = split_run(d)
     assert split.seconds["between_launches"] == 0.0
     assert "launches" not in format_split(split).splitlines()[0]
-
-
-def test_the_status_follows_the_newest_launch_from_attempt_0() -> None:
-    state = RunState()
-    for event in [
-        {"event": "worker.start", "ts": 1.0, "launch_id": A, "restart_count": 2, "rank": 0,
-         "step": 0},
-        {"event": "train.progress", "ts": 2.0, "launch_id": A, "restart_count": 2,
-         "rank": 0, "step": 30},
-        {"event": "agent.finished", "ts": 3.0, "launch_id": A, "role": "agent",
-         "exit_code": 75, "outcome": "preempted"},
-        {"event": "worker.start", "ts": 10.0, "launch_id": B, "restart_count": 0, "rank": 0,
-         "step": 0},
-        {"event": "resume", "ts": 11.0, "launch_id": B, "restart_count": 0, "rank": 0,
-         "step": 30, "from_step": 30, "lost_steps": 0},
-        {"event": "train.progress", "ts": 12.0, "launch_id": B, "restart_count": 0,
-         "rank": 0, "step": 35},
-    ]:
-        state.apply(event)
-    data = state.to_dict()
-    assert (data["step"], data["attempt"], data["launch"], data["launches"]) == (35, 0, B, 2)
-    assert data["finished"] is None and not state.ended  # the new launch runs
