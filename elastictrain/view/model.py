@@ -71,6 +71,10 @@ class RunState:
     _notice_ts: float | None = None
     _resumed_at: int = 0  # the step the current attempt resumed from
     _failure_shown: tuple[Any, ...] | None = None  # the error whose traceback was shown
+    # Each launch id seen (a node's launcher) -> the job launch it belongs to (1, 2, ...),
+    # and the newest restart count of its workers (an older one's line is a late one).
+    _launch_of: dict[str, int] = field(default_factory=dict)
+    _restarts: dict[object, int] = field(default_factory=dict)
 
     def apply(self, event: dict[str, Any]) -> None:
         """Fold one event into the state (events of a run, in time order)."""
@@ -83,9 +87,16 @@ class RunState:
         launch = event.get("launch_id")
         if isinstance(launch, str):
             launch = job_launch(launch)
-            if self.launch is None or launch > self.launch:
-                self._new_launch(launch)
-            elif launch < self.launch:
+            if launch not in self._launch_of:
+                # Another node's launcher of the same job, or, once the job's launch has
+                # visibly ended (its launcher exited, the run finished or took its final
+                # snapshot), the next launch on the same storage.
+                over = self.ended or self.finished is not None or \
+                    self.final_snapshot is not None
+                if self.launch is None or over:
+                    self._new_launch(launch)
+                self._launch_of[launch] = self.launches
+            if self._launch_of[launch] < self.launches:
                 return  # a late line of an earlier launch: its state is history
         if event.get("role") == "agent":
             self.agent_seen = True
@@ -98,7 +109,9 @@ class RunState:
         elif event.get("role") != "agent" and isinstance(restart_count, int):
             if restart_count > self.attempt:
                 self._new_attempt(restart_count, event.get("world_size"), ts)
-            self._worker_event(name, event, ts)
+            if restart_count >= self._restarts.get(launch, 0):  # not a late line
+                self._restarts[launch] = restart_count
+                self._worker_event(name, event, ts)
         handler = _LINES.get(name)
         if handler is not None:
             line = handler(self, event)
@@ -106,8 +119,8 @@ class RunState:
                 self._add_line(ts, *line)
 
     def _new_launch(self, launch: str) -> None:
-        """A launch after the earlier ones on the same storage (ids sort by start time):
-        attempts count from 0 again; the steps lost across it are counted by its resume."""
+        """A launch of the job after the earlier ones on the same storage: attempts count
+        from 0 again; the steps lost across it are counted by its resume."""
         self.launch, self.launches = launch, self.launches + 1
         self.attempt, self._resumed_at = 0, 0
         self._samples.clear()
@@ -124,8 +137,6 @@ class RunState:
             self.world_size = world_size
 
     def _worker_event(self, name: str, event: dict[str, Any], ts: float) -> None:
-        if event.get("restart_count") != self.attempt:
-            return  # a late line of an older attempt
         rank, step, world = event.get("rank"), event.get("step"), event.get("world_size")
         if isinstance(world, int):
             self.world_size = world
