@@ -550,8 +550,8 @@ def _reduce_in_fixed_order(model: nn.Module) -> None:
     from elastictrain.worker.exact_reduce import use_fixed_order_reduction
 
     if use_fixed_order_reduction(model):
-        log.info("dist.fixed_order_reduction", registered=True)
+        log.info("dist.reduction_order", fixed=True)
     else:
-        log.warning("dist.fixed_order_reduction", registered=False,
+        log.warning("dist.reduction_order", fixed=False,
                     reason="not a DistributedDataParallel model, or it has a comm hook "
                            "of its own: its gradients are reduced as before")

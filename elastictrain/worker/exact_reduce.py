@@ -20,8 +20,8 @@ cost.
 The sum is then divided by the world size, as DDP's own hook averages.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as
+# objects (``bucket: dist.GradBucket``, returning ``torch.futures.Future[torch.Tensor]``).
 from typing import Any
 
 import torch
@@ -35,38 +35,49 @@ def fixed_order_allreduce(group: Any, bucket: dist.GradBucket
                           ) -> torch.futures.Future[torch.Tensor]:
     """A DDP comm hook (``ddp.register_comm_hook(group, fixed_order_allreduce)``): the
     bucket averaged over the ranks, each element summed in rank order. Both collectives
-    run when the bucket is ready (a second collective issued from the first one's
-    completion callback could wait on the thread that runs it)."""
+    run when the bucket is ready: a second collective issued from the first one's
+    completion callback waits forever on gloo (seen here)."""
     flat = bucket.buffer()
     world = dist.get_world_size(group)
-    if world > 1:
-        count = flat.numel()
-        segment = -(-count // world)  # ceil: rank r owns [r * segment, (r + 1) * segment)
-        padded = torch.zeros(segment * world, dtype=flat.dtype, device=flat.device)
-        padded[:count].copy_(flat)
-        received = torch.empty_like(padded)
-        dist.all_to_all_single(received, padded, group=group)
-        pieces = received.view(world, segment)
-        total = pieces[0].clone()
-        for rank in range(1, world):
-            total.add_(pieces[rank])
-        total.div_(world)
-        gathered = torch.empty_like(padded)
-        dist.all_gather_into_tensor(gathered, total, group=group)
-        flat.copy_(gathered[:count])
+    count = flat.numel()
+    segment = -(-count // world)  # ceil: rank r owns [r * segment, (r + 1) * segment)
+    padded = torch.zeros(segment * world, dtype=flat.dtype, device=flat.device)
+    padded[:count].copy_(flat)
+    received = torch.empty_like(padded)
+    dist.all_to_all_single(received, padded, group=group)
+    pieces = received.view(world, segment)
+    total = pieces[0].clone()
+    for rank in range(1, world):
+        total.add_(pieces[rank])
+    total.div_(world)
+    gathered = torch.empty_like(padded)
+    _all_gather(gathered, total, group).wait()
+    flat.copy_(gathered[:count])
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.set_result(flat)
     return done
 
 
+def _all_gather(output: torch.Tensor, piece: torch.Tensor, group: Any) -> Any:
+    """Every rank's ``piece`` into ``output``, asynchronously (``all_gather_single`` where
+    torch has it: its older name warns from torch 2.13 on)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, piece, group=group, async_op=True)
+
+
 def use_fixed_order_reduction(model: torch.nn.Module, group: Any = None) -> bool:
     """Register :func:`fixed_order_allreduce` on a DDP ``model`` that has no comm hook
-    yet; True when the model reduces in fixed order afterwards (registered now or
-    before), False when it is not DDP or carries a hook of its own (left alone)."""
+    yet; True when the model's reduction is exact afterwards (registered now or before,
+    or not needed: two ranks or fewer), False when it is not DDP or carries a hook of
+    its own (left alone)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):
         return False
+    if dist.get_world_size(model.process_group) <= 2:
+        # A sum of two terms does not depend on its order: DDP's own all-reduce is
+        # exact already, and faster.
+        return True
     if getattr(model, MARK, False):
         return True
     try:

@@ -74,6 +74,6 @@ def test_a_kill_at_a_random_step_resumes_bit_exactly(tmp_path: Path, ranks: int)
     resumes = [e for e in events(tmp_path / "faulty" / "events", "resume")
                if e.get("from_step") == park]
     assert sorted(e["rank"] for e in resumes) == list(range(ranks)), why
-    registered = events(tmp_path / "faulty" / "events", "dist.fixed_order_reduction")
-    assert registered and all(e["registered"] for e in registered), why
+    registered = events(tmp_path / "faulty" / "events", "dist.reduction_order")
+    assert registered and all(e["fixed"] for e in registered), why
     assert _digest(tmp_path / "faulty") == _digest(tmp_path / "clean"), why
