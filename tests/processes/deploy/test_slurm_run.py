@@ -7,6 +7,7 @@ is requeued and resumes from the snapshot before; a config error exits 78, not r
 Runs wherever the Slurm and munge binaries are on PATH (about 2 minutes here)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -209,3 +210,21 @@ def test_config_error_exits_78_and_is_not_requeued(tmp_path: Path, slurm: dict[s
     assert "snapshot.keep" in log
 
 
+
+
+@pytest.mark.distributed  # sbatch, srun, elastictrain run
+def test_the_users_script_runs_to_its_end_with_node_memory(tmp_path: Path,
+                                                           slurm: dict[str, str]) -> None:
+    """docs/cluster.md's Slurm line: the README's example (a user's script) with its
+    storage as its argument, node memory on by the recipe's default, to a clean end."""
+    env = _env(tmp_path, slurm)
+    job = _submit(tmp_path, env, str(REPO / "examples" / "ddp_resumable.py"),
+                  str(tmp_path / "run"))
+    try:
+        _wait_job(job, env, "the job's end", 300, JobState="COMPLETED")
+    finally:
+        _cancel(job, env)
+    (finished,) = [e for e in _events(tmp_path, job, "run.finished") if e.get("rank") == 0]
+    assert finished["final_step"] == 48  # 3 epochs of 512 samples, 16 per rank, 2 ranks
+    assert [e for e in _events(tmp_path, job, "snapshot.interval") if e.get("tier") == "memory"]
+    assert json.loads((tmp_path / "run" / "RUN").read_text())["run_id"] == job
