@@ -56,36 +56,31 @@ def storage_run_id(store: Store, proposed: str, *, named: bool = False) -> str:
 
 def record_run_id(store: Store, run_id: str) -> None:
     """Record ``run_id`` as the storage's run unless one is recorded already (a
-    create-only write: of several ranks or launches, the first wins)."""
-    if _read(store, quiet=True) is not None:
-        return
+    create-only write: the first launch wins, and one that is not ours stays)."""
     body = json.dumps({"run_id": run_id, "created": time.time()}).encode()
     try:
         store.write_bytes(RUN_MARKER, body, if_absent=True)
     except StorageConflictError:
-        return  # another rank or launch recorded it first
+        return  # recorded already (this run's, an earlier launch's, or not ours)
     except (StorageError, OSError) as exc:
         log.warning("run.marker_unwritable", error=str(exc)[:300])
 
 
-def _read(store: Store, *, quiet: bool = False) -> str | None:
+def _read(store: Store) -> str | None:
     try:
         data = json.loads(store.read_bytes(RUN_MARKER))
     except StorageNotFoundError:
         return None
     except (StorageError, OSError) as exc:
-        if not quiet:
-            log.warning("run.marker_unreadable", error=str(exc)[:300])
+        log.warning("run.marker_unreadable", error=str(exc)[:300])
         return None
     except ValueError:
-        if not quiet:
-            log.warning("run.marker_foreign", path=RUN_MARKER,
-                        reason="not JSON; left as it is")
+        log.warning("run.marker_foreign", path=RUN_MARKER,
+                    reason="not JSON; left as it is")
         return None
     run_id = data.get("run_id") if isinstance(data, dict) else None
     if not isinstance(run_id, str) or not _SAFE_ID.fullmatch(run_id):
-        if not quiet:
-            log.warning("run.marker_foreign", path=RUN_MARKER,
-                        reason="no usable run_id; left as it is")
+        log.warning("run.marker_foreign", path=RUN_MARKER,
+                    reason="no usable run_id; left as it is")
         return None
     return run_id

@@ -156,8 +156,10 @@ class SnapshotManager:
         self.memory_store = self._node_memory.store
         self._train.attempt = self._node_memory.attempt  # in every manifest it writes
         self._memory = self._node_memory.saver
-        # The storage is accepted (the memory tier's checks passed): name its run.
-        record_run_id(self.store, self.run_id)
+        # The storage is accepted (the memory tier's checks passed): name its run, once
+        # (every rank read the same marker; one write is enough).
+        if self.ctx.rank == 0:
+            record_run_id(self.store, self.run_id)
         self._restart = RestartRequest.from_env()
         self._schedule = SaveSchedule(self.config, self.ctx, setup.events_dir, clock,
                                       self._restart)
