@@ -15,7 +15,7 @@ import json
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from elastictrain.launcher.exitbarrier import (
     exit_barrier,
     job_finished,
     mark_job_finished,
+    record_read_closed,
     rendezvous_participants,
     stay_for_waiting_nodes,
 )
@@ -420,7 +421,13 @@ class ElasticTrainAgent(LocalElasticAgent):
         """The exit code of a launcher that found the job's rendezvous closed (its other
         agents ended and shut it): 0 when one of them recorded that the run finished (a
         replacement started as the job ended has nothing left to do), else 1."""
-        if job_finished(self._worker_group.spec.rdzv_handler):
+        handler = self._worker_group.spec.rdzv_handler
+        finished = job_finished(handler)
+        # Only once read: the launchers staying for this node (the store's host among
+        # them) may go as soon as this is recorded.
+        with suppress(Exception):  # the store's host may be gone already
+            record_read_closed(handler)
+        if finished:
             log.info("agent.job_already_finished")
             return EXIT_OK
         fix = ("check the other nodes' launchers: a job that finished has nothing left to "

@@ -18,7 +18,9 @@ A node that joins as the job ends (the lost node's replacement) waits for a roun
 never forms. The agents that finished record it in the rendezvous store
 (:func:`mark_job_finished`), and each launcher stays while such a node waits
 (:func:`stay_for_waiting_nodes`), so that node reads the closed rendezvous and the
-record and ends with the job's success (:func:`job_finished`).
+record and ends with the job's success (:func:`job_finished`). A node that read them says
+so (:func:`record_read_closed`): its entry in the rendezvous's wait list outlives it
+until its keep-alive expires, and the launchers that stay for it need not wait that out.
 """
 
 from __future__ import annotations
@@ -89,9 +91,26 @@ def rendezvous_participants(rdzv_handler: Any) -> int | None:
 
 def nodes_waiting(rdzv_handler: Any) -> int:
     """Live nodes waiting in the rendezvous for a round that has not formed (a
-    replacement started near the end of the job); 0 when it cannot tell."""
+    replacement started near the end of the job) and that have not yet read that it
+    closed (:func:`record_read_closed`); 0 when it cannot tell."""
     state = _read_state(rdzv_handler)
-    return 0 if state is None else len(state.wait_list) + len(state.redundancy_list)
+    if state is None:
+        return 0
+    store = torch_hooks.handler_store(rdzv_handler)
+    waiting = [*state.wait_list, *state.redundancy_list]
+    if store is None:
+        return len(waiting)
+    return sum(1 for node in waiting
+               if not store.check([_read_closed_key(rdzv_handler, node)]))
+
+
+def record_read_closed(rdzv_handler: Any) -> None:
+    """Record in the rendezvous store that this node read the closed rendezvous and
+    leaves: the launchers staying for it (:func:`stay_for_waiting_nodes`) go at once."""
+    store = torch_hooks.handler_store(rdzv_handler)
+    node = torch_hooks.this_node(rdzv_handler)
+    if store is not None and node is not None:
+        store.set(_read_closed_key(rdzv_handler, node), "1")
 
 
 def stay_for_waiting_nodes(rdzv_handler: Any, timeout_s: float) -> float:
@@ -130,6 +149,12 @@ def job_finished(rdzv_handler: Any) -> bool:
 
 def _finished_key(rdzv_handler: Any) -> str:
     return f"elastictrain.finished.{rdzv_handler.get_run_id()}"
+
+
+def _read_closed_key(rdzv_handler: Any, node: Any) -> str:
+    # A node of torch's rendezvous is (address, pid, local id): unique while it lives.
+    return (f"elastictrain.read_closed.{rdzv_handler.get_run_id()}."
+            f"{node.addr}_{node.pid}_{node.local_id}")
 
 
 def _read_state(rdzv_handler: Any) -> Any:

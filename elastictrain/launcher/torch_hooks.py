@@ -87,6 +87,12 @@ def handler_store(rdzv_handler: Any) -> Any | None:
     return getattr(rdzv_handler, "_store", None)
 
 
+def this_node(rdzv_handler: Any) -> Any | None:
+    """This launcher's node in torch's dynamic rendezvous (``addr``, ``pid``,
+    ``local_id``; None for another handler)."""
+    return getattr(rdzv_handler, "_this_node", None)
+
+
 def remaining_restarts(agent: LocalElasticAgent) -> int:
     return int(agent._remaining_restarts)
 

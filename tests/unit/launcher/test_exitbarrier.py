@@ -64,6 +64,25 @@ def test_the_finished_record_is_per_job(store: TCPStore) -> None:
     assert not job_finished(SimpleNamespace(get_run_id=lambda: "x"))  # no store: cannot tell
 
 
+def test_a_waiting_node_that_read_the_closed_rendezvous_is_not_stayed_for(
+        store: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its wait-list entry outlives it until its keep-alive expires (20 s and more):
+    once it recorded that it read the closure, the launchers staying for it go."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+    newcomer, other = _NodeDesc("10.0.0.9", 41, 0), _NodeDesc("10.0.0.8", 42, 0)
+    state = SimpleNamespace(wait_list={newcomer, other}, redundancy_list=set())
+    monkeypatch.setattr(exitbarrier, "_read_state", lambda _handler: state)
+    host = SimpleNamespace(_store=store, get_run_id=lambda: "job-a")
+    assert exitbarrier.nodes_waiting(host) == 2
+    agent = _agent_of(SimpleNamespace(_store=store, get_run_id=lambda: "job-a",
+                                      _this_node=newcomer))
+    assert agent.joined_closed_rendezvous() == 1  # nobody recorded a finished run here
+    assert exitbarrier.nodes_waiting(host) == 1
+    state.wait_list.discard(other)
+    assert exitbarrier.stay_for_waiting_nodes(host, timeout_s=30) < 5
+
+
 def _agent_of(handler: object) -> ElasticTrainAgent:
     agent = ElasticTrainAgent.__new__(ElasticTrainAgent)  # only what these methods read
     agent._worker_group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=handler))  # type: ignore[assignment]

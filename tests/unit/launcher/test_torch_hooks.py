@@ -56,7 +56,8 @@ def test_the_monitor_loop_asks_the_handler_whether_nodes_wait() -> None:
 
 
 def test_the_private_fields_read_are_still_set() -> None:
-    assert "self._store" in inspect.getsource(DynamicRendezvousHandler.__init__)
+    handler_init = inspect.getsource(DynamicRendezvousHandler.__init__)
+    assert "self._store" in handler_init and "self._this_node" in handler_init
     simple = inspect.getsource(agent_api.SimpleElasticAgent.__init__)
     for name in ("self._remaining_restarts", "self._exit_barrier_timeout",
                  "self._worker_group"):
