@@ -205,6 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", default=tempfile.gettempdir(), help="work directory's parent")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write the report as JSON (to stdout without FILE)")
+    p.add_argument("--table", metavar="JSON", help="print the table of a saved --json report")
     p.add_argument("--make", nargs=4, metavar=("KIND", "ROOT", "SIZE_MB", "WIDTH"),
                    help=argparse.SUPPRESS)
     p.add_argument("--child", nargs=3, metavar=("METHOD", "ROOT", "OUT"), help=argparse.SUPPRESS)
@@ -213,6 +214,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.table:
+        print_table(json.loads(Path(args.table).read_text()))
+        return
     if args.make:
         kind, root, size_mb, width = args.make
         make_snapshot(kind, root, int(size_mb), int(width))

@@ -524,6 +524,16 @@ def table(results: list[dict[str, Any]]) -> str:
                      for row in rows)
 
 
+def saved_tables(saved: dict[str, Any]) -> str:
+    """The table of a saved ``--json`` report; of each report, under its name, for a file
+    that keeps several (``{"runs": {name: report}}``)."""
+    if "results" in saved:
+        compare(saved["results"])
+        return table(saved["results"])
+    return "\n\n".join(f"{name}:\n{saved_tables(report)}"
+                       for name, report in saved["runs"].items())
+
+
 def _spread(row: dict[str, Any]) -> str:
     """`` [min-max]`` of the seeds' own ratios to their best fixed interval, if pooled."""
     ratios = [x for x in row.get("per_seed", {}).get("ratio_to_best_fixed", []) if x]
@@ -560,9 +570,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--table", metavar="FILE", help="print the table of a saved --json report")
     args = p.parse_args(argv)
     if args.table:
-        saved = json.loads(Path(args.table).read_text())
-        compare(saved["results"])
-        print(table(saved["results"]))
+        print(saved_tables(json.loads(Path(args.table).read_text())))
         return
     for name, value in (("--wall-s", args.wall_s), ("--mtbf-s", args.mtbf_s)):
         if value <= 0:

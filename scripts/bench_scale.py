@@ -663,6 +663,41 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def markdown_tables(results: list[dict[str, Any]]) -> tuple[str, str]:
+    """The two tables of docs/scale.md, times and counts, one row per world size."""
+    def ops(save: dict[str, Any], key: str = "ops_total") -> int:
+        return sum(save.get(key, {}).values())
+
+    times = ["| N | kill → first resumed step | agent rendezvous | process group init | "
+             "restore agreement | load | notice → final snapshot committed | step without / "
+             "with `manager.step()` |", "|---|---|---|---|---|---|---|---|"]
+    counts = ["| N | S3 requests: replicated save / restore | sharded save / restore | "
+              "busiest rank, sharded restore | RNG bytes received: writer / any other rank | "
+              "worker events, attempt after a kill | PSS, all ranks |",
+              "|---|---|---|---|---|---|---|"]
+    for r in results:
+        rec, s, step = r["recovery"], r["saves"], r["step"]
+        notice = r["preemption"]["notice_to_committed_s"]
+        times.append(
+            f"| {r['world_size']} | {rec['total_s']:.2f} s | {rec['agent_rendezvous_s']:.2f} s "
+            f"| {rec['process_group_init_s']:.2f} s | {rec['restore_agreement_s']:.3f} s "
+            f"| {rec['load_s']:.3f} s | {'-' if notice is None else f'{notice:.2f} s'} "
+            f"| {step['without_ms']:.1f} / {step['with_ms']:.1f} ms |")
+        sharded_restore = s["restore_sharded_s3"]
+        busiest = max(ops(sharded_restore, "ops_rank0"),
+                      ops(sharded_restore, "ops_other_rank_max"))
+        gathered = s["save_replicated_local"]
+        after_kill = r["events_per_attempt"]["attempt1"]["worker_events"]
+        times_kb = (f"{gathered['gathered_bytes_rank0'] / 1e3:.0f} kB / "
+                    f"{gathered['gathered_bytes_other_max'] / 1e3:.0f}")
+        counts.append(
+            f"| {r['world_size']} | {ops(s['save_replicated_s3'])} / "
+            f"{ops(s['restore_replicated_s3'])} | {ops(s['save_sharded_s3'])} / "
+            f"{ops(sharded_restore)} | {busiest} | {times_kb} | {after_kill} "
+            f"| {r['memory']['pss_mb_total']:,.0f} MB |")
+    return "\n".join(times), "\n".join(counts)
+
+
 def plot(results: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -723,6 +758,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot", metavar="PNG")
     p.add_argument("--keep", action="store_true", help="keep the work directories")
     p.add_argument("--dir", default=None, help="where work directories go")
+    p.add_argument("--table", metavar="JSON",
+                   help="print docs/scale.md's table of times of a saved --json report")
+    p.add_argument("--counts", action="store_true", help="with --table: the table of counts")
     p.add_argument("--moto", type=int, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -731,6 +769,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--blocks", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--block-steps", type=int, default=10, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.table:
+        times, counts = markdown_tables(json.loads(Path(args.table).read_text())["results"])
+        print(counts if args.counts else times)
+        return None
     if args.moto:
         return serve_moto(args.moto)
     if args.worker:

@@ -271,14 +271,40 @@ CHECKS: dict[str, Callable[[Checks], dict[str, Any]]] = {
 }
 
 
-def main() -> int:
+def snapshot_table(snapshot: dict[str, Any]) -> str:
+    """docs/benchmarks.md's table of the snapshot check, from a saved report's figures."""
+    def secs(values: list[float], digits: int) -> str:
+        return ", ".join(f"{v:.{digits}f}" for v in values) + " s"
+
+    rows = [
+        ("first save blocks", secs([snapshot["first_save_blocking_s"]], 3)),
+        ("later saves block", secs(snapshot["later_saves_blocking_s"], 3)),
+        ("durable after (median of 4)", secs([snapshot["durable_after_s_median"]], 2)),
+        (f"synchronous `torch.save` + fsync of the same state "
+         f"({len(snapshot['torch_save_sync_s'])} runs)", secs(snapshot["torch_save_sync_s"], 2)),
+        ("save ÷ synchronous", f"{snapshot['blocking_vs_sync']:.3f}"),
+        ("verified restore into a fresh CUDA model", secs([snapshot["restore_s"]], 2)),
+        ("restored parameters and optimizer state equal, on the GPU",
+         "yes" if snapshot["params_equal"] and snapshot["optimizer_equal"]
+         and snapshot["restored_on_device"] else "no"),
+    ]
+    return "\n".join(["| figure | value |", "|---|---|",
+                      *(f"| {name} | {value} |" for name, value in rows)])
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry", action="store_true", help="CPU and gloo, small (CI)")
     parser.add_argument("--only", nargs="*", choices=sorted(CHECKS), default=None)
     parser.add_argument("--snapshot-mb", type=int, default=1024,
                         help="parameters of the snapshot check's model (state: 3x)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
-    args = parser.parse_args()
+    parser.add_argument("--table", metavar="JSON",
+                        help="print the snapshot check's table of a saved report")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(snapshot_table(json.loads(Path(args.table).read_text())["checks"]["snapshot"]))
+        return 0
     dry = args.dry or not torch.cuda.is_available()
     workdir = Path(tempfile.mkdtemp(prefix="et-gpu-checks-"))
     checks = Checks(dry, workdir, 4 if dry else args.snapshot_mb)
