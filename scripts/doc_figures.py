@@ -51,7 +51,7 @@ class Block:
         return block.rstrip("\n")
 
     def replaced(self, text: str, body: str) -> str:
-        new = f"```\n{body}\n```\n" if self.fenced else f"{body}\n"
+        new = f"```text\n{body}\n```\n" if self.fenced else f"{body}\n"
         return text[:self.start] + new + text[self.end:]
 
 
