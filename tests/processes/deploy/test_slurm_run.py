@@ -2,7 +2,8 @@
 preemption notices by USR1 to the step and to the batch shell (the B:USR1 form), a final
 snapshot, exit 75, a requeue under the same job id, a resume with 0 lost steps, a new
 attempt in the event log with the pending gap; a notice while the store fails exits 76,
-is requeued and resumes from the snapshot before; a config error exits 78, not requeued.
+is requeued and resumes from the snapshot before; a config error exits 78, not requeued;
+the README's example as a user's script to its end, on a local directory and on S3.
 
 Runs wherever the Slurm and munge binaries are on PATH (about 2 minutes here)."""
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tests.helpers import (
     free_port,
     wait_for,
 )
+from tests.s3server import S3Bucket, assert_no_secret
 
 SLURM_BINARIES = ("sbatch", "scontrol", "slurmctld", "slurmd", "munged")
 _MISSING = [b for b in SLURM_BINARIES if shutil.which(b) is None]
@@ -228,3 +230,39 @@ def test_the_users_script_runs_to_its_end_with_node_memory(tmp_path: Path,
     assert finished["final_step"] == 48  # 3 epochs of 512 samples, 16 per rank, 2 ranks
     assert [e for e in _events(tmp_path, job, "snapshot.interval") if e.get("tier") == "memory"]
     assert json.loads((tmp_path / "run" / "RUN").read_text())["run_id"] == job
+
+
+@pytest.mark.s3
+@pytest.mark.distributed
+def test_the_users_script_runs_to_its_end_on_s3_with_node_memory(
+        tmp_path: Path, slurm: dict[str, str], s3: S3Bucket) -> None:
+    """The same on S3 (moto on 127.0.0.1; the credentials through the environment, as
+    the Kubernetes recipe's Secret gives them): snapshots, the run's marker and every
+    event file end in the bucket, node memory on, and the credentials in no file."""
+    env = _env(tmp_path, slurm, **s3.env, AWS_ENDPOINT_URL=s3.server.endpoint)
+    url = s3.url("run")
+    env["ELASTICTRAIN_STORAGE__URL"] = url
+    job = _submit(tmp_path, env, str(REPO / "examples" / "ddp_resumable.py"), url)
+    try:
+        _wait_job(job, env, "the job's end", 300, JobState="COMPLETED")
+    finally:
+        _cancel(job, env)
+    keys = s3.keys("run/")
+    assert "run/RUN" in keys, keys
+    client = s3.server.client()
+    marker = client.get_object(Bucket=s3.name, Key="run/RUN")["Body"].read()
+    assert json.loads(marker)["run_id"] == job
+    assert any(k.endswith("/MANIFEST.json") for k in keys), keys
+    uploaded = [k for k in keys if k.startswith(f"run/events/{job}/") and k.endswith(".jsonl")]
+    assert any("agent-" in k for k in uploaded) and any("rank0" in k for k in uploaded), keys
+    finished = [json.loads(line) for k in uploaded if "rank0" in k
+                for line in client.get_object(Bucket=s3.name, Key=k)["Body"].read().splitlines()
+                if b'"run.finished"' in line]
+    assert [e["final_step"] for e in finished] == [48]
+    intervals = [k for k in uploaded if "rank" in k
+                 for line in client.get_object(Bucket=s3.name, Key=k)["Body"].read().splitlines()
+                 if b'"snapshot.interval"' in line and b'"memory"' in line]
+    assert intervals, "node memory was not on"
+    logs = [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file()
+            and p.suffix in (".log", ".jsonl", ".json")]
+    assert_no_secret(*logs, where="the job's files")
