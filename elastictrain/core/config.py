@@ -149,6 +149,13 @@ class SnapshotConfig(_Model):
     # model that is not sharded); true: the same, and an error where it cannot apply
     # (docs/performance.md#copy-behind).
     overlap_copy: bool | Literal["auto"] = "auto"
+    # After every restore the first check_steps steps are watched: a non-finite loss or
+    # parameter, or a loss above check_loss_factor times the one recorded with the
+    # snapshot, sets the snapshot aside and restarts from the one before, at most
+    # check_max_fallbacks times in a row (docs/restore.md#checked-for-sense). 0: off.
+    check_steps: int = Field(default=20, ge=0)
+    check_loss_factor: float = Field(default=4.0, gt=1)
+    check_max_fallbacks: int = Field(default=2, ge=0)
 
     @field_validator("every_steps", "every_seconds", mode="before")
     @classmethod

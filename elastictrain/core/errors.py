@@ -103,6 +103,19 @@ class ReplicasDiverged(ElasticTrainError):
     exit_code = EXIT_FATAL
 
 
+class SnapshotSuspect(ElasticTrainError):
+    """The first steps after a restore made no sense (a non-finite loss or parameter, or
+    a loss far above the one recorded with the snapshot): the snapshot was set aside and
+    the next attempt restores the one before it (exit 1: torchrun restarts)."""
+
+
+class SuspectLimit(ElasticTrainError):
+    """Restores kept making no sense: ``snapshot.check_max_fallbacks`` snapshots in a row
+    were set aside; a restart cannot fix it (exit 78)."""
+
+    exit_code = EXIT_FATAL
+
+
 class RunEndNotAgreed(ElasticTrainError):
     """At ``SnapshotManager.close()`` a peer rank failed, or did not reach its own
     ``close()`` in time: the run has not ended. A failure, so that the launcher restarts

@@ -5,6 +5,7 @@
     <root>/snapshots/step_000000001200/MANIFEST.json  written last: the commit marker
     <root>/snapshots/.partial-step_…-<id>/            local staging dir, renamed on commit
     <root>/events/                                    per-attempt JSON-lines event logs
+    <root>/suspect/step_…-<id>/                       set-aside snapshots (durable/suspects.py)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import re
 
 SNAPSHOTS = "snapshots"
+SUSPECT = "suspect"
 MANIFEST = "MANIFEST.json"
 PAYLOAD = "state.pt"
 PARTIAL_PREFIX = ".partial-"

@@ -39,6 +39,7 @@ rescue (rescuer.py), and the final save on a preemption notice (preempt_exit.py)
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -56,6 +57,7 @@ from elastictrain.snapshot.durable.persister import SaveHandle
 from elastictrain.snapshot.durable.resume import MemoryOutcome, ResumeInfo, apply_and_report
 from elastictrain.snapshot.durable.saver import Saver
 from elastictrain.snapshot.durable.saver_interface import LoadRequest, SaverSettings, SnapshotSaver
+from elastictrain.snapshot.fallback import fall_back
 from elastictrain.snapshot.format.digest import param_digest
 from elastictrain.snapshot.manager_setup import ManagerSetup
 from elastictrain.snapshot.node_memory import NodeMemory
@@ -68,6 +70,7 @@ from elastictrain.snapshot.sharded.detect import has_dtensor_params
 from elastictrain.snapshot.state import replica_check
 from elastictrain.snapshot.state.rank_state import RankState
 from elastictrain.snapshot.state.rng import capture_rng
+from elastictrain.snapshot.state.sense_check import RestoreWatch, Senseless, loss_value
 from elastictrain.snapshot.state.training_state import TrainingState, unwrap
 from elastictrain.storage import Store
 from elastictrain.worker import preempt, runend, session, watchdog
@@ -172,6 +175,9 @@ class SnapshotManager:
                                 schedule=self._schedule)
         self._last_handle: SaveHandle | None = None
         self._report = ProgressReport(self.config.progress_every_s, clock)
+        self._watch = RestoreWatch(self.ctx, self.config.check_steps,
+                                   self.config.check_loss_factor)
+        self._loss: Any = None  # the loss step() was last given (read only when saved)
         if progress_dir is None or progress_dir is True:
             progress_dir = setup.events_dir  # beside this worker's events (local, per rank)
         self._progress = ProgressFile(progress_dir, self.ctx.rank) if progress_dir else None
@@ -269,6 +275,11 @@ class SnapshotManager:
         previous_high = None if highest < 0 else highest
         info = apply_and_report(loaded, self._train, self.ctx, previous_high, outcome,
                                 self.config.restore_mode, started)
+        if loaded is not None:  # are the restored bytes sensible, too? (every rank)
+            seen = self._watch.restored(loaded.step, loaded.tier, loaded.payload.get("loss"),
+                                        self._train.held_tensors())
+            if seen is not None:
+                self._fall_back(seen)
         if loaded is not None and loaded.tier != "memory":
             self._durable_step = self.step_count
         if loaded is not None:
@@ -314,6 +325,11 @@ class SnapshotManager:
             self._progress.write(self.step_count)
         watchdog.beat(self.step_count)
         self._report.step(loss)
+        self._loss = loss
+        if self._watch.active:  # the first steps after a restore: before any save of them
+            seen = self._watch.observe(self.step_count, loss, self._train.held_tensors)
+            if seen is not None:
+                self._fall_back(seen)
         decision = self._schedule.decide(self.step_count, self._failed_step, self._preempt)
         if not self._stepped:  # once more: an optimizer's state appears at its first step
             self._stepped = True
@@ -338,6 +354,11 @@ class SnapshotManager:
         if decision.memory:
             self._save_memory()
         return None
+
+    def _fall_back(self, seen: Senseless) -> NoReturn:
+        fall_back(seen, store=self.store, ctx=self.ctx, node_memory=self._node_memory,
+                  finish_saves=self.wait, run_id=self.run_id,
+                  max_fallbacks=self.config.check_max_fallbacks)
 
     def _persists_here(self) -> bool:
         return self.ctx.is_writer or self.sharded  # sharded: every rank persists
@@ -381,6 +402,7 @@ class SnapshotManager:
                 self._raise_failed(failed_step)
             if not self._persists_here():
                 return SaveHandle.completed(self.step_count)
+            self._train.loss = _finite(self._loss)
             self._last_handle = self._saver.save(
                 self._train.payload(rng or [], at_close=at_close),
                 dataclasses.replace(self._train.meta(), replaces=replaces), started,
@@ -407,6 +429,7 @@ class SnapshotManager:
             self._node_memory.taken_step = self.step_count
             if self._memory is None:
                 return
+            self._train.loss = _finite(self._loss)
             self._node_memory.save(self._train.payload(rng), self._train.meta(), started,
                                    defer=self._fence.deferred())
         self._schedule.memory_saved(time.perf_counter() - started)
@@ -536,6 +559,12 @@ class SnapshotManager:
         self._rescuer.disarm()
         self._node_memory.close()
         self._rescuer.close()
+
+
+def _finite(loss: Any) -> float | None:
+    """The loss to record with a snapshot: a finite number, else none."""
+    value = loss_value(loss)
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _end_not_agreed() -> RunEndNotAgreed:

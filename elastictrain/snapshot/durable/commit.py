@@ -235,6 +235,7 @@ def build_manifest(meta: SnapshotMeta, objects: list[ObjectEntry],
         dataset_len=meta.dataset_len,
         global_batch_size=meta.global_batch_size,
         attempt=meta.attempt,
+        loss=meta.loss,
     ))
 
 

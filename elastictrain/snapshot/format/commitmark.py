@@ -13,12 +13,17 @@ marker is always written after every object it names. Two ways to write it:
   written into a private ``.partial-…`` directory, which is then renamed to ``step_N``;
   a crash leaves only a partial directory, which discovery ignores.
 
+A committed snapshot set aside (durable/suspects.py) leaves ``snapshots/`` through
+:func:`move_committed`: in one rename, or copied with the marker last and deleted with the
+marker first, so that no half-moved directory is ever a committed snapshot.
+
 Whether a committed snapshot also *verifies* (its checksums, its signature) is for
 ``reader.verify_snapshot``; this module only knows the marker.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 
 from elastictrain.core import layout
@@ -88,3 +93,22 @@ def commit_by_rename(store: Store, partial: str, step: int, manifest_json: bytes
         store.delete(final, recursive=True)
     store.rename(partial, final)
     return True
+
+
+def move_committed(store: Store, step: int, target: str) -> None:
+    """Move the committed snapshot of ``step`` to ``target`` (outside ``snapshots/``)."""
+    source = layout.step_dir(step)
+    if store.supports_rename:
+        store.rename(source, target)
+        return
+    marker = marker_path(source)
+    names = sorted(store.list_dir(source), key=lambda name: name == layout.MANIFEST)
+    for name in names:  # the marker last: a copy that stops half-way holds none
+        with store.open_read(f"{source}/{name}") as src, \
+                store.open_write(f"{target}/{name}") as dst:
+            shutil.copyfileobj(src, dst, _COPY_CHUNK)
+    store.delete(marker)  # no longer a committed snapshot, before any object goes
+    store.delete(source, recursive=True)
+
+
+_COPY_CHUNK = 16 << 20

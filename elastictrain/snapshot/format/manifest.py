@@ -59,6 +59,8 @@ class Manifest(BaseModel):
     # The job's attempt that took it (snapshot/state/attempt.py): it orders memory snapshots
     # of one step taken by different attempts. Absent from older manifests.
     attempt: int | None = Field(default=None, ge=0)
+    # The loop's loss at this step (the writer's rank; snapshot/state/sense_check.py).
+    loss: float | None = None
     signature: str | None = None  # HMAC over canonical_json() when a key is set (signing.py)
 
     @property
@@ -81,7 +83,7 @@ class Manifest(BaseModel):
     def _absent(self, exclude: set[str]) -> set[str]:
         """``exclude`` and the optional fields this manifest leaves out: a manifest
         written before a field existed reads, hashes and verifies as it did."""
-        return exclude | ({"attempt"} if self.attempt is None else set())
+        return exclude | {name for name in ("attempt", "loss") if getattr(self, name) is None}
 
     def to_json(self) -> bytes:
         data = self.model_dump(exclude=self._absent(set()))
@@ -119,6 +121,7 @@ class SnapshotMeta:
     dataset_len: int | None = None
     global_batch_size: int | None = None
     attempt: int | None = None  # the job's attempt that takes it (snapshot/state/attempt.py)
+    loss: float | None = None  # the loop's loss at this step, if it gave one
     # A second save() of a step this process saved already (the user changed state at
     # that step, e.g. ``epoch += 1``): its copy replaces the committed one instead of
     # being dropped as existing. Not recorded in the manifest.

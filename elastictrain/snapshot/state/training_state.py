@@ -52,6 +52,9 @@ class TrainingState:
         self.sampler = sampler
         self.step = 0
         self.attempt: int | None = None  # the job's attempt (snapshot/state/attempt.py), if agreed
+        # The loop's loss at the step saved (this rank's; None: the loop gives none):
+        # what a restore's first steps are compared with (sense_check.py).
+        self.loss: float | None = None
         self.extras: dict[str, Any] = {}
         self._epoch = 0
         self._ctx = ctx
@@ -95,6 +98,8 @@ class TrainingState:
             "extras": dict(self.extras),
             "at_close": at_close,
         }
+        if self.loss is not None:  # absent otherwise: such a payload is as it always was
+            common["loss"] = self.loss
         held = saved_names(rng)
         if held is not None:  # absent otherwise: such a payload is as it always was
             common["rank_state"] = held
@@ -118,6 +123,7 @@ class TrainingState:
             global_batch_size=(self.sampler.global_batch if self.sampler is not None
                                else None),
             attempt=self.attempt,
+            loss=self.loss,
         )
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
