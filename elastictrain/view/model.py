@@ -67,6 +67,8 @@ class RunState:
     lines: deque[Line] = field(default_factory=deque)
     # What of the node-memory tier is off now (a full /dev/shm): what -> the error.
     memory_degraded: dict[str, str] = field(default_factory=dict)
+    # Restored snapshots that made no sense and were set aside: step -> why.
+    suspects: dict[int, str] = field(default_factory=dict)
     _samples: deque[tuple[float, int]] = field(default_factory=deque)
     _notice_ts: float | None = None
     _resumed_at: int = 0  # the step the current attempt resumed from
@@ -212,6 +214,7 @@ class RunState:
             "finished": self.finished, "lost_steps": self.lost_steps,
             "final_snapshot": self.final_snapshot,
             "memory_degraded": dict(self.memory_degraded),
+            "suspects": {str(step): why for step, why in sorted(self.suspects.items())},
             "first_ts": self.first_ts, "last_ts": self.last_ts,
             "events": self.events,
             "failures": [line.to_dict() for line in self.failures()],
@@ -323,6 +326,16 @@ def _snapshot_corrupt(state: RunState, e: dict[str, Any]) -> _Out:
     return "failure", f"snapshot {e.get('snapshot_step')} corrupt: {e.get('action')}"
 
 
+def _snapshot_suspect(state: RunState, e: dict[str, Any]) -> _Out:
+    step = e.get("snapshot_step")
+    if isinstance(step, int):
+        state.suspects[step] = str(e.get("reason"))
+    then = (f"restarting from step {e.get('restore_next')}" if e.get("action") != "stopped"
+            else "stopped (exit 78)")
+    return "failure", (f"snapshot {step} ({e.get('tier')}) suspect after its restore, at "
+                       f"step {e.get('at_step')}: {e.get('reason')}; set aside, {then}")
+
+
 def _memory_degraded(state: RunState, e: dict[str, Any]) -> _Out:
     what = str(e.get("what"))
     if what in state.memory_degraded:
@@ -377,6 +390,7 @@ _LINES = {
     "agent.signal_forwarded": _signal_forwarded,
     "preempt.saved": _preempt_saved, "watchdog.fired": _watchdog,
     "snapshot.failed": _snapshot_failed, "snapshot.corrupt": _snapshot_corrupt,
+    "snapshot.suspect": _snapshot_suspect,
     "run.finished": _run_finished, "agent.preempted": _agent_end,
     "agent.fatal": _agent_end, "agent.finished": _agent_end,
     "agent.crash_loop": _crash_loop,

@@ -4,7 +4,8 @@ export; and ``snapshots list --memory``: what this user holds in this node's mem
 A snapshot directory is in one of three states, named the same by every command:
 ``committed`` (its manifest is there; ``verify`` then says ``ok`` or ``corrupt``),
 ``partial`` (no manifest: the write never committed, and restore skips it) or
-``corrupt`` (a manifest that does not parse or names another step).
+``corrupt`` (a manifest that does not parse or names another step). ``list`` also shows
+the ``suspect`` ones: restored, they made no sense, and they were set aside.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from elastictrain.core import layout
 from elastictrain.core.errors import ConfigError, SnapshotCorrupt, StorageNotFoundError
 from elastictrain.core.shm import user_root
 from elastictrain.snapshot.durable import retention
+from elastictrain.snapshot.durable.suspects import suspects
 from elastictrain.snapshot.format.manifest import SHARDED_FORMAT_VERSION, Manifest
 from elastictrain.snapshot.format.reader import list_snapshot_dirs, read_manifest, verify_snapshot
 from elastictrain.snapshot.format.sharded_reader import parts_by_rank
@@ -62,6 +64,8 @@ LISTED_COMMITTED = "unverified"
 
 
 def list_snapshots(store: Store) -> list[dict[str, Any]]:
+    """Every snapshot, newest first, the suspect ones set aside under ``suspect/`` among
+    them (kept, never restored: docs/restore.md#checked-for-sense)."""
     rows: list[dict[str, Any]] = []
     for d in _snapshot_dirs(store):
         if d.manifest is None:
@@ -70,8 +74,12 @@ def list_snapshots(store: Store) -> list[dict[str, Any]]:
         m = d.manifest
         rows.append({"step": d.step, "status": LISTED_COMMITTED, "epoch": m.epoch,
                      "world_size": m.world_size, "size_bytes": m.total_bytes,
-                     "created_at": m.created_at})
-    return rows
+                     "loss": m.loss, "created_at": m.created_at})
+    for r in suspects(store):
+        rows.append({"step": r.step, "status": "suspect", "reason": r.reason,
+                     "at_step": r.at_step, "set_aside_at": r.time,
+                     "path": r.moved_to or "-"})
+    return sorted(rows, key=lambda row: row["step"], reverse=True)
 
 
 def verify_snapshots(store: Store, step: int | None = None) -> list[dict[str, Any]]:

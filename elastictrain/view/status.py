@@ -109,6 +109,8 @@ def format_text(status: RunStatus) -> str:
              f"{snap.get('created_at')}" if snap else "  newest snapshot: none",
              *(f"  node memory tier off ({what}): {error}"
                for what, error in (data.get("memory_degraded") or {}).items()),
+             *(f"  suspect snapshot, set aside: step {step}: {why}"
+               for step, why in (data.get("suspects") or {}).items()),
              *(f"  {time.strftime('%H:%M:%S', time.localtime(line['ts']))} {line['text']}"
                for line in (data.get("lines") or [])[-20:])]
     return "\n".join(lines)

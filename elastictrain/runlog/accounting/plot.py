@@ -12,12 +12,12 @@ from elastictrain.runlog.accounting.split import CAUSES, Split
 COLORS = {"productive": "#2e7d32", "lost_work": "#e53935", "snapshot_blocking": "#1e88e5",
           "restore": "#8e24aa", "restart": "#9e9e9e", "between_launches": "#e0e0e0",
           "preempt_drain": "#fb8c00",
-          "hang": "#6d4c41"}
+          "hang": "#6d4c41", "suspect": "#ad1457"}
 LABELS = {"productive": "productive", "lost_work": "lost work",
           "snapshot_blocking": "snapshot blocking", "restore": "restore",
           "restart": "restart / start-up", "between_launches": "between launches",
           "preempt_drain": "preemption drain",
-          "hang": "hang (watchdog)"}
+          "hang": "hang (watchdog)", "suspect": "suspect restore"}
 _TIER_MARKERS = {"durable": "v", "memory": "^"}
 
 

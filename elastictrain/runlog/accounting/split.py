@@ -15,7 +15,9 @@ last lands in exactly one cause:
   lost job, until the next launch on the same storage started: a requeue waiting to
   be scheduled, a user relaunching by hand);
 * ``preempt_drain``: from a preemption notice to the final snapshot (``preempt.saved``);
-* ``hang``: no progress until the watchdog fired (``watchdog.fired``).
+* ``hang``: no progress until the watchdog fired (``watchdog.fired``);
+* ``suspect``: training on a restored snapshot that turned out to make no sense
+  (``snapshot.suspect``): the whole training window of that attempt, thrown away with it.
 
 An attempt's training window runs from its ``resume`` to its end: its last event,
 or later when the next attempt's ``resume`` reports steps trained after it (a
@@ -33,7 +35,7 @@ from typing import Any
 from elastictrain.runlog.accounting.attempts import Event, read_agent_events, read_attempts
 
 CAUSES = ("productive", "lost_work", "snapshot_blocking", "restore", "restart",
-          "between_launches", "preempt_drain", "hang")
+          "between_launches", "preempt_drain", "hang", "suspect")
 DEFAULT_TIER = "durable"  # snapshots name no tier yet: there is one
 
 
@@ -166,8 +168,10 @@ def _attempt(index: int, events: list[Event], later: list[list[Event]],
     last = max(stepped, key=lambda e: (e["step"], e["ts"]))
     high = int(last["step"])
     # The first later attempt that got to train says what survived: one killed in
-    # start-up (before its resume) restored nothing and lost nothing of its own.
-    next_resume = next((r for r in map(_resume, later) if r is not None), None)
+    # start-up (before its resume) restored nothing and lost nothing of its own; one
+    # that found its restore suspect kept nothing (the next one fell back further).
+    next_resume = next((r for r in map(_resume, later)
+                        if r is not None and not _suspect(_later_of(r, later))), None)
     if next_resume is not None and next_resume.get("lost_steps") is not None:
         high = max(high, int(next_resume.get("from_step") or 0)
                    + int(next_resume["lost_steps"]))
@@ -181,8 +185,21 @@ def _attempt(index: int, events: list[Event], later: list[list[Event]],
     spans = _startup_spans(events, start, resume["ts"])
     kept_at = next((float(e["ts"]) for e in events if e.get("event") == "snapshot.staged"
                     and e.get("snapshot_step") == kept), None)
-    spans += _window_spans(events, resume["ts"], end, high - from_step, lost, kept_at)
+    window = _window_spans(events, resume["ts"], end, high - from_step, lost, kept_at)
+    if _suspect(events):  # its work stood on a state that made no sense: all of it goes
+        window = [Span("suspect", w.start, w.end) if w.cause in ("productive", "lost_work")
+                  else w for w in window]
+    spans += window
     return Attempt(index, start, end, from_step or None, high, lost, ended_by, spans, commits)
+
+
+def _suspect(events: list[Event]) -> bool:
+    return any(e.get("event") == "snapshot.suspect" for e in events)
+
+
+def _later_of(resume: Event, later: list[list[Event]]) -> list[Event]:
+    """The events of the attempt among ``later`` that ``resume`` belongs to."""
+    return next(events for events in later if resume in events)
 
 
 def _kept_step(events: list[Event], next_resume: Event | None, ended_by: str,
@@ -266,7 +283,8 @@ def _ended_by(events: list[Event], agent: list[Event], start: float,
     """Why the attempt ended, from its own last words or, for a silent death, the
     launcher's report of the failed worker."""
     names = {e.get("event") for e in events}
-    for name, cause in (("run.finished", "finished"), ("preempt.saved", "preempted"),
+    for name, cause in (("snapshot.suspect", "suspect snapshot"),
+                        ("run.finished", "finished"), ("preempt.saved", "preempted"),
                         ("preempt.failed", "preempted, final snapshot failed"),
                         ("watchdog.fired", "hang (watchdog)"), ("demo.kill", "SIGKILL (demo)")):
         if name in names:
@@ -335,7 +353,8 @@ def format_split(split: Split) -> str:
     names = {"productive": "productive", "lost_work": "lost work",
              "snapshot_blocking": "snapshot blocking", "restore": "restore",
              "restart": "restarts / start-up", "between_launches": "between launches",
-             "preempt_drain": "preemption drain", "hang": "hang (watchdog)"}
+             "preempt_drain": "preemption drain", "hang": "hang (watchdog)",
+             "suspect": "suspect restore"}
     lost = sum(a.lost_steps for a in split.attempts)
     launches = len({a.launch for a in split.attempts})
     spans = f"{launches} launches, " if launches > 1 else ""

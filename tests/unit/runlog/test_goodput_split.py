@@ -57,6 +57,43 @@ def write_synthetic_run(tmp_path: Path) -> Path:
     return d
 
 
+def test_training_on_a_suspect_restore_is_its_own_cause_and_the_fallback_loses_work(
+        tmp_path: Path) -> None:
+    """Attempt 0 trains 0-24 (0.25 s a step, snapshots 10 and 20) and is killed; attempt
+    1 restores 20, trains 4 steps and finds the restore suspect; attempt 2 falls back to
+    10 and finishes at 30: attempt 0's steps after 10 are lost work, attempt 1's window
+    is ``suspect``."""
+    d = tmp_path / "events"
+    d.mkdir()
+    _write(d / "agent-host-1.jsonl", _ev("agent.start", 0.0, None),
+           _ev("agent.worker_failed", 8.2, None, signal="SIGKILL", exit_code=-9),
+           _ev("agent.worker_failed", 11.5, None, exit_code=1),
+           _ev("agent.finished", 18.5, None))
+    _write(d / "attempt000-rank0.jsonl", _ev("worker.start", 1.0),
+           _ev("resume", 2.0, from_step=None, lost_steps=0),
+           _ev("snapshot.staged", 4.5, 10, snapshot_step=10, duration_s=0.0),
+           _ev("snapshot.committed", 4.5, 10, snapshot_step=10),
+           _ev("snapshot.staged", 7.0, 20, snapshot_step=20, duration_s=0.0),
+           _ev("snapshot.committed", 7.0, 20, snapshot_step=20))
+    _write(d / "attempt001-rank0.jsonl", _ev("worker.start", 9.0),
+           _ev("snapshot.loaded", 10.0, 20, duration_s=0.5),
+           _ev("resume", 10.0, 20, from_step=20, lost_steps=4),
+           _ev("snapshot.suspect", 11.0, 24, snapshot_step=20))
+    _write(d / "attempt002-rank0.jsonl", _ev("worker.start", 12.0),
+           _ev("snapshot.loaded", 13.0, 10, duration_s=0.5),
+           _ev("resume", 13.0, 10, from_step=10, lost_steps=14),
+           _ev("run.finished", 18.0, 30))
+    split = split_run(d)
+    assert split.seconds == pytest.approx({
+        "productive": 2.5 + 5.0, "lost_work": 3.5, "suspect": 1.0, "restore": 1.0,
+        "restart": 2.0 + 1.0 + 0.5 + 1.0 + 0.5 + 0.5, "snapshot_blocking": 0.0,
+        "preempt_drain": 0.0, "hang": 0.0, "between_launches": 0.0})
+    got = [(a.from_step, a.to_step, a.lost_steps, a.ended_by) for a in split.attempts]
+    assert got == [(None, 24, 14, "SIGKILL"), (20, 24, 4, "suspect snapshot"),
+                   (10, 30, 0, "finished")]
+    assert "suspect restore" in format_split(split)
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return write_synthetic_run(tmp_path)
@@ -68,7 +105,8 @@ def test_every_second_lands_in_one_cause(run_dir: Path) -> None:
     expected = {"productive": 2.0 + 2.5 + 0.0 + 3.0, "lost_work": 1.0 + 5.0,
                 "snapshot_blocking": 0.5 + 1.5, "restore": 1.0, "preempt_drain": 1.0,
                 "hang": 4.0, "restart": 3.0 + 2.5 + 0.5 + 5.5 + 3.0 + 1.0,
-                "between_launches": 0.0}  # events of no launch id: one launch
+                "between_launches": 0.0,  # events of no launch id: one launch
+                "suspect": 0.0}
     assert split.seconds == pytest.approx(expected)
     assert sum(split.seconds.values()) == pytest.approx(split.wall_s)
     assert split.blocking_by_tier == pytest.approx({"durable": 2.0})

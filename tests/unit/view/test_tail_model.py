@@ -158,3 +158,16 @@ def test_progress_event_is_time_throttled_and_carries_the_loss(tmp_path: Path) -
     assert not [e for e in logs if e["event"] == "train.progress"]
     snap.close()
     quiet.close()
+
+
+def test_a_suspect_restore_is_a_line_and_in_the_state() -> None:
+    state = RunState()
+    state.apply({"event": "snapshot.suspect", "ts": 5.0, "rank": 0, "restart_count": 1,
+                 "snapshot_step": 20, "tier": "durable", "at_step": 24, "restore_next": 10,
+                 "reason": "the loss is not finite (NaN or infinite) after the restore",
+                 "action": "set aside; restarting from the snapshot before"})
+    assert state.suspects == {20: "the loss is not finite (NaN or infinite) after the restore"}
+    [shown] = state.failures()
+    assert shown.text.startswith("snapshot 20 (durable) suspect after its restore, at step 24")
+    assert shown.text.endswith("set aside, restarting from step 10")
+    assert state.to_dict()["suspects"] == {"20": state.suspects[20]}
