@@ -28,3 +28,24 @@ def plant_snapshot(store: Store, step: int, state: Any, world_size: int = 1) -> 
                         objects=[ObjectEntry(name=name, size_bytes=len(data),
                                              checksum=checksum_bytes(data, "crc32"))])
     store.write_bytes(f"{layout.step_dir(step)}/{layout.MANIFEST}", manifest.to_json())
+
+
+def rewrite_payload(store: Store, step: int, change: Any) -> None:
+    """Replace the model of the committed replicated snapshot of ``step`` with
+    ``change(name, tensor)`` of each of its tensors, checksummed anew under the same
+    manifest (its loss, run and attempt kept): the bytes verify, the state is another."""
+    from elastictrain.snapshot.format.reader import read_manifest
+
+    manifest = read_manifest(store, step)
+    [entry] = manifest.objects
+    path = f"{layout.step_dir(step)}/{entry.name}"
+    payload = torch.load(io.BytesIO(store.read_bytes(path)), weights_only=True)
+    payload["model"] = {name: change(name, tensor) for name, tensor in payload["model"].items()}
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    data = buf.getvalue()
+    store.write_bytes(path, data)
+    entry = ObjectEntry(name=entry.name, size_bytes=len(data),
+                        checksum=checksum_bytes(data, manifest.checksum_algorithm))
+    rewritten = manifest.model_copy(update={"objects": [entry], "signature": None})
+    store.write_bytes(f"{layout.step_dir(step)}/{layout.MANIFEST}", rewritten.to_json())

@@ -126,6 +126,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--exit-stall", choices=["stop", "busy"])
     p.add_argument("--busy-s", type=float, default=0.0)
     p.add_argument("--say", action="store_true")
+    p.add_argument("--loss", action="store_true", help="pass the loss to step(loss=…)")
+    p.add_argument("--wrong-rank", type=int, default=None,
+                   help="after a restore, this rank's arithmetic goes wrong: its loss, and "
+                   "so every rank's gradients, become NaN")
     return p.parse_args(argv)
 
 
@@ -295,6 +299,8 @@ def train(args: argparse.Namespace, rt: Any) -> None:
         else:
             x = torch.randn(args.batch, args.width)
         loss = model(x).pow(2).mean()
+        if args.wrong_rank == rank and info.resumed:
+            loss = loss * float("nan")
         gates = (park_gates(args, first_attempt, snap.step_count + 1, args.park_in)
                  if args.park_in else None)
         if gates is not None:
@@ -309,7 +315,7 @@ def train(args: argparse.Namespace, rt: Any) -> None:
         opt.step()
         opt.zero_grad()
         time.sleep(args.step_s)  # the job's compute time per step (a workload, not a wait)
-        snap.step()
+        snap.step(loss=loss.detach() if args.loss else None)
         if args.park and args.stdin and snap.step_count == args.park:
             snap.wait()
             say(parked=args.park)

@@ -4,9 +4,9 @@ arithmetic or a replica rebuilt wrong can write NaNs or a diverged model that ve
 
 Right after a restore every rank checks that the restored tensors are finite; for the
 next ``steps`` steps it watches the loss the loop passes to ``step(loss=…)``: a
-non-finite loss on any rank shows at once; at the end of the window, the median of a
-rank's losses above ``loss_factor`` times the loss recorded with the snapshot (rank 0's
-at the step it was taken) shows a diverged model. A loop that passes no loss gets the
+non-finite loss on any rank shows at once; from the fifth watched step on, the median of
+a rank's losses so far above ``loss_factor`` times the loss recorded with the snapshot
+(rank 0's at the step it was taken) shows a diverged model. A loop that passes no loss gets the
 tensor check again at the end of the window. Every verdict is agreed over the ranks in
 one small all-reduce per watched step, so every rank stops together; nothing is read
 or reduced outside the window.
@@ -26,6 +26,7 @@ from elastictrain.worker.dist import DistContext
 
 _MILLI = 1000  # a loss ratio travels as an integer number of thousandths
 _RATIO_CAP = 10**9  # a ratio this far above any factor is capped, not overflowed
+_MIN_LOSSES = 5  # losses in the window before their median is compared
 
 
 @dataclass(frozen=True)
@@ -92,11 +93,13 @@ class RestoreWatch:
             self._losses.append(value)
         self._any_loss = self._any_loss or value is not None
         last = step >= watched.step + self._steps
-        ratio = self._ratio() if last else 0
+        # The median of a few steps already shows a diverged model; one outlier batch
+        # cannot trip it.
+        ratio = self._ratio() if len(self._losses) >= min(_MIN_LOSSES, self._steps) else 0
         tensors_bad = int(last and not self._any_loss and not all_finite(tensors()))
         bad_loss, worst_ratio, bad_tensors = self._ctx.all_reduce_max(
             [int(nonfinite), ratio, tensors_bad])
-        if last or bad_loss:
+        if last or bad_loss or worst_ratio > self._factor * _MILLI:
             self.watched_over()
         if bad_loss:
             return Senseless(watched, "the loss is not finite (NaN or infinite) after the restore",
@@ -117,7 +120,7 @@ class RestoreWatch:
         self._losses = []
 
     def _ratio(self) -> int:
-        """This rank's median loss over the window ÷ the recorded one, in thousandths;
+        """This rank's median loss in the window so far ÷ the recorded one, in thousandths;
         0 when there is nothing to compare (no positive recorded loss, no losses)."""
         recorded = self.watched.recorded_loss if self.watched is not None else None
         if not self._losses or recorded is None or not recorded > 0:

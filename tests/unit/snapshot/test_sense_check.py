@@ -19,8 +19,9 @@ from elastictrain.snapshot.durable.suspects import SuspectRecord, in_a_row, set_
 from elastictrain.snapshot.manager import SnapshotManager
 from elastictrain.snapshot.state.sense_check import RestoreWatch, all_finite
 from elastictrain.storage import open_store
+from elastictrain.view.ops import list_snapshots
 from elastictrain.worker.dist import DistContext
-from tests.planted import plant_snapshot
+from tests.planted import plant_snapshot, rewrite_payload
 
 ONE = DistContext(0, 1, 0, "gloo", torch.device("cpu"), False)
 
@@ -43,7 +44,7 @@ def test_a_nonfinite_loss_shows_at_its_step() -> None:
     assert watch.observe(13, math.nan, list) is None  # the window is over
 
 
-def test_a_loss_far_above_the_recorded_one_shows_at_the_windows_end() -> None:
+def test_a_loss_far_above_the_recorded_one_shows_once_the_window_holds_enough() -> None:
     watch = RestoreWatch(ONE, steps=4, loss_factor=4)
     watch.restored(10, "memory", 0.5, [torch.ones(2)])
     losses = [30.0, 0.4, 25.0, 20.0]  # one good batch does not hide it: the median
@@ -141,15 +142,9 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, snap: SnapshotMan
 
 
 def _plant(url: str, step: int, change: Any) -> None:
-    """Rewrite the committed snapshot of ``step`` with ``change`` applied to its model,
-    checksummed anew: its bytes verify, its state does not make sense."""
-    store = open_store(url)
-    path = store.local_path(f"{layout.step_dir(step)}/{layout.PAYLOAD}")
-    assert path is not None
-    payload = torch.load(path, weights_only=True)
-    for name, tensor in payload["model"].items():
-        payload["model"][name] = change(name, tensor)
-    plant_snapshot(store, step, payload)
+    """The committed snapshot of ``step`` with ``change`` applied to its model, checksummed
+    anew: its bytes verify, its state does not make sense."""
+    rewrite_payload(open_store(url), step, change)
 
 
 def test_nan_weights_in_a_committed_snapshot_fall_back_to_the_one_before(
@@ -167,6 +162,8 @@ def test_nan_weights_in_a_committed_snapshot_fall_back_to_the_one_before(
     store = open_store(url)
     [record] = suspects(store)
     assert record.step == 15 and record.moved_to and store.exists(record.moved_to)
+    listed = [(row["step"], row["status"]) for row in list_snapshots(store)]
+    assert listed == [(15, "suspect"), (10, "unverified"), (5, "unverified")]
     model, opt, snap = _job(url)  # the restart
     assert snap.restore().from_step == 10
     _train(model, opt, snap, 20)  # the watch passes: training goes on and saves again
@@ -185,7 +182,7 @@ def test_a_diverged_snapshot_is_found_by_its_loss_with_what_it_saved_since(
     assert snap.restore().from_step == 15
     with pytest.raises(SnapshotSuspect, match=r"loss after the restore is .*x the"):
         _train(model, opt, snap, 30)
-    assert snap.step_count == 19  # 4 steps watched
+    assert snap.step_count == 19  # 4 steps watched (a window of 4: its median at once)
     found = {r.step: r.descends_from for r in suspects(open_store(url))}
     assert found == {15: None, 16: 15, 18: 15}  # taken since the restore: set aside too
     model, opt, snap = _job(url)
@@ -227,3 +224,11 @@ def test_the_check_can_be_turned_off(tmp_path: Path) -> None:
     _plant(url, 10, lambda name, t: t.fill_(math.nan))
     model, opt, snap = _job(url, check_steps=0)
     assert snap.restore().from_step == 10
+
+
+def test_the_median_is_compared_from_the_fifth_step_of_a_long_window() -> None:
+    watch = RestoreWatch(ONE, steps=20, loss_factor=4)
+    watch.restored(10, "durable", 1.0, [torch.ones(2)])
+    seen = [watch.observe(11 + i, loss, list) for i, loss in enumerate([9.0] * 6)]
+    assert seen[:4] == [None] * 4 and seen[4] is not None and seen[4].at_step == 15
+    assert not watch.active
