@@ -41,6 +41,7 @@ pytestmark = [
                        "not on PATH): apt-get install -y slurm-wlm munge"),
     pytest.mark.skipif(os.geteuid() != 0, reason="the local Slurm daemons run as root"),
     pytest.mark.timeout(600),  # a job, a requeue hold and a second job, on a loaded machine
+    pytest.mark.xdist_group("slurm"),  # one local cluster (the module's) for all of them
 ]
 
 @pytest.fixture(scope="module")
