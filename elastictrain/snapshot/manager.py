@@ -305,13 +305,17 @@ class SnapshotManager:
         """Record one completed optimizer step; save if one is due.
 
         Args:
-            loss: this step's loss (float or 0-d tensor) for the periodic
-                ``train.progress`` event; read only when that event is due.
+            loss: this step's loss (float or 0-d tensor), read only when needed: for
+                the periodic ``train.progress`` event, to record with a snapshot taken
+                at this step, and in the first ``snapshot.check_steps`` steps after a
+                restore, which are checked for sense (docs/restore.md).
 
         Raises:
             SnapshotWriteFailed: a background persist gave up; raised on every rank at
                 the same step, after the step is recorded, so a loop that catches it
                 goes on in lockstep.
+            SnapshotSuspect: the restore made no sense (set aside; the restart restores
+                the snapshot before); SuspectLimit: too many in a row (exit 78).
         """
         self.step_count += 1
         if self.sampler is not None:
