@@ -250,7 +250,12 @@ class SnapshotManager:
     # -- restore ----------------------------------------------------------------------
     @watchdog.busy("snapshot.restore")
     def restore(self) -> ResumeInfo:
-        """Load the newest verified snapshot on every rank (or start fresh)."""
+        """Load the newest verified snapshot on every rank (or start fresh).
+
+        Raises:
+            SnapshotSuspect: the restored state is not finite (set aside; the restart
+                restores the snapshot before); SuspectLimit: too many in a row (78).
+        """
         started = time.perf_counter()
         self._fence.wait()  # loading overwrites the parameters a copy behind may still read
         if self.ctx.is_writer:
