@@ -147,12 +147,17 @@ def _plant(url: str, step: int, change: Any) -> None:
     rewrite_payload(open_store(url), step, change)
 
 
+def _trained(url: str, until: int) -> None:
+    """A run of the job to ``until`` (a snapshot every 5 steps), closed."""
+    model, opt, snap = _job(url)
+    _train(model, opt, snap, until)
+    snap.close()
+
+
 def test_nan_weights_in_a_committed_snapshot_fall_back_to_the_one_before(
         tmp_path: Path) -> None:
     url = str(tmp_path / "run")
-    model, opt, snap = _job(url)
-    _train(model, opt, snap, 15)
-    snap.close()
+    _trained(url, 15)
     assert open_store(url).read_bytes(f"{layout.step_dir(15)}/{layout.MANIFEST}").find(
         b'"loss"') > 0  # recorded with the snapshot
     _plant(url, 15, lambda name, t: t.fill_(math.nan) if name == "0.weight" else t)
@@ -174,9 +179,7 @@ def test_nan_weights_in_a_committed_snapshot_fall_back_to_the_one_before(
 def test_a_diverged_snapshot_is_found_by_its_loss_with_what_it_saved_since(
         tmp_path: Path) -> None:
     url = str(tmp_path / "run")
-    model, opt, snap = _job(url)
-    _train(model, opt, snap, 15)
-    snap.close()
+    _trained(url, 15)
     _plant(url, 15, lambda name, t: t * 40)  # verifies, trains, but far off
     model, opt, snap = _job(url, every_steps=2)
     assert snap.restore().from_step == 15
@@ -191,15 +194,13 @@ def test_a_diverged_snapshot_is_found_by_its_loss_with_what_it_saved_since(
 
 def test_more_suspects_in_a_row_than_allowed_stop_with_78(tmp_path: Path) -> None:
     url = str(tmp_path / "run")
-    model, opt, snap = _job(url)
-    _train(model, opt, snap, 15)
-    snap.close()
+    _trained(url, 15)
     for step in (10, 15):
         _plant(url, step, lambda name, t: t.fill_(math.nan))
-    model, opt, snap = _job(url, check_max_fallbacks=1)
+    *_, snap = _job(url, check_max_fallbacks=1)
     with pytest.raises(SnapshotSuspect):
         snap.restore()
-    model, opt, snap = _job(url, check_max_fallbacks=1)
+    *_, snap = _job(url, check_max_fallbacks=1)
     with pytest.raises(SuspectLimit, match=r"2 snapshots in a row .*steps 10, 15") as error:
         snap.restore()
     assert error.value.exit_code == 78
@@ -207,22 +208,18 @@ def test_more_suspects_in_a_row_than_allowed_stop_with_78(tmp_path: Path) -> Non
 
 def test_nothing_older_to_fall_back_to_stops_with_78(tmp_path: Path) -> None:
     url = str(tmp_path / "run")
-    model, opt, snap = _job(url)
-    _train(model, opt, snap, 5)
-    snap.close()
+    _trained(url, 5)
     _plant(url, 5, lambda name, t: t.fill_(math.inf))
-    model, opt, snap = _job(url)
+    *_, snap = _job(url)
     with pytest.raises(SuspectLimit, match="no earlier snapshot"):
         snap.restore()
 
 
 def test_the_check_can_be_turned_off(tmp_path: Path) -> None:
     url = str(tmp_path / "run")
-    model, opt, snap = _job(url)
-    _train(model, opt, snap, 10)
-    snap.close()
+    _trained(url, 10)
     _plant(url, 10, lambda name, t: t.fill_(math.nan))
-    model, opt, snap = _job(url, check_steps=0)
+    *_, snap = _job(url, check_steps=0)
     assert snap.restore().from_step == 10
 
 
