@@ -73,6 +73,7 @@ class RunState:
     _notice_ts: float | None = None
     _resumed_at: int = 0  # the step the current attempt resumed from
     _failure_shown: tuple[Any, ...] | None = None  # the error whose traceback was shown
+    _worker_named: bool = False  # a worker's event named the run (see apply)
     # Each launch id seen (a node's launcher) -> the job launch it belongs to (1, 2, ...),
     # and the newest restart count of its workers (an older one's line is a late one).
     _launch_of: dict[str, int] = field(default_factory=dict)
@@ -84,7 +85,13 @@ class RunState:
         ts = float(event.get("ts") or 0.0)
         self.first_ts = ts if self.first_ts is None else min(self.first_ts, ts)
         self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
-        self.run_id = event.get("run_id") or self.run_id
+        # The workers' run id wins: they adopt the one their storage names (a relaunch's
+        # launcher starts under an id of its own before it can know the storage).
+        if event.get("role") != "agent":
+            self.run_id = event.get("run_id") or self.run_id
+            self._worker_named = self._worker_named or bool(event.get("run_id"))
+        elif not self._worker_named:
+            self.run_id = event.get("run_id") or self.run_id
         name = str(event.get("event", ""))
         launch = event.get("launch_id")
         if isinstance(launch, str):

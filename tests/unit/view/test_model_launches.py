@@ -42,3 +42,16 @@ def test_a_loss_reported_steps_ago_is_shown_with_its_step() -> None:
                  "snapshot_step": 200})
     assert state.loss_text() == "loss 1.3584 at step 190"
     assert state.to_dict()["loss_step"] == 190
+
+
+def test_the_run_is_named_by_its_workers_not_by_a_relaunched_launcher() -> None:
+    """A relaunch's launcher starts under an id of its own; its workers adopt the id
+    the storage names, and the view shows that one whatever comes last."""
+    state = RunState()
+    state.apply({"event": "agent.start", "ts": 1.0, "role": "agent", "run_id": "et-new"})
+    assert state.run_id == "et-new"  # nothing better known yet
+    state.apply({"event": "resume", "ts": 2.0, "rank": 0, "restart_count": 0, "step": 8,
+                 "run_id": "et-first"})
+    state.apply({"event": "agent.finished", "ts": 3.0, "role": "agent", "run_id": "et-new",
+                 "exit_code": 0, "outcome": "finished"})
+    assert state.run_id == "et-first"
