@@ -112,13 +112,16 @@ class LiveView:
         launch: show only the events of this launch id (``elastictrain.runlog.events``).
         output: the workers' output to print above the area as it comes, where it
             scrolls as on a terminal without a view (``elastictrain run``).
+        run_id: named after ``title``, until the events name the run (a relaunch's
+            workers adopt the id their storage names: that one is shown then).
     """
 
     def __init__(self, store: Store, root: str, title: str, total_steps: int | None = None,
                  footer: str | None = None, console: Console | None = None,
                  rows: Sequence[tuple[str, str]] = (), launch: str | None = None,
-                 output: OutputTail | None = None) -> None:
+                 output: OutputTail | None = None, run_id: str | None = None) -> None:
         self.state = RunState(total_steps=total_steps)
+        self._run_id = run_id
         self._output = output
         self._tail = EventTail(store, root)
         self._title, self._footer, self._rows, self._launch = title, footer, rows, launch
@@ -127,6 +130,11 @@ class LiveView:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastictrain-view", daemon=True)
+
+    def _heading(self) -> str:
+        if self._run_id is None:
+            return self._title
+        return f"{self._title} {self.state.run_id or self._run_id}"
 
     def start(self) -> None:
         self._live.start()
@@ -160,7 +168,7 @@ class LiveView:
                         self.state.apply(event)
             except OSError:
                 pass  # a listing raced a file being created; the next poll sees it
-            self._live.update(render(self.state, self._title, self._footer, rows=self._rows),
+            self._live.update(render(self.state, self._heading(), self._footer, rows=self._rows),
                               refresh=True)
 
     def _print_output(self, lines: list[str]) -> None:

@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastictrain.core.errors import SnapshotSuspect
 from elastictrain.runlog.launches import job_launch
 
 RATE_WINDOW_S = 10.0  # the step rate is measured over this much recent wall time
@@ -236,6 +237,9 @@ _Out = tuple[str, str] | None
 def _worker_failed(state: RunState, e: dict[str, Any]) -> _Out:
     how = f"killed by {e['signal']}" if e.get("signal") else \
         f"exited {e.get('exit_code')} ({e.get('meaning')})"
+    if e.get("error") == SnapshotSuspect.__name__:  # planned: the line above says why
+        return "restart", (f"worker rank {e.get('worker_rank')} {how}: its restore was "
+                           "suspect, so the group restarts from the snapshot before")
     if e.get("error"):  # the worker's own error (its error file or output, read by the agent)
         how += f": {e['error']} at {e.get('where')}"
     return "failure", f"worker rank {e.get('worker_rank')} {how}" + _failure_detail(state, e)

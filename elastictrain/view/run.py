@@ -99,10 +99,11 @@ def run_view(output: RunOutput, run_id: str, launch: str,
     reuses the run id and its events dir) are not shown."""
     Path(output.events_dir).mkdir(parents=True, exist_ok=True)
     with output_to(Path(output.launcher_log)) as terminal:
-        view = LiveView(open_store(str(output.events_dir)), "", f"elastictrain run {run_id}",
+        view = LiveView(open_store(str(output.events_dir)), "", "elastictrain run",
                         footer="Ctrl-C stops the job: final snapshot, then exit 75",
                         console=Console(file=terminal), rows=output.rows(),
-                        launch=launch, output=OutputTail(Path(output.worker_logs), ranks))
+                        launch=launch, output=OutputTail(Path(output.worker_logs), ranks),
+                        run_id=run_id)
         view.start()
         try:
             yield view

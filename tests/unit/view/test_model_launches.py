@@ -4,6 +4,13 @@ commands: runlog/run_marker.py): it follows the newest launch, whose attempts co
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
+from rich.console import Console
+
+from elastictrain.storage import open_store
+from elastictrain.view.live import LiveView
 from elastictrain.view.model import RunState
 
 A, B = "20261129T120000Z-aaaa", "20261129T120100Z-bbbb"
@@ -55,3 +62,12 @@ def test_the_run_is_named_by_its_workers_not_by_a_relaunched_launcher() -> None:
     state.apply({"event": "agent.finished", "ts": 3.0, "role": "agent", "run_id": "et-new",
                  "exit_code": 0, "outcome": "finished"})
     assert state.run_id == "et-first"
+
+
+def test_the_run_views_heading_names_the_run_its_workers_name(tmp_path: Path) -> None:
+    view = LiveView(open_store(str(tmp_path)), "", "elastictrain run", run_id="et-launcher",
+                    console=Console(file=io.StringIO()))
+    assert view._heading() == "elastictrain run et-launcher"  # before any event
+    view.state.apply({"event": "resume", "ts": 2.0, "rank": 0, "restart_count": 0,
+                      "step": 8, "run_id": "et-storage"})
+    assert view._heading() == "elastictrain run et-storage"

@@ -171,3 +171,15 @@ def test_a_suspect_restore_is_a_line_and_in_the_state() -> None:
     assert shown.text.startswith("snapshot 20 (durable) suspect after its restore, at step 24")
     assert shown.text.endswith("set aside, restarting from step 10")
     assert state.to_dict()["suspects"] == {"20": state.suspects[20]}
+
+
+def test_a_worker_leaving_for_a_suspect_restore_is_one_line_without_a_traceback() -> None:
+    state = RunState()
+    state.apply({"event": "agent.worker_failed", "ts": 6.0, "role": "agent", "worker_rank": 0,
+                 "exit_code": 1, "meaning": "error", "error": "SnapshotSuspect",
+                 "where": "fallback.py:72", "first": True,
+                 "traceback": ["  File \"fallback.py\", line 72", "SnapshotSuspect: …"]})
+    [shown] = list(state.lines)
+    assert shown.kind == "restart" and "\n" not in shown.text
+    assert shown.text == ("worker rank 0 exited 1 (error): its restore was suspect, so the "
+                          "group restarts from the snapshot before")
