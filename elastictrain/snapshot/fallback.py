@@ -1,13 +1,15 @@
 """A restore that made no sense: set its snapshot aside and restart from the one before.
 
 Called on every rank together, once the restore watch (state/sense_check.py) agreed on
-a verdict. The saves in flight finish first (a snapshot taken after the restore descends
-from the suspect state: it is set aside with it); every node drops its memory copies of
-that step and later; rank 0 moves the suspect snapshot and its descendants out of
-``snapshots/`` (durable/suspects.py) and counts the fallbacks in a row. Every rank then
-raises the same error: ``SnapshotSuspect`` (exit 1, the launcher restarts the group,
-whose restore finds the snapshot before) or, past ``snapshot.check_max_fallbacks`` or
-with nothing older to fall back to, ``SuspectLimit`` (exit 78).
+a verdict, with the rescue disarmed (the error raised here must not rescue a step of
+the suspect state to node memory). The saves in flight finish first (a snapshot taken
+after the restore descends from the suspect state: it is set aside with it); every node
+drops its memory copies of that step and later; rank 0 moves the suspect snapshot and
+its descendants out of ``snapshots/`` (durable/suspects.py) and counts the fallbacks in
+a row. Every rank then raises the same error: ``SnapshotSuspect`` (exit 1, the launcher
+restarts the group, whose restore finds the snapshot before) or, past
+``snapshot.check_max_fallbacks`` or with nothing older to fall back to, ``SuspectLimit``
+(exit 78).
 """
 
 from __future__ import annotations

@@ -365,6 +365,8 @@ class SnapshotManager:
         return None
 
     def _fall_back(self, seen: Senseless) -> NoReturn:
+        # The error that ends this attempt must not rescue a step of the suspect state.
+        self._rescuer.disarm()
         fall_back(seen, store=self.store, ctx=self.ctx, node_memory=self._node_memory,
                   finish_saves=self.wait, run_id=self.run_id,
                   max_fallbacks=self.config.check_max_fallbacks)

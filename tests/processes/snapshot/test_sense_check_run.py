@@ -72,22 +72,29 @@ def clean_final(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str]:
 
 
 @pytest.mark.xdist_group("sense-check")  # one clean run for both
-@pytest.mark.parametrize(("launcher", "plant"), [("run", "nan"), ("torchrun", "diverged")])
+@pytest.mark.parametrize(("launcher", "plant"), [("run", "nan"), ("torchrun", "diverged"),
+                                                ("run", "diverged, node memory")])
 def test_a_senseless_newest_snapshot_is_set_aside_and_the_run_ends_right(
-        tmp_path: Path, launcher: str, plant: str, clean_final: tuple[int, str]) -> None:
+        tmp_path: Path, launcher: str, plant: str, clean_final: tuple[int, str],
+        shm: Path) -> None:
+    """With node memory (a memory snapshot every step, and the rescue armed) the steps
+    trained on the suspect state must not come back from memory: not its memory copies,
+    not a rescue of its last step by the error that ends the attempt."""
     faulty = tmp_path / "faulty"
-    first = _launch(tmp_path, faulty, 20, launcher=launcher)
+    memory = ["--memory-every", "1"] if "memory" in plant else []
+    first = _launch(tmp_path, faulty, 20, *memory, launcher=launcher)
     assert first.returncode == 0, first.stdout[-3000:]
     change = ((lambda name, t: t.fill_(math.nan)) if plant == "nan"
               else (lambda name, t: t * 40))
     rewrite_payload(open_store(str(faulty)), 20, change)  # verifies; makes no sense
-    again = _launch(tmp_path, faulty, 30, launcher=launcher)
+    again = _launch(tmp_path, faulty, 30, *memory, launcher=launcher)
     assert again.returncode == 0, again.stdout[-3000:]
     # Found at the restore (NaN) or by the median loss of the first five steps; the next
     # attempt restored the snapshot before and trained on to the end.
     [seen] = [e for e in events(faulty / "events", "snapshot.suspect") if e.get("rank") == 0]
     assert seen["snapshot_step"] == 20 and seen["restore_next"] == 15, seen
     assert seen["at_step"] == (20 if plant == "nan" else 25), seen
+    assert not [e for e in events(faulty / "events", "snapshot.rescued")]
     assert _resumed_from(faulty)[-2:] == [20, 15]
     assert _final(faulty) == clean_final  # the weights of a run that never met it
     records = {r.step: r for r in suspects(open_store(str(faulty)))}
@@ -100,7 +107,7 @@ def test_a_senseless_newest_snapshot_is_set_aside_and_the_run_ends_right(
     goodput = run_cli(["goodput", str(next((faulty / "events").iterdir())), "--json"],
                       tmp_path)
     assert goodput.returncode == 0, goodput.stderr
-    if plant == "diverged":  # 5 steps trained on it, then thrown away
+    if plant != "nan":  # 5 steps trained on it, then thrown away
         assert json.loads(goodput.stdout)["suspect_s"] > 0
 
 
