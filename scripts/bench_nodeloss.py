@@ -333,6 +333,54 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def doc_table(parts: list[str]) -> str:
+    """docs/benchmarks.md's table from saved reports' runs, ``FILE:RUN`` each, in order:
+    a row per mode with its spread; the last column divides by durable-local, or, in a
+    run without it, divides peer by durable-s3."""
+    def secs(s: dict[str, float], digits: int) -> str:
+        return f"{s['median']:.{digits}f} s [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
+
+    def ratio(s: dict[str, float]) -> str:
+        return f"{s['median']:.2f} [{s['min']:.2f}–{s['max']:.2f}]"
+
+    lines = ["| state | mode | node loss → first step | `restore()` | read | steps lost | "
+             "÷ durable-local |", "|---|---|---|---|---|---|---|"]
+    shown_sizes: set[str] = set()
+    for part in parts:
+        path, run = part.rsplit(":", 1)
+        for size, summary in json.loads(Path(path).read_text())[run]["summary"].items():
+            state = "demo model" if size == "0" else f"{int(size) / 1024:g} GiB"
+            for mode in (m for m in MODES if m in summary):
+                row = summary[mode]
+                lost = row["lost_steps"]
+                memory = row["tiers"] == ["memory"]
+                read = ("memory (rescued step)" if memory and lost == [0]
+                        else ",".join(row["tiers"]))
+                if mode == "durable-local":
+                    versus = "1"
+                elif "vs_durable_local" in row:
+                    versus = ratio(row["vs_durable_local"])
+                elif mode == "peer" and "durable-s3" in summary:
+                    versus = ratio(ratio_spread_of(row["loss_to_first_step_s"],
+                                                   summary["durable-s3"]["loss_to_first_step_s"]))
+                    versus = versus.replace(" [", " × durable-s3 [", 1)
+                else:
+                    versus = ""
+                steps = ", ".join(str(n) for n in lost)
+                cells = ["" if state in shown_sizes else state, mode,
+                         secs(row["loss_to_first_step_s"], 1), secs(row["restore_s"], 2),
+                         read, f"**{steps}**" if lost == [0] else steps, versus]
+                lines.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
+                shown_sizes.add(state)
+    return "\n".join(lines)
+
+
+def ratio_spread_of(num: dict[str, float], den: dict[str, float]) -> dict[str, float]:
+    """``ratio_spread`` of two saved spreads (median, min, max)."""
+    return {"median": num["median"] / den["median"], "min": num["min"] / den["max"],
+            "max": num["max"] / den["min"]}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, nargs="+", default=[0],
@@ -348,6 +396,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--netns", action="store_true",
                    help="run in a network namespace of its own (root): the loopback "
                    "traffic is then the benchmark's alone")
+    p.add_argument("--table", nargs="+", metavar="FILE:RUN",
+                   help="print docs/benchmarks.md's table from saved reports' runs")
     return p.parse_args(argv)
 
 
@@ -356,6 +406,9 @@ def main(argv: list[str] | None = None) -> None:
         worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
         return
     args = parse_args(argv)
+    if args.table:
+        print(doc_table(args.table))
+        return
     if args.netns and not os.environ.get("BENCH_NODELOSS_NETNS"):
         command = [sys.executable, __file__, *(a for a in sys.argv[1:] if a != "--netns")]
         os.execvp("unshare", ["unshare", "--net", "--", "sh", "-c",
