@@ -333,15 +333,18 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+DASH, TIMES = "\u2013", "\u00d7"  # the pages' range dash and multiplication sign
+
+
 def doc_table(parts: list[str]) -> str:
     """docs/benchmarks.md's table from saved reports' runs, ``FILE:RUN`` each, in order:
     a row per mode with its spread; the last column divides by durable-local, or, in a
     run without it, divides peer by durable-s3."""
     def secs(s: dict[str, float], digits: int) -> str:
-        return f"{s['median']:.{digits}f} s [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
+        return f"{s['median']:.{digits}f} s [{s['min']:.{digits}f}{DASH}{s['max']:.{digits}f}]"
 
     def ratio(s: dict[str, float]) -> str:
-        return f"{s['median']:.2f} [{s['min']:.2f}–{s['max']:.2f}]"
+        return f"{s['median']:.2f} [{s['min']:.2f}{DASH}{s['max']:.2f}]"
 
     lines = ["| state | mode | node loss → first step | `restore()` | read | steps lost | "
              "÷ durable-local |", "|---|---|---|---|---|---|---|"]
@@ -363,7 +366,7 @@ def doc_table(parts: list[str]) -> str:
                 elif mode == "peer" and "durable-s3" in summary:
                     versus = ratio(ratio_spread_of(row["loss_to_first_step_s"],
                                                    summary["durable-s3"]["loss_to_first_step_s"]))
-                    versus = versus.replace(" [", " × durable-s3 [", 1)
+                    versus = versus.replace(" [", f" {TIMES} durable-s3 [", 1)
                 else:
                     versus = ""
                 steps = ", ".join(str(n) for n in lost)
