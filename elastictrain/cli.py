@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     snap_sub = snaps.add_subparsers(dest="snap_cmd", required=True, metavar="ACTION")
     for name, summary in [
             ("list", "every snapshot, newest first: unverified (committed; verify reads "
-             "its payload), partial or corrupt"),
+             "its payload), partial, corrupt or suspect (set aside after a restore that "
+             "made no sense)"),
             ("verify", "check every payload against its manifest; exit 1 if any is "
              "corrupt or none verifies"),
             ("inspect", "one snapshot's manifest: versions, world size, payload objects"),
