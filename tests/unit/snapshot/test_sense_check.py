@@ -229,3 +229,36 @@ def test_the_median_is_compared_from_the_fifth_step_of_a_long_window() -> None:
     seen = [watch.observe(11 + i, loss, list) for i, loss in enumerate([9.0] * 6)]
     assert seen[:4] == [None] * 4 and seen[4] is not None and seen[4].at_step == 15
     assert not watch.active
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_sharded_snapshot_is_set_aside_whole_and_the_one_before_restores(
+        tmp_path: Path) -> None:
+    """FSDP2 (DTensor) state: the restored shards are checked, a loss far above the
+    recorded one sets the sharded snapshot aside (every rank's objects, moved as one
+    directory) and the next restore loads the one before."""
+    from tests.small_job import one_rank_fsdp2
+
+    url = str(tmp_path / "run")
+
+    def job() -> tuple[torch.nn.Module, torch.optim.Optimizer, SnapshotManager]:
+        model, opt = one_rank_fsdp2(8, 8)
+        return model, opt, SnapshotManager(url, model=model, optimizer=opt, mode="sync",
+                                           every_steps=5, keep=5, check_steps=5)
+
+    model, opt, snap = job()
+    assert snap.sharded
+    _train(model, opt, snap, 10)
+    snap.close()
+    model, opt, snap = job()
+    assert snap.restore().from_step == 10
+    names = sorted(open_store(url).list_dir(layout.step_dir(10)))
+    with pytest.raises(SnapshotSuspect, match="loss after the restore"):
+        for _ in range(5):  # a loss far above what was recorded, step after step
+            snap.step(loss=1e6)
+    store = open_store(url)
+    [record] = suspects(store)
+    assert record.step == 10 and sorted(store.list_dir(record.moved_to or "")) == names
+    model, opt, snap = job()
+    assert snap.restore().from_step == 5
+    snap.close()
