@@ -51,7 +51,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchlib import fmt, load_average, noisy, ratio_spread, spread, write_json
+from benchlib import fmt, load_average, noisy, ratio_spread, spread, spreads_ratio, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # elastictrain from this checkout, like the workers
@@ -364,7 +364,7 @@ def doc_table(parts: list[str]) -> str:
                 elif "vs_durable_local" in row:
                     versus = ratio(row["vs_durable_local"])
                 elif mode == "peer" and "durable-s3" in summary:
-                    versus = ratio(ratio_spread_of(row["loss_to_first_step_s"],
+                    versus = ratio(spreads_ratio(row["loss_to_first_step_s"],
                                                    summary["durable-s3"]["loss_to_first_step_s"]))
                     versus = versus.replace(" [", f" {TIMES} durable-s3 [", 1)
                 else:
@@ -376,12 +376,6 @@ def doc_table(parts: list[str]) -> str:
                 lines.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
                 shown_sizes.add(state)
     return "\n".join(lines)
-
-
-def ratio_spread_of(num: dict[str, float], den: dict[str, float]) -> dict[str, float]:
-    """``ratio_spread`` of two saved spreads (median, min, max)."""
-    return {"median": num["median"] / den["median"], "min": num["min"] / den["max"],
-            "max": num["max"] / den["min"]}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -34,7 +34,11 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 def ratio_spread(numerator: Sequence[float], denominator: Sequence[float]) -> dict[str, float]:
     """``median(numerator) / median(denominator)`` with its extremes: the lowest and
     highest ratio the two sets of measurements allow."""
-    num, den = spread(numerator), spread(denominator)
+    return spreads_ratio(spread(numerator), spread(denominator))
+
+
+def spreads_ratio(num: dict[str, float], den: dict[str, float]) -> dict[str, float]:
+    """``ratio_spread`` of two spreads already taken (a saved report's)."""
     return {"median": num["median"] / den["median"], "min": num["min"] / den["max"],
             "max": num["max"] / den["min"]}
 

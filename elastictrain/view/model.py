@@ -88,11 +88,10 @@ class RunState:
         self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
         # The workers' run id wins: they adopt the one their storage names (a relaunch's
         # launcher starts under an id of its own before it can know the storage).
-        if event.get("role") != "agent":
-            self.run_id = event.get("run_id") or self.run_id
-            self._worker_named = self._worker_named or bool(event.get("run_id"))
-        elif not self._worker_named:
-            self.run_id = event.get("run_id") or self.run_id
+        run_id, by_worker = event.get("run_id"), event.get("role") != "agent"
+        if run_id and (by_worker or not self._worker_named):
+            self.run_id = run_id
+            self._worker_named = self._worker_named or by_worker
         name = str(event.get("event", ""))
         launch = event.get("launch_id")
         if isinstance(launch, str):

@@ -170,8 +170,8 @@ def _attempt(index: int, events: list[Event], later: list[list[Event]],
     # The first later attempt that got to train says what survived: one killed in
     # start-up (before its resume) restored nothing and lost nothing of its own; one
     # that found its restore suspect kept nothing (the next one fell back further).
-    next_resume = next((r for r in map(_resume, later)
-                        if r is not None and not _suspect(_later_of(r, later))), None)
+    next_resume = next((r for r, later_events in zip(map(_resume, later), later, strict=True)
+                        if r is not None and not _suspect(later_events)), None)
     if next_resume is not None and next_resume.get("lost_steps") is not None:
         high = max(high, int(next_resume.get("from_step") or 0)
                    + int(next_resume["lost_steps"]))
@@ -195,11 +195,6 @@ def _attempt(index: int, events: list[Event], later: list[list[Event]],
 
 def _suspect(events: list[Event]) -> bool:
     return any(e.get("event") == "snapshot.suspect" for e in events)
-
-
-def _later_of(resume: Event, later: list[list[Event]]) -> list[Event]:
-    """The events of the attempt among ``later`` that ``resume`` belongs to."""
-    return next(events for events in later if resume in events)
 
 
 def _kept_step(events: list[Event], next_resume: Event | None, ended_by: str,

@@ -29,7 +29,6 @@ from elastictrain.storage.api import Store
 
 log = get_logger("elastictrain.snapshot")
 
-SUSPECT = layout.SUSPECT
 RECORD = "SUSPECT.json"
 
 
@@ -57,7 +56,7 @@ class SuspectRecord:
 def set_aside(store: Store, record: SuspectRecord) -> SuspectRecord:
     """Record why ``record.step`` is suspect, then move its durable snapshot (if one is
     committed there) out of ``snapshots/``. Returns the record as written."""
-    folder = f"{SUSPECT}/step_{record.step:012d}-{uuid.uuid4().hex[:8]}"
+    folder = f"{layout.SUSPECT}/step_{record.step:012d}-{uuid.uuid4().hex[:8]}"
     moving = is_committed(store, record.step)
     written = SuspectRecord(**{**asdict(record),
                                "time": datetime.now(timezone.utc).isoformat(),
@@ -72,9 +71,9 @@ def suspects(store: Store) -> list[SuspectRecord]:
     """Every record under ``suspect/``, oldest step first; unreadable ones are skipped
     with a warning (they never decide anything alone)."""
     found = []
-    for folder in store.list_dir(SUSPECT):
+    for folder in store.list_dir(layout.SUSPECT):
         try:
-            data = json.loads(store.read_bytes(f"{SUSPECT}/{folder}/{RECORD}"))
+            data = json.loads(store.read_bytes(f"{layout.SUSPECT}/{folder}/{RECORD}"))
             found.append(SuspectRecord(**data))
         except (StorageError, ValueError, TypeError) as error:
             log.warning("snapshot.suspect_unreadable", folder=folder, error=str(error)[:200])
@@ -85,7 +84,7 @@ def in_a_row(store: Store) -> tuple[list[SuspectRecord], int | None]:
     """The restores found suspect above the newest committed snapshot (the fallbacks
     since the run last trained past them; their descendants not counted) and that
     snapshot's step (None: none committed)."""
-    committed = [s for s in list_snapshot_dirs(store) if is_committed(store, s)]
-    head = committed[0] if committed else None
+    # Newest first: the first committed one is the head (no marker below it is read).
+    head = next((s for s in list_snapshot_dirs(store) if is_committed(store, s)), None)
     return [r for r in suspects(store) if r.descends_from is None
             and (head is None or r.step > head)], head

@@ -11,6 +11,7 @@ from typing import Any
 
 from elastictrain.core.localfiles import make_private_dirs, open_private
 from elastictrain.core.log import get_logger
+from elastictrain.snapshot.state.sense_check import loss_value
 
 log = get_logger("elastictrain.snapshot")
 
@@ -60,7 +61,5 @@ class ProgressReport:
         if self._every_s is None or now - self._last < self._every_s:
             return
         self._last = now
-        # detach(): torch warns when a tensor that requires grad becomes a float, and
-        # that warning would reach the user's terminal (rank 0's output in the view).
-        value = loss.detach() if hasattr(loss, "detach") else loss
-        log.info("train.progress", loss=None if loss is None else round(float(value), 6))
+        value = loss_value(loss)
+        log.info("train.progress", loss=None if value is None else round(value, 6))

@@ -99,7 +99,8 @@ class RestoreWatch:
         tensors_bad = int(last and not self._any_loss and not all_finite(tensors()))
         bad_loss, worst_ratio, bad_tensors = self._ctx.all_reduce_max(
             [int(nonfinite), ratio, tensors_bad])
-        if last or bad_loss or worst_ratio > self._factor * _MILLI:
+        diverged = worst_ratio > self._factor * _MILLI
+        if last or bad_loss or diverged:
             self.watched_over()
         if bad_loss:
             return Senseless(watched, "the loss is not finite (NaN or infinite) after the restore",
@@ -107,7 +108,7 @@ class RestoreWatch:
         if bad_tensors:
             return Senseless(watched, "a parameter or optimizer state is not finite (NaN or "
                              "infinite) after the restore", step, None)
-        if worst_ratio > self._factor * _MILLI:
+        if diverged:
             assert watched.recorded_loss is not None  # a ratio needs it
             return Senseless(
                 watched, f"the loss after the restore is {worst_ratio / _MILLI:.3g}x the "
@@ -130,7 +131,9 @@ class RestoreWatch:
 
 
 def loss_value(loss: Any) -> float | None:
-    """A loss as a float (a tensor is read once: a device sync); None when not given."""
+    """A loss as a float (a tensor is read once: a device sync); None when not given.
+    Detached first: torch warns when a tensor that requires grad becomes a float, and that
+    warning would reach the user's terminal (rank 0's output in the view)."""
     if loss is None:
         return None
     if isinstance(loss, torch.Tensor):

@@ -79,7 +79,7 @@ def test_no_module_is_over_600_lines() -> None:
 # schedule and the format.
 SNAPSHOT_LAYERS: list[grimp.Layer | str] = [
     grimp.Layer("manager", "manager_setup", "node_memory", "rescuer", "copy_fence",
-                "preempt_exit", independent=False),
+                "preempt_exit", "fallback", independent=False),
     "export",  # reads committed snapshots, replicated and sharded; no tier imports it
     "sharded",
     "memory",
