@@ -17,7 +17,11 @@ Checks, each in its own processes, each ``ok`` or not with its figures:
 * ``cuda_stall``: a kernel that spins past the watchdog's timeout: the watchdog
   fires, the worker exits 71, the restart finishes equal to a clean run;
 * ``notice_during_save``: SIGTERM while a save of CUDA state persists: exit 75 with a
-  final snapshot, and the next launch resumes from it, losing no step.
+  final snapshot, and the next launch resumes from it, losing no step;
+* ``sense_check``: a snapshot saved with a NaN parameter (its checksums verify), the
+  worker killed after it: the restore is found wrong in its first step on the GPU
+  (``snapshot.suspect``), set aside, and the run finishes from the one before, equal to
+  a clean run.
 
 ``--dry`` (or no GPU) runs the same checks on CPU with gloo and two workers, small:
 CI runs it so the command stays correct on machines without a GPU.
@@ -264,9 +268,28 @@ def check_notice_during_save(checks: Checks) -> dict[str, Any]:
             "equal_to_clean_run": result.get("digest") == clean}
 
 
+def check_sense(checks: Checks) -> dict[str, Any]:
+    """NaN planted before the save of step 20, killed at 25: suspect, resumed from 10."""
+    clean = checks.clean_digest("sense_check", [])
+    t0 = time.perf_counter()
+    code, root, ev = checks.launch("sense_check",
+                                   ["--steps=40", "--nan-at=20", "--kill-at=25"], 300)
+    wall = time.perf_counter() - t0
+    result = checks.result(root)
+    suspect = events_named(ev, "snapshot.suspect")
+    steps = sorted({int(e["snapshot_step"]) for e in suspect if "snapshot_step" in e})
+    ok = (code == 0 and result.get("digest") == clean and steps == [20]
+          and result.get("resumed_from") == 10 and len(result.get("suspects", [])) == 1)
+    return {"ok": ok, "exit_code": code, "wall_s": round(wall, 1),
+            "suspect_steps": steps, "suspect_reasons": sorted({str(e.get("reason"))
+                                                                for e in suspect}),
+            "equal_to_clean_run": result.get("digest") == clean, **result}
+
+
 CHECKS: dict[str, Callable[[Checks], dict[str, Any]]] = {
     "snapshot": check_snapshot, "ddp_restart": check_ddp_restart,
     "fsdp2_restart": check_fsdp2_restart, "notice_during_save": check_notice_during_save,
+    "sense_check": check_sense,
     "cuda_stall": check_cuda_stall,  # last: a kernel that outlives its process would block
 }
 

@@ -3,13 +3,16 @@
 ``elastictrain run``; never imported.
 
     python scripts/gpu_job.py ROOT --steps N [--fsdp] [--kill-at S] [--stall-at S]
-                              [--notice-at S] [--width W] [--layers L]
+                              [--notice-at S] [--nan-at S] [--width W] [--layers L]
 
 In the first attempt only: ``--kill-at`` SIGKILLs this worker after step S (once
 the last snapshot is durable),
 ``--stall-at`` launches a CUDA kernel that spins for an hour after step S and waits
 for it (on CPU: sleeps), ``--notice-at`` sends this worker SIGTERM (a preemption
-notice) right after the save of step S returned, while it persists. At the end rank 0
+notice) right after the save of step S returned, while it persists, ``--nan-at`` fills
+one parameter with NaN just before the save of step S (a fault before a save: the
+snapshot's bytes verify, its sense does not). The loss goes to ``step(loss=…)`` so a
+restore is checked for sense. At the end rank 0
 writes ``ROOT/result.json``: the digest of the full parameters, the steps, the backend,
 whether CUDA was initialised before ``elastictrain.init()`` (a standby that forked the
 worker after touching CUDA would break it) and the attempt.
@@ -41,6 +44,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--stall-at", type=int, default=None)
     parser.add_argument("--notice-at", type=int, default=None)
+    parser.add_argument("--nan-at", type=int, default=None)
     return parser.parse_args()
 
 
@@ -100,7 +104,10 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        handle = snap.step()
+        if first_attempt and snap.step_count + 1 == args.nan_at:
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+        handle = snap.step(loss=loss)
         step = snap.step_count
         if first_attempt and step == args.kill_at:
             snap.wait()  # the last snapshot committed: the resume step is known
@@ -118,6 +125,7 @@ def main() -> None:
             "digest": digest, "final_step": snap.step_count, "resumed_from": info.from_step,
             "backend": rt.ctx.backend, "device": str(device), "world_size": rt.world_size,
             "cuda_initialized_before_init": cuda_before_init,
+            "suspects": sorted(p.name for p in Path(args.root).glob("suspect/*")),
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}))
     et.shutdown()
 

@@ -15,7 +15,7 @@ from tests.helpers import REPO, child_env
 pytestmark = [pytest.mark.bench, pytest.mark.distributed]
 
 
-@pytest.mark.timeout(900)  # eight launches of a 2-worker job, on two busy cores
+@pytest.mark.timeout(900)  # nine launches of a 2-worker job, on two busy cores
 def test_every_gpu_check_passes_in_dry_mode(tmp_path: Path) -> None:
     out = tmp_path / "checks.json"
     subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_checks.py"), "--dry",
@@ -25,10 +25,12 @@ def test_every_gpu_check_passes_in_dry_mode(tmp_path: Path) -> None:
     assert report["dry"] is True and report["device"] == "cpu"
     checks = report["checks"]
     assert set(checks) == {"snapshot", "ddp_restart", "fsdp2_restart", "notice_during_save",
-                           "cuda_stall"}
+                           "sense_check", "cuda_stall"}
     failed = {name: c for name, c in checks.items() if not c["ok"]}
     assert not failed, failed
     assert checks["snapshot"]["params_equal"] and checks["snapshot"]["optimizer_equal"]
     assert checks["ddp_restart"]["attempts_started_by"] == ["standby", "standby"]
     assert 71 in checks["cuda_stall"]["worker_exit_codes"]  # the agent may stop the other first
     assert checks["notice_during_save"]["save_in_flight_at_notice"] is True
+    assert checks["sense_check"]["suspect_steps"] == [20]
+    assert checks["sense_check"]["resumed_from"] == 10
