@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from elastictrain.snapshot.manager import ResumeInfo, SnapshotManager
     from elastictrain.worker.data import ElasticSampler, Micro, MicroBatchSampler, optimizer_steps
     from elastictrain.worker.session import Runtime
+    from elastictrain.worker.shard_sum import ShardSum
     from elastictrain.worker.tokens import TokenDataset
 
 # Public name → the module that defines it.
@@ -47,6 +48,7 @@ _HOMES = {
     "MicroBatchSampler": "elastictrain.worker.data",
     "optimizer_steps": "elastictrain.worker.data",
     "TokenDataset": "elastictrain.worker.tokens",
+    "ShardSum": "elastictrain.worker.shard_sum",
     "ConfigError": "elastictrain.core.errors",
     "ElasticTrainError": "elastictrain.core.errors",
     "SnapshotCorrupt": "elastictrain.core.errors",
@@ -68,6 +70,7 @@ __all__ = [
     "ResumeInfo",
     "Runtime",
     "Settings",
+    "ShardSum",
     "SnapshotCorrupt",
     "SnapshotManager",
     "StorageError",

@@ -333,6 +333,7 @@ class SnapshotManager:
         if self._progress is not None:
             self._progress.write(self.step_count)
         watchdog.beat(self.step_count)
+        self._train.buckets.observe()  # before a save of this step records it
         self._report.step(loss)
         self._loss = loss
         if self._watch.active:  # the first steps after a restore: before any save of them

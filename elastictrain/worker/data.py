@@ -34,6 +34,14 @@ than ``W`` samples per epoch are affected, and
 epoch's start, not from what remains, so it is the same wherever a same-size job
 resumed: a resume at the same world size stays bit-exact.
 
+Virtual shards (``virtual_shards=V``, with a global batch): a step's ``n`` positions
+are cut into ``V`` contiguous shards as equal as possible (empty ones left out), and
+shard ``v`` goes to rank ``v mod W``, one micro-batch per shard, its mean loss scaled by
+``k / n`` (``k``: its samples). No shard, size or scale depends on ``W``, nor does the
+epoch's tail (trained as it is, or dropped whole with ``drop_last``), so with
+:class:`elastictrain.worker.shard_sum.ShardSum` summing the shards' gradients in shard
+order a run ends on the same bits at any world size (docs/elastic-resume.md).
+
 Identity. A resume checks that the indices mean the same samples: the dataset's
 length, the seed and, when the sampler was given one, the data's ``fingerprint``
 (:attr:`elastictrain.worker.tokens.TokenDataset.fingerprint`, or any string that
@@ -50,7 +58,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from elastictrain.core.errors import ResumeMismatchError
+from elastictrain.core.errors import ConfigError, ResumeMismatchError
 from elastictrain.worker.batching import (
     StepShape,
     check_global_batch,
@@ -69,12 +77,18 @@ class Micro:
         count: micro-batches in this step (the same on every rank).
         indices: the dataset indices this rank trains in it.
         loss_scale: factor on the micro-batch's mean loss (see :mod:`elastictrain.worker.batching`).
+        shard: with virtual shards, the shard this micro-batch is (``0 .. V - 1``).
+        seed: with virtual shards, a seed of the shard's own (the same on any rank and
+            at any world size): :class:`~elastictrain.worker.shard_sum.ShardSum` draws
+            the shard's random numbers (dropout) from it.
     """
 
     index: int
     count: int
     indices: tuple[int, ...]
     loss_scale: float
+    shard: int | None = None
+    seed: int | None = None
 
     @property
     def last(self) -> bool:
@@ -106,6 +120,9 @@ class ElasticSampler(Sampler[int]):
             size (gradient accumulation); None keeps the per-rank batch.
         fingerprint: what the indices refer to (``TokenDataset.fingerprint``); saved,
             and a resume with another one is refused. None: the length alone is checked.
+        virtual_shards: cut each step into this many shards that do not depend on the
+            world size (needs ``global_batch_size``; see the module docstring), for
+            gradients summed in a fixed order by ``ShardSum``.
 
     Raises:
         ConfigError: ``global_batch_size`` is not reachable with this world size
@@ -123,12 +140,17 @@ class ElasticSampler(Sampler[int]):
         drop_last: bool = False,
         global_batch_size: int | None = None,
         fingerprint: str | None = None,
+        virtual_shards: int | None = None,
     ) -> None:
         if dataset_len <= 0 or batch_size <= 0:
             raise ValueError(f"dataset_len={dataset_len} and batch_size={batch_size} must be > 0")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
-        check_global_batch(global_batch_size, world_size, batch_size)
+        self.virtual_shards = virtual_shards
+        if virtual_shards is None:
+            check_global_batch(global_batch_size, world_size, batch_size)
+        else:
+            check_virtual_shards(virtual_shards, global_batch_size, batch_size)
         self.dataset_len = dataset_len
         self.batch_size = batch_size
         self.rank = rank
@@ -174,6 +196,8 @@ class ElasticSampler(Sampler[int]):
             yield start, tail
 
     def _tail(self, remaining: int) -> int:
+        if self.virtual_shards is not None:  # any world size runs it: nothing padded
+            return 0 if self.drop_last else remaining
         return tail_samples(remaining, self.world_size, self.batch_size,
                             equal_shares=self.global_batch_size is None, drop_last=self.drop_last)
 
@@ -184,6 +208,9 @@ class ElasticSampler(Sampler[int]):
             # Padding comes from the epoch's start (see the module docstring).
             over = max(0, start + n - self.dataset_len)
             positions = order[start : start + n] + [order[i % len(order)] for i in range(over)]
+            if self.virtual_shards is not None:
+                yield self._sharded_step(start, positions)
+                continue
             mine = positions[self.rank :: self.world_size]
             shape = step_shape(n, self.world_size, self.batch_size)
             sizes = shape.micro_sizes(self.rank)
@@ -194,10 +221,25 @@ class ElasticSampler(Sampler[int]):
                 offset += size
             yield StepPlan(start, shape, tuple(micros))
 
+    def _sharded_step(self, start: int, positions: list[int]) -> StepPlan:
+        """This rank's virtual shards of the step whose ``positions`` start at ``start``."""
+        assert self.virtual_shards is not None
+        n, w = len(positions), self.world_size
+        bounds = shard_bounds(n, self.virtual_shards)
+        mine = range(self.rank, len(bounds), w)
+        micros = tuple(
+            Micro(i, len(mine), tuple(positions[bounds[v][0]:bounds[v][1]]),
+                  (bounds[v][1] - bounds[v][0]) / n, shard=v,
+                  seed=shard_seed(self.seed, self.epoch, start, v))
+            for i, v in enumerate(mine))
+        return StepPlan(start, StepShape(n, w, -(-len(bounds) // w)), micros)
+
     def __iter__(self) -> Iterator[int]:
         return iter([i for plan in self.steps() for m in plan.micros for i in m.indices])
 
     def __len__(self) -> int:
+        if self.virtual_shards is not None:
+            return sum(len(m.indices) for plan in self.steps() for m in plan.micros)
         return sum(step_shape(n, self.world_size, self.batch_size).share(self.rank)
                    for _, n in self._step_sizes())
 
@@ -232,7 +274,8 @@ class ElasticSampler(Sampler[int]):
         """
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
-        check_global_batch(self.global_batch_size, world_size, self.batch_size)
+        if self.virtual_shards is None:
+            check_global_batch(self.global_batch_size, world_size, self.batch_size)
         self.rank, self.world_size = rank, world_size
 
     # -- state ----------------------------------------------------------------------------
@@ -248,6 +291,7 @@ class ElasticSampler(Sampler[int]):
             "batch_size": self.batch_size,
             "global_batch_size": self.global_batch_size,
             "fingerprint": self.fingerprint,
+            "virtual_shards": self.virtual_shards,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -291,7 +335,47 @@ class ElasticSampler(Sampler[int]):
             "global_batch_changed": saved_global != self.global_batch,
             "accumulation_steps": first.shape.micro_steps if first is not None else 0,
             "cursor": self.cursor,
+            # Another shard count sums the gradients in another grouping: the run goes on,
+            # no longer bit for bit the run it was.
+            "virtual_shards": self.virtual_shards,
+            "virtual_shards_changed": saved.get("virtual_shards") != self.virtual_shards,
         }
+
+
+def shard_bounds(samples: int, shards: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each non-empty shard when ``samples`` positions are cut into
+    ``shards`` contiguous pieces as equal as possible (the first ``samples % shards``
+    one longer)."""
+    small, extra = divmod(samples, shards)
+    bounds, start = [], 0
+    for v in range(shards):
+        size = small + (1 if v < extra else 0)
+        if size:
+            bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def shard_seed(seed: int, epoch: int, start: int, shard: int) -> int:
+    """A seed for one shard of one step: the same on any rank and at any world size."""
+    return (((seed * 1_000_003 + epoch) * 1_000_003 + start) * 1_009 + shard) & (2**63 - 1)
+
+
+def check_virtual_shards(shards: int, global_batch_size: int | None, batch_size: int) -> None:
+    """Raise ConfigError when ``shards`` virtual shards cannot cut the global batch."""
+    if global_batch_size is None:
+        raise ConfigError(f"virtual_shards={shards} needs a global batch that does not "
+                          "change with the world size; fix: also pass global_batch_size")
+    if not 1 <= shards <= global_batch_size:
+        raise ConfigError(f"virtual_shards={shards}: must be between 1 and the global "
+                          f"batch ({global_batch_size})")
+    largest = -(-global_batch_size // shards)
+    if largest > batch_size:
+        raise ConfigError(
+            f"virtual_shards={shards} cuts global_batch_size={global_batch_size} into shards "
+            f"of up to {largest} samples, more than the per-rank batch {batch_size}; fix: "
+            f"virtual_shards >= {-(-global_batch_size // batch_size)}, or batch_size >= "
+            f"{largest}")
 
 
 def check_dataset_len(current: int, saved: int | None) -> None:

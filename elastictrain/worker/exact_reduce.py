@@ -51,14 +51,14 @@ def fixed_order_allreduce(group: Any, bucket: dist.GradBucket
         total.add_(pieces[rank])
     total.div_(world)
     gathered = torch.empty_like(padded)
-    _all_gather(gathered, total, group).wait()
+    all_gather_tensor(gathered, total, group).wait()
     flat.copy_(gathered[:count])
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.set_result(flat)
     return done
 
 
-def _all_gather(output: torch.Tensor, piece: torch.Tensor, group: Any) -> Any:
+def all_gather_tensor(output: torch.Tensor, piece: torch.Tensor, group: Any) -> Any:
     """Every rank's ``piece`` into ``output``, asynchronously (``all_gather_single`` where
     torch has it: its older name warns from torch 2.13 on)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

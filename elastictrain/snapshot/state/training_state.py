@@ -15,6 +15,7 @@ from elastictrain.snapshot.format.views import InPlace
 from elastictrain.snapshot.state import replica_check
 from elastictrain.snapshot.state.rank_state import RankState, saved_names
 from elastictrain.snapshot.state.rng import capture_rng, reseed_for_new_world, restore_rng
+from elastictrain.worker.bucket_layout import BucketLayout
 from elastictrain.worker.data import ElasticSampler
 from elastictrain.worker.dist import DistContext
 
@@ -56,6 +57,7 @@ class TrainingState:
         # what a restore's first steps are compared with (sense_check.py).
         self.loss: float | None = None
         self.extras: dict[str, Any] = {}
+        self.buckets = BucketLayout(model)  # DDP's, recorded and restored: exact resumes
         self._epoch = 0
         self._ctx = ctx
         self._run_id, self._checksum = run_id, checksum
@@ -100,6 +102,9 @@ class TrainingState:
         }
         if self.loss is not None:  # absent otherwise: such a payload is as it always was
             common["loss"] = self.loss
+        layout = self.buckets.for_snapshot()
+        if layout is not None:  # likewise
+            common["ddp_buckets"] = layout
         held = saved_names(rng)
         if held is not None:  # absent otherwise: such a payload is as it always was
             common["rank_state"] = held
@@ -188,6 +193,7 @@ class TrainingState:
             self._epoch = int(payload["epoch"])
         self.step = int(payload["step"])
         self.extras = dict(payload.get("extras") or {})
+        self.buckets.restore(payload.get("ddp_buckets"))
         rng_states = payload["rng"]
         # RNG last: building the model and loading state may consume random numbers.
         # The per-rank objects after it: loading draws none, and what they hold (a

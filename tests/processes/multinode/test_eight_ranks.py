@@ -5,7 +5,8 @@ gloo) train tests/train_job.py with ``--exact``: each step's batch depends on th
 and the rank only, and every rank draws from its own RNG streams, so the run is
 bit-exact only if every rank restores its own state. Rank 6 (on the second agent: not
 rank 0, not rank 1, not the first agent's) is SIGKILLed by PID while every rank is
-parked after step 10; the agents restart all eight workers, which resume from step 10.
+parked after a step drawn at random (5 to 25, a snapshot's); the agents restart all
+eight workers, which resume from it.
 Then both agents get SIGTERM: a final snapshot, exit 75. Two new agents resume it with
 zero lost steps and run to the end. The final weights must equal those of a clean
 eight-rank run of the same job (``params.digest``): an off-by-one in a rank range, a
@@ -13,14 +14,15 @@ collective only two ranks agree on or a rank restoring another's state breaks it
 
 The model has a weight and a bias: DDP lays out its gradient buckets anew after the
 first step of every process, and with more than two ranks the order of a sum changes
-its last bits; ``dist.fixed_order_reduction`` sums every gradient in rank order
-whatever the layout (docs/scale.md#bit-exact-resume-above-two-ranks).
+its last bits; the snapshot records the rebuilt layout and every restore gives it back,
+with the default settings (docs/scale.md#bit-exact-resume-above-two-ranks).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -37,7 +39,7 @@ pytestmark = pytest.mark.distributed
 
 AGENTS, PER_AGENT = 2, 4
 WORLD = AGENTS * PER_AGENT
-STEPS, EVERY, PARK, VICTIM = 40, 5, 10, 6
+STEPS, EVERY, VICTIM = 40, 5, 6
 
 
 class Launch:
@@ -55,7 +57,6 @@ class Launch:
                    "--model", "linear", "--every", str(EVERY), *job_args]
         env = child_env(tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                         ELASTICTRAIN_STORAGE__URL=str(root),
-                        ELASTICTRAIN_DIST__FIXED_ORDER_REDUCTION="1",
                         PYTHONPATH=os.pathsep.join([str(TRAIN_JOB.parents[1]),
                                                     os.environ.get("PYTHONPATH", "")]))
         for i in range(AGENTS):
@@ -111,12 +112,13 @@ def finished_digest(root: Path) -> tuple[int, str]:
 def test_eight_ranks_survive_a_kill_and_a_preemption_bit_exactly(
         tmp_path: Path, launches: list[Launch]) -> None:
     clean_root, root, gates = tmp_path / "clean", tmp_path / "faulty", tmp_path / "gates"
+    park = random.Random().choice(range(EVERY, 30, EVERY))
     # The reference, an uninterrupted run, alongside (its own rendezvous and storage).
     clean = Launch(tmp_path, clean_root, "clean", [])
     launches.append(clean)
 
-    # 1. Every rank parks after step 10 (its snapshot committed); rank 6 is SIGKILLed.
-    first = Launch(tmp_path, root, "first", ["--park", str(PARK), "--gates", str(gates),
+    # 1. Every rank parks after that step (its snapshot committed); rank 6 is SIGKILLed.
+    first = Launch(tmp_path, root, "first", ["--park", str(park), "--gates", str(gates),
                                              "--step-s", "0.2"])
     launches.append(first)
     parked = [gates / f"rank{r}.json" for r in range(WORLD)]
@@ -127,30 +129,33 @@ def test_eight_ranks_survive_a_kill_and_a_preemption_bit_exactly(
     os.kill(victim, signal.SIGKILL)
     (gates / "go").write_text("")  # the restarted attempt does not park again
 
-    # 2. All eight resume from step 10; once step 15 is committed, a preemption notice.
+    # 2. All eight resume from it; once the next snapshot is committed, a preemption notice.
     def resumed() -> list[dict[str, Any]]:
-        return [e for e in worker_events(root, "resume") if e.get("from_step") == PARK]
+        return [e for e in worker_events(root, "resume") if e.get("from_step") == park]
 
-    wait_until(lambda: len(resumed()) >= WORLD, 180, "eight ranks resumed from step 10")
+    wait_until(lambda: len(resumed()) >= WORLD, 180, f"eight ranks resumed from step {park}")
     assert sorted(e["rank"] for e in resumed()) == list(range(WORLD))
     assert {e["world_size"] for e in resumed()} == {WORLD}
     assert {e["rng"] for e in resumed()} == {"restored"}
-    manifest = root / "snapshots" / f"step_{PARK + EVERY:012d}" / "MANIFEST.json"
-    wait_until(manifest.exists, 180, "the snapshot of step 15")
+    manifest = root / "snapshots" / f"step_{park + EVERY:012d}" / "MANIFEST.json"
+    wait_until(manifest.exists, 180, f"the snapshot of step {park + EVERY}")
     for proc in first.procs:
         proc.send_signal(signal.SIGTERM)
     assert first.wait(timeout=180) == [75] * AGENTS, first.tail()
     (saved, *_) = worker_events(root, "preempt.saved")
     final = saved["snapshot_step"]
-    assert PARK + EVERY <= final < STEPS
+    assert park + EVERY <= final < STEPS
 
     # 3. Two new agents resume the final snapshot with nothing lost and run to the end.
-    again = Launch(tmp_path, root, "again", ["--park", str(PARK), "--gates", str(gates)])
+    again = Launch(tmp_path, root, "again", ["--park", str(park), "--gates", str(gates)])
     launches.append(again)
     assert again.wait(timeout=240) == [0] * AGENTS, again.tail()
     # From the step of the final snapshot: the last step any rank took, nothing lost.
     last = [e for e in worker_events(root, "resume") if e.get("from_step") == final]
     assert sorted(e["rank"] for e in last) == list(range(WORLD))
     assert clean.wait(timeout=240) == [0] * AGENTS, clean.tail()
-    assert finished_digest(root) == finished_digest(clean_root)
+    # Both restarts gave every rank the rebuilt layout before its first step.
+    given = [e for e in worker_events(root, "dist.bucket_layout") if e.get("installed")]
+    assert sorted(e["rank"] for e in given) == sorted(list(range(WORLD)) * 2)
+    assert finished_digest(root) == finished_digest(clean_root), f"parked after {park}"
     assert finished_digest(root)[0] == STEPS

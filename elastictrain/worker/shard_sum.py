@@ -1,0 +1,149 @@
+"""A step's gradient summed over virtual shards in shard order: the same bits at any
+world size.
+
+With ``ElasticSampler(global_batch_size=G, virtual_shards=V)`` every optimizer step is
+cut into ``V`` shards that do not depend on the world size ``W``, and rank ``r`` trains
+shards ``r, r + W, …`` one micro-batch at a time. :class:`ShardSum` keeps each shard's
+gradient apart (the backward runs under DDP's ``no_sync``, DDP reduces nothing), then
+:meth:`ShardSum.reduce` sums them element by element in shard order ``0, 1, …, V - 1``
+on whichever rank owns that element (an all-to-all of each shard's segments), and
+gathers the sums back into every parameter's ``.grad`` (an all-gather). A shard's
+gradient is the same wherever it is computed (the same weights, samples, loss scale and
+random numbers), and an element's sum runs in the same order, so the step's gradient,
+and the run, are the same bits at 4, 3 or 2 ranks. Cost and limits:
+docs/elastic-resume.md#the-same-bits-across-a-resize.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastictrain.core.errors import ConfigError
+from elastictrain.worker.bucket_layout import find_ddp
+from elastictrain.worker.data import Micro
+from elastictrain.worker.exact_reduce import all_gather_tensor
+
+
+class ShardSum:
+    """The fixed-order sum of one step's shard gradients, for ``model`` (DDP or plain).
+
+    Use::
+
+        shards = ShardSum(model)
+        for step in optimizer_steps(loader):
+            for micro, batch in step:
+                with shards.shard(micro):
+                    (loss_fn(model(batch)) * micro.loss_scale).backward()
+            shards.reduce()      # every rank, also one that holds no shard this step
+            optimizer.step()
+
+    Args:
+        model: the model the loop calls (a ``DistributedDataParallel`` is kept from
+            reducing; a sharded model is refused).
+        group: the process group (default: the default group, or none when
+            ``torch.distributed`` is not initialised: one rank).
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+        self._ddp = find_ddp(model)
+        inner = self._ddp.module if self._ddp is not None else model
+        self._params = [p for p in inner.parameters() if p.requires_grad]
+        if not self._params:
+            raise ConfigError("ShardSum: the model has no parameter that requires a gradient")
+        kinds = {(p.dtype, p.device) for p in self._params}
+        if len(kinds) > 1 or any(hasattr(p, "full_tensor") for p in self._params):
+            raise ConfigError(
+                "ShardSum sums one replicated model whose parameters share one dtype and "
+                f"device; this one has {sorted(str(k) for k in kinds)} or sharded (DTensor) "
+                "parameters; fix: train it without virtual shards")
+        self._group = group
+        self._held: list[tuple[int, torch.Tensor]] = []  # (shard, its flat gradient)
+
+    @contextmanager
+    def shard(self, micro: Micro) -> Iterator[None]:
+        """The backward of one shard: starts from no gradient, runs under DDP's
+        ``no_sync``, draws its random numbers from the shard's own seed (the loop's
+        streams are left as they were), and keeps the shard's gradient apart."""
+        if micro.shard is None or micro.seed is None:
+            raise ConfigError("ShardSum needs the micro-batches of an ElasticSampler made "
+                              "with virtual_shards=…; fix: pass virtual_shards")
+        for p in self._params:
+            p.grad = None  # not zeros: 0 + g can differ from g (the sign of a zero)
+        devices = [self._params[0].device] if self._params[0].is_cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(micro.seed)
+            with self._ddp.no_sync() if self._ddp is not None else nullcontext():
+                yield
+        self._held.append((micro.shard, self._flat_grad()))
+        for p in self._params:
+            p.grad = None
+
+    def _flat_grad(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self._params])
+
+    def reduce(self) -> None:
+        """Every parameter's ``.grad`` = the sum of all shards' gradients in shard order,
+        the same on every rank. Called once per step on every rank."""
+        held = sorted(self._held, key=lambda shard: shard[0])
+        self._held = []
+        if [v for v, _ in held] != sorted({v for v, _ in held}):
+            raise ConfigError("ShardSum: a shard's backward ran twice in one step")
+        numel = sum(p.numel() for p in self._params)
+        first = self._params[0]
+        world = dist.get_world_size(self._group) if dist.is_initialized() else 1
+        if world == 1:
+            total = _ordered_sum([g for _, g in held], numel, first)
+        else:
+            total = self._exchange(held, numel, world)
+        offset = 0
+        for p in self._params:
+            p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def _exchange(self, held: list[tuple[int, torch.Tensor]], numel: int,
+                  world: int) -> torch.Tensor:
+        """The ordered sum over all ranks' shards: each rank sums the segment of elements
+        it owns, then the segments are gathered."""
+        first = self._params[0]
+        rank = dist.get_rank(self._group)
+        count = torch.tensor([len(held)], dtype=torch.int64, device=first.device)
+        counts_t = torch.zeros(world, dtype=torch.int64, device=first.device)
+        all_gather_tensor(counts_t, count, self._group).wait()
+        counts = [int(c) for c in counts_t.tolist()]
+        expected = list(range(rank, sum(counts), world))  # v mod W's, as the sampler deals
+        if [v for v, _ in held] != expected:
+            raise ConfigError(f"ShardSum: rank {rank} holds shards "
+                                  f"{[v for v, _ in held]}, not {expected}: the sampler's "
+                                  "world differs from the process group's")
+        segment = -(-numel // world)
+        send = torch.zeros(world, len(held), segment, dtype=first.dtype, device=first.device)
+        for j, (_, flat) in enumerate(held):
+            padded = torch.zeros(world * segment, dtype=first.dtype, device=first.device)
+            padded[:numel] = flat
+            send[:, j, :] = padded.view(world, segment)
+        received = torch.empty(sum(counts), segment, dtype=first.dtype, device=first.device)
+        dist.all_to_all_single(received, send.reshape(-1, segment),
+                               output_split_sizes=counts,
+                               input_split_sizes=[len(held)] * world, group=self._group)
+        starts = [sum(counts[:q]) for q in range(world)]
+        rows = [received[starts[v % world] + v // world] for v in range(sum(counts))]
+        mine = _ordered_sum(rows, segment, first)
+        gathered = torch.empty(world * segment, dtype=first.dtype, device=first.device)
+        all_gather_tensor(gathered, mine, self._group).wait()
+        return gathered[:numel]
+
+
+def _ordered_sum(pieces: list[torch.Tensor], numel: int, like: torch.Tensor) -> torch.Tensor:
+    """``((p0 + p1) + p2) + …``, element by element; zeros when there is none."""
+    if not pieces:
+        return torch.zeros(numel, dtype=like.dtype, device=like.device)
+    total = pieces[0].clone()
+    for piece in pieces[1:]:
+        total.add_(piece)
+    return total
