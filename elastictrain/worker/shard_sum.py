@@ -62,7 +62,12 @@ class ShardSum:
                 f"device; this one has {sorted(str(k) for k in kinds)} or sharded (DTensor) "
                 "parameters; fix: train it without virtual shards")
         self._group = group
-        self._held: list[tuple[int, torch.Tensor]] = []  # (shard, its flat gradient)
+        self._numel = sum(p.numel() for p in self._params)
+        # This step's shards' gradients, [this rank's shard][W x segment] (a segment per
+        # rank, the last one padded): each shard's backward accumulates straight into
+        # its row, the parameters' .grad being views of it; None between steps.
+        self._send: torch.Tensor | None = None
+        self._held: dict[int, int] = {}  # row of _send → the shard (v) it holds
 
     @contextmanager
     def shard(self, micro: Micro) -> Iterator[None]:
@@ -72,42 +77,67 @@ class ShardSum:
         if micro.shard is None or micro.seed is None:
             raise ConfigError("ShardSum needs the micro-batches of an ElasticSampler made "
                               "with virtual_shards=…; fix: pass virtual_shards")
-        for p in self._params:
-            p.grad = None  # not zeros: 0 + g can differ from g (the sign of a zero)
+        if micro.shard in self._held.values():
+            raise ConfigError(f"ShardSum: shard {micro.shard}'s backward ran twice in one step")
+        if self._send is None:
+            world = self._world()
+            first = self._params[0]
+            self._send = torch.zeros(micro.count, world * -(-self._numel // world),
+                                     dtype=first.dtype, device=first.device)
+        # The backward adds into zeros (0 + g, the same on any rank: exact across W).
+        self._point_grads_at(self._send[micro.index])
         devices = [self._params[0].device] if self._params[0].is_cuda else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(micro.seed)
             with self._ddp.no_sync() if self._ddp is not None else nullcontext():
                 yield
-        self._held.append((micro.shard, self._flat_grad()))
-        for p in self._params:
-            p.grad = None
+        self._keep_grads_in(self._send[micro.index])
+        self._held[micro.index] = micro.shard
 
-    def _flat_grad(self) -> torch.Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self._params])
+    def _world(self) -> int:
+        return dist.get_world_size(self._group) if dist.is_initialized() else 1
+
+    def _point_grads_at(self, row: torch.Tensor) -> None:
+        offset = 0
+        for p in self._params:
+            p.grad = row[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def _keep_grads_in(self, row: torch.Tensor) -> None:
+        """Make sure the shard's gradient is in ``row``: autograd accumulates into an
+        existing ``.grad`` in place, but a backward with ``create_graph=True`` (or a
+        script that sets ``.grad``) replaces it; then it is copied in."""
+        offset = 0
+        for p in self._params:
+            view = row[offset:offset + p.numel()]
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad.reshape(-1))
+            p.grad = None
+            offset += p.numel()
 
     def reduce(self) -> None:
         """Every parameter's ``.grad`` = the sum of all shards' gradients in shard order,
         the same on every rank. Called once per step on every rank."""
-        held = sorted(self._held, key=lambda shard: shard[0])
-        self._held = []
-        if [v for v, _ in held] != sorted({v for v, _ in held}):
-            raise ConfigError("ShardSum: a shard's backward ran twice in one step")
-        numel = sum(p.numel() for p in self._params)
+        send, held = self._send, self._held
+        self._send, self._held = None, {}
         first = self._params[0]
-        world = dist.get_world_size(self._group) if dist.is_initialized() else 1
+        world = self._world()
+        if send is None:  # this rank holds no shard in this step
+            send = torch.zeros(0, world * -(-self._numel // world), dtype=first.dtype,
+                               device=first.device)
+        if len(held) != send.shape[0]:
+            raise ConfigError(f"ShardSum: {send.shape[0]} shards were this rank's in the "
+                              f"step, {len(held)} ran their backward")
         if world == 1:
-            total = _ordered_sum([g for _, g in held], numel, first)
+            total = _ordered_sum([send[row] for row in _order(held)])
         else:
-            total = self._exchange(held, numel, world)
+            total = self._exchange(send, held, world)
         offset = 0
-        for p in self._params:
-            p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+        for p in self._params:  # views of one buffer, as DDP's gradient_as_bucket_view
+            p.grad = total[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
 
-    def _exchange(self, held: list[tuple[int, torch.Tensor]], numel: int,
-                  world: int) -> torch.Tensor:
+    def _exchange(self, send: torch.Tensor, held: dict[int, int], world: int) -> torch.Tensor:
         """The ordered sum over all ranks' shards: each rank sums the segment of elements
         it owns, then the segments are gathered."""
         first = self._params[0]
@@ -117,32 +147,34 @@ class ShardSum:
         all_gather_tensor(counts_t, count, self._group).wait()
         counts = [int(c) for c in counts_t.tolist()]
         expected = list(range(rank, sum(counts), world))  # v mod W's, as the sampler deals
-        if [v for v, _ in held] != expected:
-            raise ConfigError(f"ShardSum: rank {rank} holds shards "
-                                  f"{[v for v, _ in held]}, not {expected}: the sampler's "
-                                  "world differs from the process group's")
-        segment = -(-numel // world)
-        send = torch.zeros(world, len(held), segment, dtype=first.dtype, device=first.device)
-        for j, (_, flat) in enumerate(held):
-            padded = torch.zeros(world * segment, dtype=first.dtype, device=first.device)
-            padded[:numel] = flat
-            send[:, j, :] = padded.view(world, segment)
+        if sorted(held.values()) != expected:
+            raise ConfigError(f"ShardSum: rank {rank} holds shards {sorted(held.values())}, not "
+                              f"{expected}: the sampler's world differs from the process "
+                              "group's")
+        segment = send.shape[1] // world
+        order = _order(held)
+        if order != list(range(len(order))):  # the loop ran its shards out of order
+            send = send[order]
+        # Laid out for the all-to-all: [owner of the segment][shard][segment].
+        send = send.view(len(held), world, segment).transpose(0, 1).reshape(-1, segment)
         received = torch.empty(sum(counts), segment, dtype=first.dtype, device=first.device)
-        dist.all_to_all_single(received, send.reshape(-1, segment),
-                               output_split_sizes=counts,
+        dist.all_to_all_single(received, send, output_split_sizes=counts,
                                input_split_sizes=[len(held)] * world, group=self._group)
         starts = [sum(counts[:q]) for q in range(world)]
         rows = [received[starts[v % world] + v // world] for v in range(sum(counts))]
-        mine = _ordered_sum(rows, segment, first)
+        mine = _ordered_sum(rows)
         gathered = torch.empty(world * segment, dtype=first.dtype, device=first.device)
         all_gather_tensor(gathered, mine, self._group).wait()
-        return gathered[:numel]
+        return gathered[:self._numel]
 
 
-def _ordered_sum(pieces: list[torch.Tensor], numel: int, like: torch.Tensor) -> torch.Tensor:
-    """``((p0 + p1) + p2) + …``, element by element; zeros when there is none."""
-    if not pieces:
-        return torch.zeros(numel, dtype=like.dtype, device=like.device)
+def _order(held: dict[int, int]) -> list[int]:
+    """The rows of ``held``'s shards, sorted by shard."""
+    return sorted(held, key=lambda row: held[row])
+
+
+def _ordered_sum(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """``((p0 + p1) + p2) + …``, element by element."""
     total = pieces[0].clone()
     for piece in pieces[1:]:
         total.add_(piece)

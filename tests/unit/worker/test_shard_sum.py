@@ -119,11 +119,29 @@ def test_misuse_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="virtual_shards"), shards.shard(Micro(0, 1, (1,), 1.0)):
         pass
     micro = next(ElasticSampler(100, 4, global_batch_size=24, virtual_shards=6).steps()).micros[0]
-    for _ in range(2):
-        with shards.shard(micro):
-            _loss(model, micro).backward()
-    with pytest.raises(ConfigError, match="ran twice"):
-        shards.reduce()
+    with shards.shard(micro):
+        _loss(model, micro).backward()
+    with pytest.raises(ConfigError, match="ran twice"), shards.shard(micro):
+        pass
+    with pytest.raises(ConfigError, match="1 ran their backward"):
+        shards.reduce()  # the step's other shards never ran
     mixed = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double())
     with pytest.raises(ConfigError, match="one dtype and device"):
         ShardSum(mixed)
+
+
+def test_a_backward_that_replaces_the_gradient_is_kept_too() -> None:
+    """``create_graph=True`` makes autograd replace ``.grad`` instead of adding into it."""
+    sampler = ElasticSampler(100, 4, global_batch_size=24, virtual_shards=6)
+    plan = next(sampler.steps())
+    sums = []
+    for create_graph in (False, True):
+        model = _model()
+        shards = ShardSum(model)
+        for micro in plan.micros:
+            with shards.shard(micro):
+                _loss(model, micro).backward(create_graph=create_graph)
+        shards.reduce()
+        sums.append(torch.cat([p.grad.detach().reshape(-1)  # type: ignore[union-attr]
+                               for p in model.parameters()]))
+    assert torch.equal(sums[0], sums[1]) and bool(sums[0].abs().sum() > 0)
