@@ -99,6 +99,10 @@ def sent_bytes(params: int, world: int, shards: int, element: int = 4) -> dict[s
 DASH = "\u2013"  # the pages' range dash
 
 
+def _mb(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
 def table(report: dict[str, Any]) -> str:
     """docs/elastic-resume.md's table of a saved report."""
     lines = [f"| ranks | plain DDP, s/step | virtual shards, s/step | ratio (min{DASH}max) | "
@@ -106,8 +110,8 @@ def table(report: dict[str, Any]) -> str:
     for row in report["rows"]:
         lines.append(f"| {row['ranks']} | {row['ddp_step_s']:.3f} | {row['shards_step_s']:.3f} "
                      f"| {row['ratio_median']:.2f} ({row['ratio_min']:.2f}{DASH}"
-                     f"{row['ratio_max']:.2f}) | {row['ddp_sent_mb']:.0f} / "
-                     f"{row['shards_sent_mb']:.0f} MB | {row['load_avg_1m']:.1f} |")
+                     f"{row['ratio_max']:.2f}) | {_mb(row['ddp_sent_mb'])} / "
+                     f"{_mb(row['shards_sent_mb'])} MB | {row['load_avg_1m']:.1f} |")
     return "\n".join(lines)
 
 
