@@ -17,7 +17,9 @@ Make some tokens, then run it::
         examples/llm_pretrain.py ./ckpt --data tokens.bin --compile --precision bf16
 
 A kill resumes bit-identical at the same world size; a relaunch at another world size
-trains every remaining sample exactly once (docs/guide.md#converting-your-own-loop).
+trains every remaining sample exactly once (docs/guide.md#converting-your-own-loop),
+and with ``--virtual-shards V`` ends on the same bits as a run never resized
+(docs/elastic-resume.md#the-same-bits-across-a-resize).
 ``--record-samples DIR`` writes the sample ids each rank trained per step (the demo's
 format): how the tests check that.
 """
@@ -137,6 +139,8 @@ def main() -> None:
                         help="torch.compile's backend (aot_eager: no code generation)")
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers")
     parser.add_argument("--record-samples", metavar="DIR")
+    parser.add_argument("--virtual-shards", type=int, default=None, metavar="V",
+                        help="the same bits at any world size (at a cost)")
     args = parser.parse_args()
 
     rt = et.init()  # et: logging and the process group from the launcher's environment
@@ -148,7 +152,8 @@ def main() -> None:
     # of --global-batch samples at any world size, in micro-batches of --micro-batch.
     sampler = et.ElasticSampler(len(train), batch_size=args.micro_batch, rank=rt.rank,
                                 world_size=rt.world_size, global_batch_size=args.global_batch,
-                                fingerprint=tokens.fingerprint)
+                                fingerprint=tokens.fingerprint,
+                                virtual_shards=args.virtual_shards)
     loader = DataLoader(train, batch_sampler=et.MicroBatchSampler(sampler),  # et
                         num_workers=args.workers, generator=torch.Generator())
     val_loader = DataLoader(Subset(val, range(rt.rank, len(val), rt.world_size)),
@@ -169,6 +174,7 @@ def main() -> None:
                               sampler=sampler, ctx=rt.ctx, every_steps=args.save_every)
     snap.extras.setdefault("best_val_loss", float("inf"))
     snap.restore()  # et: the newest verified snapshot, or a fresh start
+    shards = et.ShardSum(ddp) if args.virtual_shards else None  # et: sums in shard order
     recorder = (SampleRecorder.open(args.record_samples, rt) if args.record_samples
                 else None)
 
@@ -177,10 +183,18 @@ def main() -> None:
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(snap.step_count, args)
             for micro, (inputs, targets) in micro_batches:
+                if shards is not None:  # et: one shard: its own backward, kept apart
+                    with shards.shard(micro):
+                        with autocast(args):
+                            loss = ddp(inputs.long(), targets.long()) * micro.loss_scale
+                        scaler.scale(loss).backward()
+                    continue
                 sync = contextlib.nullcontext() if micro.last else ddp.no_sync()
                 with sync, autocast(args):
                     loss = ddp(inputs.long(), targets.long()) * micro.loss_scale  # et
                 scaler.scale(loss).backward()
+            if shards is not None:
+                shards.reduce()  # et: every rank, every step
             if recorder is not None:
                 recorder.record(snap.step_count + 1, snap.epoch,
                                 [i for micro, _ in micro_batches for i in micro.indices])

@@ -122,12 +122,16 @@ class BucketLayout:
         self._ddp = find_ddp(model)
         self._installed: Layout | None = None
         self._rebuilt: Layout | None = None  # kept once known: DDP rebuilds only once
+        # DDP rebuilds after its first synchronised step; one that never synchronises
+        # (every backward under no_sync, as with virtual shards) never does: stop asking.
+        self._asks_left = 3
 
     def observe(self) -> None:
         """Read DDP's rebuilt layout once it exists; called after each step on the loop's
         thread (the read takes the reducer's lock, which a save on another thread, the
         rescue's, must never wait for)."""
-        if self._ddp is not None and self._rebuilt is None:
+        if self._ddp is not None and self._rebuilt is None and self._asks_left > 0:
+            self._asks_left -= 1
             self._rebuilt = rebuilt_layout(self._ddp)
 
     def for_snapshot(self) -> Layout | None:

@@ -1,7 +1,8 @@
 """The two training-loop examples, unmodified, under real launchers: an epoch-based
 Trainer class (examples/epoch_trainer.py) and a GPT pretraining loop with token shards,
 DataLoader workers, gradient accumulation under ``no_sync``, fp16 with a GradScaler and
-an evaluation that saves on a new best (examples/llm_pretrain.py).
+an evaluation that saves on a new best (examples/llm_pretrain.py); the GPT loop with
+virtual shards, lost at 2 ranks and relaunched at 1, ends on a 2-rank run's weights.
 
 For each: rank 1 SIGKILLed at a random step (every rank parked there first, after its
 save in flight committed: tests/processes/e2e/user_script_hook) under ``elastictrain
@@ -172,3 +173,33 @@ def test_a_job_lost_and_relaunched_at_another_size_trains_each_sample_once(
     assert {steps[s].world_size for s in (1, final)} == set(sizes), what
     dataset_len = SAMPLES if example == "trainer" else LLM_SAMPLES - VAL
     assert_each_sample_once(steps, dataset_len, seed=0, final_step=final)
+
+
+@pytest.mark.timeout(900)
+def test_the_llm_loop_with_virtual_shards_ends_on_the_same_bits_at_another_size(
+        tmp_path: Path, short_tmp: Path) -> None:
+    """``--virtual-shards``: lost at 2 ranks after a random step, relaunched at 1, the
+    run ends on the weights of an uninterrupted 2-rank run (fp16 with its GradScaler,
+    dropout, gradient clipping; docs/elastic-resume.md#the-same-bits-across-a-resize)."""
+    shards = ["--virtual-shards=4"]  # the global batch of 8 in 4 shards of 2
+    reference_dir = tmp_path / "reference"
+    ctx = _launch("run", 2, [*_job("llm", reference_dir), *shards], reference_dir,
+                  "reference.log", short_tmp)
+    with ctx as proc:
+        assert proc.wait(timeout=600) == 0, (reference_dir / "reference.log").read_text()[-3000:]
+    reference = _finished(reference_dir)
+    kill_at = random.randint(6, 20)
+    what = f"lost after step {kill_at} at 2 ranks, then 1"
+    where = tmp_path / "resized"
+    job = [*_job("llm", where), *shards]
+    with _launch("run", 2, job, where, "lost.log", short_tmp, restarts=0,
+                 park_at=kill_at) as proc:
+        _park_and_kill(where, proc, "lost.log", kill_at)
+        assert proc.wait(timeout=120) != 0, what
+    with _launch("run", 1, job, where, "relaunched.log", short_tmp) as proc:
+        assert proc.wait(timeout=600) == 0, what + (where / "relaunched.log").read_text()[-3000:]
+    resumed = [e for e in events(where / "ckpt" / "events", "resume") if e["from_step"]]
+    assert {e["world_size"] for e in resumed} == {1}, (what, resumed)
+    finished = _finished(where)
+    assert finished["final_step"] == reference["final_step"], what
+    assert finished["param_digest"] == reference["param_digest"], what
