@@ -15,11 +15,13 @@ usual, into the same layout. docs/scale.md#bit-exact-resume-above-two-ranks.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import structlog
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -67,6 +69,9 @@ def parse(text: str) -> Layout:
 
 def why_not_installable(ddp: DistributedDataParallel, layout: Any) -> str | None:
     """None when ``layout`` can replace the fresh reducer's; else why not (in words)."""
+    if not _rebuild_known(ddp):
+        return (f"torch {torch.__version__}'s DDP does not rebuild its reducer the way "
+                "elastictrain knows (torch 2.10 to 2.13 do)")
     if getattr(ddp, "_comm_hooks", None):
         return "the model has a comm hook (DDP's reducer would be rebuilt without it)"
     if getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "_delay_all_reduce_all_params",
@@ -84,6 +89,18 @@ def why_not_installable(ddp: DistributedDataParallel, layout: Any) -> str | None
         if len(kinds) > 1:
             return "a recorded bucket mixes dtypes or devices"
     return None
+
+
+def _rebuild_known(ddp: DistributedDataParallel) -> bool:
+    """Whether ``ddp`` has the helpers DDP's own unpickling rebuilds its reducer with,
+    taking the arguments :func:`install` passes."""
+    helper = getattr(ddp, "_ddp_init_helper", None)
+    if not (callable(helper) and callable(getattr(ddp, "_build_params_for_reducer", None))
+            and callable(getattr(ddp, "_build_debug_param_to_name_mapping", None))
+            and callable(getattr(dist, "_compute_bucket_assignment_by_size", None))):
+        return False
+    return list(inspect.signature(helper).parameters) == [
+        "parameters", "expect_sparse_gradient", "param_to_name_mapping", "static_graph"]
 
 
 def install(ddp: DistributedDataParallel, layout: Layout) -> None:

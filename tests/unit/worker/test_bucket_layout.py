@@ -141,3 +141,18 @@ def test_only_ddp_models_have_a_layout() -> None:
     model = _ddp()
     compiled = torch.compile(model, backend="eager")
     assert find_ddp(compiled) is model  # type: ignore[arg-type]
+
+
+def test_a_ddp_without_the_known_reducer_rebuild_is_left_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _ddp()
+
+    def other_helper(parameters: Any, expect_sparse_gradient: Any) -> None:
+        raise AssertionError("must not be called")
+
+    monkeypatch.setattr(model, "_ddp_init_helper", other_helper)
+    assert "does not rebuild its reducer" in str(why_not_installable(model, [[7, 6, 5, 4],
+                                                                              [3, 2, 1, 0]]))
+    with capture_logs() as logs:
+        BucketLayout(model).restore([[7, 6, 5, 4], [3, 2, 1, 0]])
+    assert logs[0]["installed"] is False
