@@ -97,23 +97,25 @@ class ShardSum:
     def _world(self) -> int:
         return dist.get_world_size(self._group) if dist.is_initialized() else 1
 
-    def _point_grads_at(self, row: torch.Tensor) -> None:
+    def _slices(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter with its part of a flat gradient (parameter order)."""
         offset = 0
         for p in self._params:
-            p.grad = row[offset:offset + p.numel()].view_as(p)
+            yield p, flat[offset:offset + p.numel()]
             offset += p.numel()
+
+    def _point_grads_at(self, row: torch.Tensor) -> None:
+        for p, part in self._slices(row):
+            p.grad = part.view_as(p)
 
     def _keep_grads_in(self, row: torch.Tensor) -> None:
         """Make sure the shard's gradient is in ``row``: autograd accumulates into an
         existing ``.grad`` in place, but a backward with ``create_graph=True`` (or a
         script that sets ``.grad``) replaces it; then it is copied in."""
-        offset = 0
-        for p in self._params:
-            view = row[offset:offset + p.numel()]
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad.reshape(-1))
+        for p, part in self._slices(row):
+            if p.grad is not None and p.grad.data_ptr() != part.data_ptr():
+                part.copy_(p.grad.reshape(-1))
             p.grad = None
-            offset += p.numel()
 
     def reduce(self) -> None:
         """Every parameter's ``.grad`` = the sum of all shards' gradients in shard order,
@@ -132,10 +134,7 @@ class ShardSum:
             total = _ordered_sum([send[row] for row in _order(held)])
         else:
             total = self._exchange(send, held, world)
-        offset = 0
-        for p in self._params:  # views of one buffer, as DDP's gradient_as_bucket_view
-            p.grad = total[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        self._point_grads_at(total)  # views of one buffer, as DDP's gradient_as_bucket_view
 
     def _exchange(self, send: torch.Tensor, held: dict[int, int], world: int) -> torch.Tensor:
         """The ordered sum over all ranks' shards: each rank sums the segment of elements

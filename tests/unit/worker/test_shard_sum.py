@@ -130,6 +130,7 @@ def test_misuse_is_a_clear_error() -> None:
         ShardSum(mixed)
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_a_backward_that_replaces_the_gradient_is_kept_too() -> None:
     """``create_graph=True`` makes autograd replace ``.grad`` instead of adding into it."""
     sampler = ElasticSampler(100, 4, global_batch_size=24, virtual_shards=6)
