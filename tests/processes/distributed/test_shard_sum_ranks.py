@@ -1,13 +1,17 @@
 """The same DDP job (dropout included) trained with virtual shards at 1, 2, 3 and 4 ranks
 ends on the same bits: each step's gradient is the shards' gradients summed in shard
 order (worker/shard_sum.py), whichever ranks computed them. Plain DDP over the same
-global batch does not (checked here too: the test can fail). Processes of
-``torch.multiprocessing`` on gloo; a run resized under ``elastictrain run``:
+global batch does not (checked here too: the test can fail).
+
+Four processes of ``torch.multiprocessing`` (spawned: the test's own process may run
+threads that a fork would copy half-way) in one gloo group; each world size is a
+subgroup of the first W ranks, trained in turn. A run resized under ``elastictrain run``:
 tests/processes/multinode/test_resize_exact.py."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -17,27 +21,26 @@ import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.distributed
 
-STEPS, SHARDS, GLOBAL = 6, 12, 48
+STEPS, SHARDS, GLOBAL, RANKS = 6, 12, 48, 4
 
 
-def _job(rank: int, world: int, init: str, out: str, sharded: bool) -> None:
+def _train(rank: int, world: int, group: dist.ProcessGroup, sharded: bool) -> str:
+    """Rank ``rank`` of a ``world``-rank job on ``group``: the weights' digest."""
     from torch.nn.parallel import DistributedDataParallel
 
     from elastictrain.worker.data import ElasticSampler
     from elastictrain.worker.shard_sum import ShardSum
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.manual_seed(0)
     data = torch.randn(400, 16)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.2),
                               torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    model = DistributedDataParallel(net)
+    model = DistributedDataParallel(net, process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = ElasticSampler(len(data), 4 if sharded else GLOBAL // world, rank, world,
                              global_batch_size=GLOBAL,
                              virtual_shards=SHARDS if sharded else None)
-    shards = ShardSum(model)
+    shards = ShardSum(model, group=group)
     steps = sampler.steps()
     for _ in range(STEPS):
         plan = next(steps)
@@ -52,28 +55,35 @@ def _job(rank: int, world: int, init: str, out: str, sharded: bool) -> None:
         if sharded:
             shards.reduce()
         opt.step()
+    digest = hashlib.sha256()
+    for p in net.parameters():
+        digest.update(p.detach().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _job(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=RANKS)
+    digests = {}
+    for sharded, worlds in ((True, (1, 2, 3, 4)), (False, (3, 4))):
+        for world in worlds:
+            group = dist.new_group(list(range(world)))  # every rank takes part in making it
+            if rank < world:
+                digests[f"{'shards' if sharded else 'plain'}-{world}"] = _train(
+                    rank, world, group, sharded)
+            dist.barrier()
     if rank == 0:
-        digest = hashlib.sha256()
-        for p in net.parameters():
-            digest.update(p.detach().numpy().tobytes())
-        Path(out).write_text(digest.hexdigest())
+        Path(out).write_text(json.dumps(digests))
     dist.destroy_process_group()
-
-
-def _digest(tmp_path: Path, world: int, sharded: bool) -> str:
-    out = tmp_path / f"{world}-{sharded}.txt"
-    init = f"file://{tmp_path}/group-{world}-{sharded}"
-    # Forked: the workers start without importing torch again (CPU and gloo only).
-    mp.start_processes(_job, args=(world, init, str(out), sharded), nprocs=world, join=True,
-                       start_method="fork")
-    return out.read_text()
 
 
 @pytest.mark.timeout(300)
 def test_virtual_shards_end_on_the_same_bits_at_every_world_size(tmp_path: Path) -> None:
-    digests = {world: _digest(tmp_path, world, sharded=True) for world in (1, 2, 3, 4)}
-    assert len(set(digests.values())) == 1, digests
+    out = tmp_path / "digests.json"
+    mp.spawn(_job, args=(f"file://{tmp_path}/group", str(out)), nprocs=RANKS, join=True)
+    digests = json.loads(out.read_text())
+    sharded = {digests[f"shards-{world}"] for world in (1, 2, 3, 4)}
+    assert len(sharded) == 1, digests
     # Without them the same global batch at 3 and 4 ranks differs: dropout draws from each
     # rank's stream, and the sum is grouped by rank.
-    plain = {world: _digest(tmp_path, world, sharded=False) for world in (3, 4)}
-    assert plain[3] != plain[4]
+    assert digests["plain-3"] != digests["plain-4"]

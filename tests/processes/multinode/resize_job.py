@@ -1,6 +1,6 @@
 """A DDP job with virtual shards, for tests/processes/multinode/test_resize_exact.py.
 
-    resize_job.py ROOT STEPS [--step-s S]
+    resize_job.py ROOT STEPS [--step-s S]    (S: until the file ROOT/unpaced exists)
 
 A fixed global batch of 24 cut into 12 virtual shards (``ElasticSampler``), read by a
 ``DataLoader`` with ``MicroBatchSampler``, gradients summed by ``ShardSum``; an MLP with
@@ -64,7 +64,8 @@ def main() -> None:
             record.flush()
             shards.reduce()
             opt.step()
-            time.sleep(args.step_s)  # the job's compute time per step (a workload)
+            if not (Path(args.root) / "unpaced").exists():  # the test's last change made
+                time.sleep(args.step_s)  # the job's compute time per step (a workload)
             snap.step()
             if snap.step_count >= args.steps:
                 break

@@ -131,7 +131,10 @@ def test_a_run_resized_4_3_2_4_ends_on_the_bits_of_one_never_resized(
     job.lose("b")
     lost = time.time()
     wait_until(lambda: _trained(job, 2, 3, since=lost), 240, f"2 ranks training\n{job.tail()}")
+    joined = time.time()
     job.start("d", 2)
+    wait_until(lambda: _trained(job, 4, 1, since=joined), 240, f"4 ranks again\n{job.tail()}")
+    (job.root / "unpaced").write_text("")  # no change is left to make: the rest at full speed
     assert job.wait(timeout=300) == {"a": 0, "d": 0}, job.tail()
     assert reference.wait(timeout=300) == {"solo": 0}, reference.tail()
 
