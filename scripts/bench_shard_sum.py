@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # elastictrain from this checkout, installed or not
+from benchlib import load_average, spread  # noqa: E402  (scripts/, beside this file)
 
 
 def _worker(rank: int, world: int, init: str, cfg: dict[str, Any], sharded: bool,
@@ -142,12 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             plain.append(got[False])
             sharded.append(got[True])
             ratios.append(got[True] / got[False])
-            loads.append(os.getloadavg()[0])
-        sent = sent_bytes(params, world, args.shards)
+            loads.append(load_average())
+        sent, ratio = sent_bytes(params, world, args.shards), spread(ratios)  # paired
         row = {"ranks": world, "ddp_step_s": round(statistics.median(plain), 4),
                "shards_step_s": round(statistics.median(sharded), 4),
-               "ratio_median": round(statistics.median(ratios), 3),
-               "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
+               "ratio_median": round(ratio["median"], 3),
+               "ratio_min": round(ratio["min"], 3), "ratio_max": round(ratio["max"], 3),
                "ddp_sent_mb": round(sent["ddp"] / 2**20, 1),
                "shards_sent_mb": round(sent["shards"] / 2**20, 1),
                "load_avg_1m": round(statistics.median(loads), 2)}
