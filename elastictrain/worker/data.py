@@ -226,7 +226,7 @@ class ElasticSampler(Sampler[int]):
         assert self.virtual_shards is not None
         n, w = len(positions), self.world_size
         bounds = shard_bounds(n, self.virtual_shards)
-        mine = range(self.rank, len(bounds), w)
+        mine = shards_of(self.rank, len(bounds), w)
         micros = tuple(
             Micro(i, len(mine), tuple(positions[bounds[v][0]:bounds[v][1]]),
                   (bounds[v][1] - bounds[v][0]) / n, shard=v,
@@ -354,6 +354,17 @@ def shard_bounds(samples: int, shards: int) -> list[tuple[int, int]]:
             bounds.append((start, start + size))
         start += size
     return bounds
+
+
+def shard_place(shard: int, world_size: int) -> tuple[int, int]:
+    """The rank that trains virtual shard ``shard`` of a step, and its position among
+    that rank's shards: shards are dealt round-robin, ``v`` to rank ``v mod W``."""
+    return shard % world_size, shard // world_size
+
+
+def shards_of(rank: int, shards: int, world_size: int) -> list[int]:
+    """The shards of a step of ``shards`` that ``rank`` trains, in order."""
+    return [v for v in range(shards) if shard_place(v, world_size)[0] == rank]
 
 
 def shard_seed(seed: int, epoch: int, start: int, shard: int) -> int:

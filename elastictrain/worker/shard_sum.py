@@ -25,7 +25,7 @@ from torch import nn
 
 from elastictrain.core.errors import ConfigError
 from elastictrain.worker.bucket_layout import find_ddp
-from elastictrain.worker.data import Micro
+from elastictrain.worker.data import Micro, shard_place, shards_of
 from elastictrain.worker.exact_reduce import all_gather_tensor
 
 
@@ -145,7 +145,7 @@ class ShardSum:
         counts_t = torch.zeros(world, dtype=torch.int64, device=first.device)
         all_gather_tensor(counts_t, count, self._group).wait()
         counts = [int(c) for c in counts_t.tolist()]
-        expected = list(range(rank, sum(counts), world))  # v mod W's, as the sampler deals
+        expected = shards_of(rank, sum(counts), world)  # as the sampler deals them
         if sorted(held.values()) != expected:
             raise ConfigError(f"ShardSum: rank {rank} holds shards {sorted(held.values())}, not "
                               f"{expected}: the sampler's world differs from the process "
@@ -160,7 +160,8 @@ class ShardSum:
         dist.all_to_all_single(received, send, output_split_sizes=counts,
                                input_split_sizes=[len(held)] * world, group=self._group)
         starts = [sum(counts[:q]) for q in range(world)]
-        rows = [received[starts[v % world] + v // world] for v in range(sum(counts))]
+        rows = [received[starts[owner] + at]
+                for owner, at in (shard_place(v, world) for v in range(sum(counts)))]
         mine = _ordered_sum(rows)
         gathered = torch.empty(world * segment, dtype=first.dtype, device=first.device)
         all_gather_tensor(gathered, mine, self._group).wait()
