@@ -80,7 +80,16 @@ def _job(rank: int, init: str, out: str) -> None:
 @pytest.mark.timeout(300)
 def test_virtual_shards_end_on_the_same_bits_at_every_world_size(tmp_path: Path) -> None:
     out = tmp_path / "digests.json"
-    mp.spawn(_job, args=(f"file://{tmp_path}/group", str(out)), nprocs=RANKS, join=True)
+    workers = mp.spawn(_job, args=(f"file://{tmp_path}/group", str(out)), nprocs=RANKS,
+                       join=False)
+    try:
+        while not workers.join(timeout=5):  # raises when one fails (the others stopped)
+            pass
+    finally:  # also when the test's own time runs out: no worker outlives it
+        for worker in workers.processes:
+            if worker.is_alive():
+                worker.kill()
+            worker.join()
     digests = json.loads(out.read_text())
     sharded = {digests[f"shards-{world}"] for world in (1, 2, 3, 4)}
     assert len(sharded) == 1, digests
