@@ -216,6 +216,24 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if follow(status, json_output=args.json, timeout_s=args.timeout) else 1
 
 
+def _port(text: str) -> int:
+    """A TCP port number (a usage error otherwise)."""
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (1 to 65535)")
+    return int(text)
+
+
+def _rendezvous_store(args: argparse.Namespace) -> int:
+    from elastictrain.launcher.rdzv_store import serve
+
+    try:
+        return serve(args.host, args.port)
+    except RuntimeError as error:  # torch's DistNetworkError: the port is taken
+        print(f"elastictrain: error: cannot serve {args.host}:{args.port}: "
+              f"{str(error).splitlines()[0]}", file=sys.stderr)
+        return 1
+
+
 def _command(sub: Any, name: str, summary: str, description: str,
              epilog: str | None = None) -> argparse.ArgumentParser:
     """A subcommand: ``summary`` in the top-level list, ``description`` in its --help."""
@@ -318,6 +336,22 @@ def build_parser() -> argparse.ArgumentParser:
                          help="write each rank's sample indices per step to DIR "
                          "(default: not written)")
     demo.set_defaults(func=_demo)
+
+    store = _command(
+        sub, "rendezvous-store", "serve the c10d rendezvous store in a process of its own",
+        "Serve the c10d rendezvous store that the nodes of a job meet in, so that no "
+        "training node holds it and any of them can be lost. Run it on a host that is not "
+        "reclaimed; start every node with --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
+        "naming it. It runs until SIGTERM or Ctrl-C. Docs: "
+        "docs/guide.md#a-rendezvous-no-node-holds",
+        epilog="exit codes: 0 stopped by SIGTERM or Ctrl-C; 1 the port could not be served "
+        "(in use); 2 bad input.")
+    store.add_argument("--host", default="0.0.0.0",
+                       help="the address to listen on, every interface by default "
+                       "(default: 0.0.0.0)")
+    store.add_argument("--port", type=_port, default=29400,
+                       help="the port the nodes' --rdzv-endpoint names (default: 29400)")
+    store.set_defaults(func=_rendezvous_store)
 
     snaps = _command(sub, "snapshots", "list, verify, inspect, prune or export a run's "
                      "snapshots",

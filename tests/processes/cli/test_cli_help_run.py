@@ -59,6 +59,7 @@ def test_chaos_refuses_a_command_without_the_storage_placeholder(tmp_path: Path)
     ["demo", "--steps", "0"],
     ["chaos", "--trials", "-1"],
     ["chaos", "--", "missing.py", "{storage}"],
+    ["rendezvous-store", "--port", "70000"],
     ["snapshots", "list"],
 ], ids=lambda a: " ".join(a))
 def test_bad_input_exits_2_on_every_command(tmp_path: Path, args: list[str]) -> None:
